@@ -1,0 +1,76 @@
+"""The engine's few collectives, on an explicit process group (no-ops in one process).
+
+Per step the engine sends one all-reduce of int64 values: the fixed-point block statistics
+(G values) and, as bit patterns, the float64 loss sums of each micro-batch slot (each slot is
+written by exactly one rank and is zero elsewhere, so the integer sum returns it exactly).
+`stats` counts calls and elements so tests can check the traffic.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+
+class Comm:
+    def __init__(self, group=None):
+        self.group = group
+        self.active = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if self.active else 1
+        self.rank = dist.get_rank(group) if self.active else 0
+        self.stats: Counter = Counter()
+
+    def _device(self) -> torch.device:
+        if self.active and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def all_reduce_sum_int64(self, values: torch.Tensor) -> torch.Tensor:
+        assert values.dtype == torch.int64
+        self.stats["all_reduce"] += 1
+        self.stats["all_reduce_elements"] += values.numel()
+        if not self.active or self.world_size == 1:
+            return values
+        buf = values.to(self._device())
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+        return buf.cpu()
+
+    def all_gather_int64(self, values: torch.Tensor) -> torch.Tensor:
+        """[world_size, n] int64: every rank's `values`."""
+        self.stats["all_gather"] += 1
+        if not self.active or self.world_size == 1:
+            return values.unsqueeze(0)
+        buf = values.to(self._device())
+        out = [torch.empty_like(buf) for _ in range(self.world_size)]
+        dist.all_gather(out, buf, group=self.group)
+        return torch.stack([o.cpu() for o in out])
+
+    def all_gather_object(self, obj) -> list:
+        self.stats["all_gather_object"] += 1
+        if not self.active or self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj, src: int = 0):
+        if not self.active or self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src) if self.group else src,
+                                   group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.active and self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+def float64_bits(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.float64).contiguous().view(torch.int64)
+
+
+def bits_float64(values: torch.Tensor) -> torch.Tensor:
+    return values.contiguous().view(torch.float64)

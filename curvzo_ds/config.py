@@ -1,0 +1,237 @@
+"""One flat configuration namespace (CONTRACTS.md): the engine's keys and the application's.
+
+`ZOConfig` holds what the optimizer needs; `TrainConfig` adds what `curvzo-ds train` needs.
+Both are plain dataclasses, so users can build them in Python, and the CLI fills them from a
+YAML mapping and `--set KEY=VALUE` overrides. `None` means "resolved later from a preset"
+(see `resolve_presets`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+METHODS = ("curvzo", "mezo", "us_ab", "fixed")
+SCORE_ESTIMATORS = ("normalized", "raw", "unbiased")
+GRANULARITIES = ("tensor", "layer", "chunk")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value. The message names the key, the value and the fix."""
+
+
+@dataclass
+class ZOConfig:
+    """Hyper-parameters of the zeroth-order optimizer (paper Section 3, DESIGN.md §1)."""
+
+    method: str = "curvzo"
+    seed: int = 42
+    learning_rate: float | None = None  # preset: demo 1e-3, full 1e-6, LoRA 5e-5
+    zo_eps: float | None = None  # preset: demo 1e-2, full 1e-3, LoRA 1e-2
+    weight_decay: float = 0.0
+    lr_scheduler_type: str = "constant"
+    max_steps: int | None = None  # preset: demo 300, otherwise 20000 (the paper)
+    # The adaptive budget (Eq. 15): B = B_min + (B_max - B_min)(alpha d_eff/G + (1-alpha) H).
+    budget_min: float = 0.1  # fraction of G
+    budget_max: float = 0.7  # fraction of G
+    budget_alpha: float = 0.5
+    budget: float = 0.5  # the `fixed` method's budget, fraction of G
+    budget_unit: str = "blocks"  # or "params": the budget counts expected perturbed parameters
+    score_beta: float = 0.1  # EMA rate of the scores (Eq. 11)
+    budget_floor: float = 0.1  # gamma: pi = (1-gamma) pi_curv + gamma B/G
+    score_estimator: str = "normalized"  # Eq. 18 (paper default), "raw" (Eq. 6), "unbiased" (App. B)
+    score_init: Any = "warmup"  # "warmup" or a number: the scores at t = 0
+    score_warmup_steps: int = 20  # uniform sampling before S := mean observed score
+    block_granularity: str = "tensor"  # "tensor" (paper), "layer", "chunk"
+    block_chunk_size: int = 1 << 20  # elements per block when block_granularity = chunk
+    noise_chunk_size: int = 1 << 16  # elements per independently seeded noise chunk
+    max_consecutive_skips: int = 10  # non-finite losses in a row before the run stops
+    fp32_master_weights: bool = False  # keep an fp32 copy of the owned slice of bf16/fp16 weights
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad value, its valid range and the fix."""
+        def need(ok: bool, key: str, rng: str) -> None:
+            if not ok:
+                raise ConfigError(f"{key}={getattr(self, key)!r} is invalid: it must be {rng}")
+
+        need(self.method in METHODS, "method", f"one of {', '.join(METHODS)}")
+        need(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0, "seed",
+             "an integer >= 0")
+        if self.learning_rate is not None:
+            need(_finite(self.learning_rate) and self.learning_rate >= 0, "learning_rate", "a number >= 0")
+        if self.zo_eps is not None:
+            need(_finite(self.zo_eps) and self.zo_eps > 0, "zo_eps", "a number > 0")
+        need(_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a number >= 0")
+        need(self.lr_scheduler_type in ("constant", "linear"), "lr_scheduler_type", "constant or linear")
+        if self.max_steps is not None:
+            need(isinstance(self.max_steps, int) and self.max_steps >= 0, "max_steps", "an integer >= 0")
+        for key in ("budget_min", "budget_max", "budget"):
+            need(_finite(getattr(self, key)) and 0 < getattr(self, key) <= 1, key,
+                 "a fraction of the number of blocks G in (0, 1]")
+        if self.budget_min > self.budget_max:
+            raise ConfigError(f"budget_min={self.budget_min} is larger than budget_max={self.budget_max}: "
+                              "set budget_min <= budget_max")
+        need(_finite(self.budget_alpha) and 0 <= self.budget_alpha <= 1, "budget_alpha", "in [0, 1]")
+        need(self.budget_unit in ("blocks", "params"), "budget_unit", "blocks or params")
+        need(_finite(self.score_beta) and 0 < self.score_beta <= 1, "score_beta", "in (0, 1]")
+        need(_finite(self.budget_floor) and 0 <= self.budget_floor <= 1, "budget_floor", "in [0, 1]")
+        need(self.score_estimator in SCORE_ESTIMATORS, "score_estimator", f"one of {', '.join(SCORE_ESTIMATORS)}")
+        need(self.score_init == "warmup" or (_finite(self.score_init) and self.score_init >= 0), "score_init",
+             "'warmup' or a number >= 0")
+        need(isinstance(self.score_warmup_steps, int) and self.score_warmup_steps >= 0, "score_warmup_steps",
+             "an integer >= 0")
+        need(self.block_granularity in GRANULARITIES, "block_granularity", f"one of {', '.join(GRANULARITIES)}")
+        need(isinstance(self.block_chunk_size, int) and self.block_chunk_size >= 1, "block_chunk_size",
+             "an integer >= 1")
+        need(isinstance(self.noise_chunk_size, int) and self.noise_chunk_size >= 1, "noise_chunk_size",
+             "an integer >= 1")
+        need(isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1,
+             "max_consecutive_skips", "an integer >= 1")
+
+
+@dataclass
+class TrainConfig(ZOConfig):
+    """Everything `curvzo-ds train` reads. Keys and meanings: CONTRACTS.md and docs/config.md."""
+
+    model: str = "demo"  # hub id, local path, or the built-in "demo" (tiny Llama) / "demo-opt"
+    tokenizer: str | None = None  # defaults to the model's
+    task: str = "demo"  # built-in task name or a task directory
+    data_dir: str | None = None  # local JSONL/CSV files for a built-in task (instead of the hub)
+    output_dir: str = "runs/demo"
+    global_batch_size: int = 16  # examples per step over all ranks (MeZO: 16)
+    micro_batch_size: int = 4  # examples per forward on one rank
+    num_train: int = 1000
+    num_dev: int | None = 500  # CB and COPA use 100 (MeZO)
+    num_eval: int = 1000
+    max_length: int = 512  # tokens per sequence; longer prompts are cut from the left
+    max_new_tokens: int = 50  # generation tasks
+    train_as_classification: bool = True  # cross-entropy over candidates; false: label-token LM loss
+    lora: bool = False
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_target_modules: Any = None  # default: q_proj, v_proj (MeZO)
+    dtype: str = "float32"  # float32, bfloat16, float16
+    zero_stage: int = 3  # 0 or 3 (stages 1 and 2 need an optimizer in DeepSpeed)
+    offload_param: str = "none"  # none or cpu
+    deepspeed: str | None = None  # a user's DeepSpeed config (JSON), mapped or refused key by key
+    threads: int | None = None  # torch threads per rank; default 1 on CPU (results depend on it)
+    save_steps: int = 500
+    save_total_limit: int | None = 3
+    eval_steps: int = 500
+    logging_steps: int = 1
+    report_to: str = "auto"  # auto (tensorboard if installed), tensorboard, none
+    disable_tqdm: bool = False
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        super().validate()
+
+        def need(ok: bool, key: str, rng: str) -> None:
+            if not ok:
+                raise ConfigError(f"{key}={getattr(self, key)!r} is invalid: it must be {rng}")
+
+        for key in ("global_batch_size", "micro_batch_size", "num_train", "num_eval", "max_length",
+                    "max_new_tokens", "lora_r", "lora_alpha", "logging_steps"):
+            need(_posint(getattr(self, key)), key, "an integer >= 1")
+        for key in ("save_steps", "eval_steps"):
+            need(isinstance(getattr(self, key), int) and getattr(self, key) >= 0, key, "an integer >= 0 (0: never)")
+        if self.num_dev is not None:
+            need(isinstance(self.num_dev, int) and self.num_dev >= 0, "num_dev", "an integer >= 0")
+        if self.save_total_limit is not None:
+            need(_posint(self.save_total_limit), "save_total_limit", "an integer >= 1 or null")
+        if self.threads is not None:
+            need(_posint(self.threads), "threads", "an integer >= 1 or null")
+        need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "float32, bfloat16 or float16")
+        need(self.zero_stage in (0, 3), "zero_stage",
+             "0 or 3 (ZeRO stages 1 and 2 need an optimizer in DeepSpeed: use 3)")
+        need(self.offload_param in ("none", "cpu"), "offload_param", "none or cpu")
+        need(self.report_to in ("auto", "tensorboard", "none"), "report_to", "auto, tensorboard or none")
+        need(self.log_level in ("debug", "info", "warning", "error"), "log_level", "debug, info, warning or error")
+        if self.lora_target_modules is not None:
+            need(isinstance(self.lora_target_modules, list | str), "lora_target_modules",
+                 "a list of module names or a comma-separated string")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _posint(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def field_names(cls=TrainConfig) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def coerce(cls, key: str, value: Any) -> Any:
+    """Check a parsed YAML scalar against the field's default type; ints are accepted for floats."""
+    names = field_names(cls)
+    if key not in names:
+        near = difflib.get_close_matches(key, names, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(f"unknown key {key!r}{hint}; `curvzo-ds train --help` lists every key")
+    f = next(f for f in dataclasses.fields(cls) if f.name == key)
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if value is None or default is None or isinstance(default, str) and key in ("score_init",):
+        return value
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not a boolean: use true or false")
+        return value
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(default, int | float) and (not isinstance(value, int | float) or isinstance(value, bool)):
+        raise ConfigError(f"{key}={value!r} is not a number (default {default!r})")
+    if isinstance(default, int) and not isinstance(default, bool) and isinstance(value, float):
+        if not value.is_integer():
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return int(value)
+    if isinstance(default, str) and not isinstance(value, str):
+        raise ConfigError(f"{key}={value!r} must be a string (default {default!r})")
+    return value
+
+
+def build(cls, values: dict[str, Any]):
+    """Make a config of type `cls` from a flat mapping, checking every key and type."""
+    kwargs = {k: coerce(cls, k, v) for k, v in values.items()}
+    cfg = cls(**kwargs)
+    return cfg
+
+
+DEMO_MODELS = ("demo", "demo-opt")
+
+
+def resolve_presets(cfg: TrainConfig) -> TrainConfig:
+    """Fill the `None` defaults that depend on the kind of run (DESIGN.md §5: MeZO's defaults)."""
+    demo = cfg.model in DEMO_MODELS
+    if cfg.learning_rate is None:
+        cfg.learning_rate = 1e-3 if demo else (5e-5 if cfg.lora else 1e-6)
+    if cfg.zo_eps is None:
+        cfg.zo_eps = 1e-2 if demo or cfg.lora else 1e-3
+    if cfg.max_steps is None:
+        cfg.max_steps = 300 if demo else 20000
+    if demo and cfg.eval_steps == 500:
+        cfg.eval_steps = 100
+    if demo and cfg.save_steps == 500:
+        cfg.save_steps = 100
+    if cfg.lora_target_modules is None:
+        cfg.lora_target_modules = ["q_proj", "v_proj"]
+    elif isinstance(cfg.lora_target_modules, str):
+        cfg.lora_target_modules = [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
+    return cfg
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def zo_part(cfg: TrainConfig) -> ZOConfig:
+    names = set(field_names(ZOConfig))
+    return ZOConfig(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in names})
+
+
+__all__ = ["ZOConfig", "TrainConfig", "ConfigError", "build", "resolve_presets", "zo_part", "field"]

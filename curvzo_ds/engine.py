@@ -1,0 +1,422 @@
+"""ZOEngine: one CurvZO (or baseline) step on a plain module or a DeepSpeed engine.
+
+A step (DESIGN.md §1-2):
+1. pi from the scores after the previous step (sampling.py), the block mask from a shared seed;
+2. each rank adds +eps z to the part of each selected tensor it edits (its ZeRO-3 shard, or the
+   whole tensor where a gathered replica must follow), computing the fixed-point sums of z^2
+   over the part it owns; forwards of its micro-batches; -2 eps z; forwards again;
+3. one all-reduce of int64 values: the block sums and the per-micro-batch loss sums;
+4. every rank computes the same Delta, update and scores. The update also undoes the
+   perturbation, so each selected element's noise is generated three times, not four.
+No gradient, optimizer state or full parameter is created by the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import ds_compat, sampling
+from .comm import Comm, bits_float64, float64_bits
+from .config import ZOConfig
+from .noise import NoiseSource
+from .params import ParamEntry, collect_entries, intersect, make_blocks
+
+log = logging.getLogger("curvzo_ds")
+
+FIXED_POINT_BITS = 24  # z^2 is summed as round(z^2 * 2^24) in int64: exact and order-free
+_MAX_Z2 = 100.0  # float32 Gaussian draws stay far below |z| = 10
+_PIECE = 1 << 22  # elements of noise held at once per tensor piece
+_EXACT = (torch.float32, torch.float64)  # dtypes edited in place; others go through fp32
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised after `max_consecutive_skips` steps in a row had a non-finite loss."""
+
+
+class MicroBatches:
+    """The global batch of one step cut into micro-batches; micro-batch j runs on rank j mod W.
+
+    Every rank gets the same list (the data stream is world-size independent) and runs its own
+    share, plus zero-weight forwards so that all ranks run the same number (ZeRO-3 gathers are
+    collective). Pass a plain batch to `ZOEngine.step` instead when each rank has its own.
+    """
+
+    def __init__(self, items: list):
+        if not items:
+            raise ValueError("a step needs at least one micro-batch")
+        self.items = list(items)
+
+
+@dataclass
+class StepResult:
+    step: int  # 1 after the first update
+    loss: float | None
+    loss_plus: float | None
+    loss_minus: float | None
+    projected_grad: float | None
+    budget: float
+    n_selected: int
+    param_fraction: float
+    max_inv_pi: float
+    learning_rate: float
+    d_eff: float | None = None
+    score_entropy: float | None = None
+    skipped: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k.startswith("loss")
+                or k == "projected_grad"}
+
+
+LossFn = Callable[[Any, Any], Any]
+
+
+class ZOEngine:
+    """Zeroth-order training of `model` (an nn.Module or a DeepSpeed engine) on `loss_fn`.
+
+    `loss_fn(model, micro_batch)` returns `(loss_sum, count)` (CONTRACTS.md) or a scalar mean
+    loss (count 1). Only parameters with `requires_grad` are perturbed, so LoRA works as is.
+    """
+
+    def __init__(self, model, loss_fn: LossFn, config: ZOConfig | None = None, *, group=None, **overrides):
+        cfg = copy.deepcopy(config) if config is not None else ZOConfig()
+        names = {f.name for f in dataclasses.fields(cfg)}
+        for key, value in overrides.items():
+            if key not in names:
+                raise ValueError(f"unknown ZOEngine option {key!r}")
+            setattr(cfg, key, value)
+        if cfg.learning_rate is None:
+            cfg.learning_rate = 1e-6
+        if cfg.zo_eps is None:
+            cfg.zo_eps = 1e-3
+        if cfg.max_steps is None:
+            cfg.max_steps = 0
+        cfg.validate()
+        if cfg.budget_floor == 0 and cfg.method in ("curvzo", "fixed"):
+            log.warning("budget_floor=0 is the paper's literal rule: a block whose pi reaches 0 is never drawn "
+                        "again (pi = 0 is absorbing). A floor > 0 is recommended.")
+        self.cfg = cfg
+        self.model = model
+        self.module = ds_compat.module_of(model)
+        if ds_compat.is_ds_engine(model):
+            ds_compat.check_engine_supported(model)
+        self.loss_fn = loss_fn
+        self.comm = Comm(group)
+        self.entries: list[ParamEntry] = collect_entries(self.module, replicated_rank=self.comm.rank,
+                                                         fp32_master=cfg.fp32_master_weights)
+        if not self.entries:
+            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train. "
+                             "Unfreeze some parameters or enable LoRA.")
+        self.blocks = make_blocks(self.entries, cfg.block_granularity, cfg.block_chunk_size)
+        self.sizes = torch.tensor([b.size for b in self.blocks], dtype=torch.float64)
+        self.num_params = int(self.sizes.sum().item())
+        too_big = [b.name for b in self.blocks if b.size * _MAX_Z2 * 2**FIXED_POINT_BITS >= 2**62]
+        if too_big:
+            raise ValueError(f"block {too_big[0]} has too many elements for the int64 score statistics; "
+                             "set block_granularity=chunk")
+        self.noise = NoiseSource(cfg.seed, cfg.noise_chunk_size)
+        self.partitioned = any(e.partitioned for e in self.entries)
+        g = len(self.blocks)
+        self.step_count = 0
+        init = 0.0 if cfg.score_init == "warmup" else float(cfg.score_init)
+        self.scores = torch.full((g,), init, dtype=torch.float64)
+        self.warmup_sum = torch.zeros(g, dtype=torch.float64)
+        self.skips_in_row = 0
+        self.skipped_total = 0
+        self._check_ranks_agree()
+
+    # ----------------------------------------------------------------- sampling
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def in_warmup(self, step: int) -> bool:
+        return (self.cfg.score_init == "warmup" and step < self.cfg.score_warmup_steps
+                and self.cfg.method in ("curvzo", "fixed"))
+
+    def probabilities(self, step: int | None = None) -> tuple[torch.Tensor, float, float | None, float | None]:
+        """(pi, B, d_eff, H) for `step`, from the scores after the previous step."""
+        cfg, g = self.cfg, self.num_blocks
+        step = self.step_count if step is None else step
+        if cfg.method == "mezo":
+            return torch.ones(g, dtype=torch.float64), float(g), None, None
+        d_eff = h = None
+        if cfg.method == "fixed":
+            fraction = cfg.budget
+        else:
+            b, d_eff, h = sampling.adaptive_budget(self.scores, cfg.budget_min * g, cfg.budget_max * g,
+                                                   cfg.budget_alpha)
+            fraction = b / g
+        if cfg.method == "us_ab" or self.in_warmup(step):
+            return torch.full((g,), fraction, dtype=torch.float64), fraction * g, d_eff, h
+        if cfg.budget_unit == "params":
+            b = sampling.budget_for_param_fraction(self.scores, self.sizes, fraction, cfg.budget_floor)
+        else:
+            b = fraction * g
+        return sampling.inclusion_probabilities(self.scores, b, cfg.budget_floor), b, d_eff, h
+
+    # ----------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self, batch) -> StepResult:
+        cfg = self.cfg
+        t = self.step_count
+        lr = sampling.lr_at(t, cfg.learning_rate, cfg.lr_scheduler_type, cfg.max_steps)
+        pi, budget, d_eff, h = self.probabilities(t)
+        mask = self.noise.mask_uniforms(t, self.num_blocks) < pi
+        n_selected = int(mask.sum())
+        base = dict(budget=budget, n_selected=n_selected,
+                    param_fraction=float((pi * self.sizes).sum() / self.num_params),
+                    max_inv_pi=float((1.0 / pi).max()), learning_rate=lr, d_eff=d_eff, score_entropy=h)
+        if n_selected == 0:
+            # No block drawn: no forwards, no score update; the step is counted (DESIGN.md §1).
+            self.step_count += 1
+            return StepResult(t + 1, None, None, None, None, skipped="empty_mask", **base)
+        pieces = self._local_pieces(mask)
+        eps = cfg.zo_eps
+        was_training = self.module.training
+        self.module.eval()  # dropout would give the two forwards different masks
+        try:
+            block_fixed = self._perturb(t, pieces, eps, stats=True)
+            plus = self._forwards(batch)
+            self._perturb(t, pieces, -2 * eps)
+            minus = self._forwards(batch)
+        finally:
+            self.module.train(was_training)
+        loss_plus, loss_minus, block_sq = self._reduce(block_fixed, plus, minus, self._slot_count(batch))
+        delta = (loss_plus - loss_minus) / (2 * eps)
+        loss = 0.5 * (loss_plus + loss_minus)
+        if not all(math.isfinite(x) for x in (loss_plus, loss_minus, delta)):
+            self._perturb(t, pieces, eps, restore=True)
+            self.step_count += 1
+            self.skips_in_row += 1
+            self.skipped_total += 1
+            log.warning("step %d: non-finite loss (L+=%s, L-=%s); weights restored, step skipped (%d in a row)",
+                        t + 1, loss_plus, loss_minus, self.skips_in_row)
+            if self.skips_in_row >= cfg.max_consecutive_skips:
+                raise NonFiniteLossError(
+                    f"{self.skips_in_row} consecutive steps had a non-finite loss (last at step {t + 1}); "
+                    "lower learning_rate or zo_eps, or check the data and the model's dtype")
+            return StepResult(t + 1, _finite_or_none(loss), _finite_or_none(loss_plus),
+                              _finite_or_none(loss_minus), None, skipped="non_finite_loss", **base)
+        self.skips_in_row = 0
+        self._update(t, pieces, pi, delta, lr)
+        new = sampling.block_scores(delta, block_sq, mask, pi, self.sizes, cfg.score_estimator)
+        if self.in_warmup(t):
+            self.warmup_sum += new
+            if t + 1 == cfg.score_warmup_steps:
+                self.scores = self.warmup_sum / cfg.score_warmup_steps
+        else:
+            self.scores = sampling.ema(self.scores, new, cfg.score_beta)
+        self.step_count += 1
+        return StepResult(t + 1, loss, loss_plus, loss_minus, delta, **base)
+
+    @torch.no_grad()
+    def loss(self, batch) -> float:
+        """The loss of the current weights on `batch` (same reduction as a step, no perturbation)."""
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            local = self._forwards(batch)
+        finally:
+            self.module.train(was_training)
+        total = self._slot_count(batch)
+        vec = torch.zeros(2 * total, dtype=torch.int64)
+        for slot, loss_sum, count in local:
+            vec[2 * slot: 2 * slot + 2] = float64_bits(torch.tensor([loss_sum, count]))
+        vals = bits_float64(self.comm.all_reduce_sum_int64(vec)).view(total, 2).tolist()
+        return _ratio(vals, 0, 1)
+
+    # ----------------------------------------------------------------- pieces of work
+    def _local_pieces(self, mask: torch.Tensor) -> list[tuple[int, ParamEntry, int, int]]:
+        """(block, entry, lo, hi): the global ranges this rank edits for the selected blocks."""
+        out = []
+        for b in mask.nonzero().flatten().tolist():
+            for ei, lo, hi in self.blocks[b].segments:
+                e = self.entries[ei]
+                r_lo, r_hi = intersect((lo, hi), e.region)
+                for p_lo in range(r_lo, r_hi, _PIECE):
+                    out.append((b, e, p_lo, min(p_lo + _PIECE, r_hi)))
+        return out
+
+    def _noise(self, t: int, e: ParamEntry, lo: int, hi: int) -> torch.Tensor:
+        return self.noise.slice(t, e.name, e.numel, lo, hi - lo)
+
+    def _perturb(self, t: int, pieces, alpha: float, stats: bool = False, restore: bool = False):
+        block_fixed = torch.zeros(self.num_blocks, dtype=torch.int64) if stats else None
+        for b, e, lo, hi in pieces:
+            z = self._noise(t, e, lo, hi)
+            a = lo - e.region[0]
+            if e.master is not None:
+                if not restore:
+                    _write(e, a, e.master[a: a + z.numel()] + alpha * z)
+                else:
+                    _write(e, a, e.master[a: a + z.numel()])
+            else:
+                _add(e, a, z, alpha)
+            if stats:
+                o_lo, o_hi = intersect((lo, hi), e.owned)
+                if o_hi > o_lo:
+                    zz = z[o_lo - lo: o_hi - lo].double().square_()
+                    block_fixed[b] += zz.mul_(2.0**FIXED_POINT_BITS).round_().to(torch.int64).sum()
+        return block_fixed
+
+    def _update(self, t: int, pieces, pi: torch.Tensor, delta: float, lr: float) -> None:
+        """w <- w - lr (Delta/pi_i z + wd/pi_i w) for selected blocks (Eq. 28 with HT weights).
+
+        The weights are at w - eps z here, so the same pass also adds back eps z.
+        Weight decay is applied to the selected blocks only, scaled by 1/pi (unbiased).
+        """
+        eps, wd = self.cfg.zo_eps, self.cfg.weight_decay
+        for b, e, lo, hi in pieces:
+            z = self._noise(t, e, lo, hi)
+            a = lo - e.region[0]
+            step = lr * delta / pi[b].item()
+            keep = 1.0 - (lr * wd / pi[b].item() if e.decay and wd else 0.0)
+            if e.master is not None:
+                m = e.master[a: a + z.numel()]
+                if keep != 1.0:
+                    m.mul_(keep)
+                m.add_(z, alpha=-step)
+                _write(e, a, m)
+            else:
+                _scale_add(e, a, z, keep, keep * eps - step)
+
+    # ----------------------------------------------------------------- forwards and reduction
+    def _slot_count(self, batch) -> int:
+        return len(batch.items) if isinstance(batch, MicroBatches) else self.comm.world_size
+
+    def _forwards(self, batch) -> list[tuple[int, float, float]]:
+        """This rank's (slot, loss_sum, count), plus zero-weight forwards to match the others."""
+        w, r = self.comm.world_size, self.comm.rank
+        if isinstance(batch, MicroBatches):
+            items = batch.items
+            mine = list(range(r, len(items), w))
+            rounds = -(-len(items) // w)
+            out = [(j, *self._call_loss(items[j])) for j in mine]
+            if self.partitioned:
+                for _ in range(rounds - len(mine)):
+                    self._call_loss(items[0])  # zero weight: keeps ZeRO-3's collective gathers in step
+            return out
+        return [(r, *self._call_loss(batch))]
+
+    def _call_loss(self, micro_batch) -> tuple[float, float]:
+        out = self.loss_fn(self.model, micro_batch)
+        if isinstance(out, tuple | list):
+            loss_sum, count = out
+        else:
+            loss_sum, count = out, 1.0
+        loss_sum = loss_sum.detach().double().item() if torch.is_tensor(loss_sum) else float(loss_sum)
+        count = count.detach().double().item() if torch.is_tensor(count) else float(count)
+        return loss_sum, count
+
+    def _reduce(self, block_fixed, plus, minus, total: int) -> tuple[float, float, torch.Tensor]:
+        g = self.num_blocks
+        vec = torch.zeros(g + 3 * total, dtype=torch.int64)
+        vec[:g] = block_fixed
+        for (slot, lp, count), (_, lm, _) in zip(plus, minus):
+            vec[g + 3 * slot: g + 3 * slot + 3] = float64_bits(torch.tensor([lp, lm, count]))
+        vec = self.comm.all_reduce_sum_int64(vec)
+        vals = bits_float64(vec[g:]).view(total, 3).tolist()
+        block_sq = vec[:g].to(torch.float64) / 2.0**FIXED_POINT_BITS
+        return _ratio(vals, 0, 2), _ratio(vals, 1, 2), block_sq
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step_count,
+            "seed": self.cfg.seed,
+            "scores": self.scores.clone(),
+            "warmup_sum": self.warmup_sum.clone(),
+            "skipped_total": self.skipped_total,
+            "skips_in_row": self.skips_in_row,
+            "noise": self.noise.describe(),
+            "blocks": [b.name for b in self.blocks],
+            "method": self.cfg.method,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["noise"] != self.noise.describe():
+            raise ValueError(f"checkpoint noise {state['noise']} differs from this engine's "
+                             f"{self.noise.describe()}: resume with the same noise_chunk_size and version")
+        if list(state["blocks"]) != [b.name for b in self.blocks]:
+            raise ValueError("checkpoint blocks differ from this model's trainable parameters "
+                             "(another model, LoRA setting or block_granularity?)")
+        if state["seed"] != self.cfg.seed:
+            raise ValueError(f"checkpoint seed {state['seed']} differs from seed={self.cfg.seed}")
+        self.step_count = int(state["step"])
+        self.scores = torch.as_tensor(state["scores"], dtype=torch.float64).clone()
+        self.warmup_sum = torch.as_tensor(state["warmup_sum"], dtype=torch.float64).clone()
+        self.skipped_total = int(state["skipped_total"])
+        self.skips_in_row = int(state["skips_in_row"])
+
+    def _check_ranks_agree(self) -> None:
+        """Fail on every rank, at start-up, if ranks disagree on seed, config or model."""
+        if self.comm.world_size == 1:
+            return
+        mine = {"config": dataclasses.asdict(self.cfg), "noise": self.noise.describe(),
+                "blocks": [(b.name, b.size) for b in self.blocks]}
+        everyone = self.comm.all_gather_object(mine)
+        for rank, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                diff = sorted(k for k in set(theirs["config"]) | set(everyone[0]["config"])
+                              if theirs["config"].get(k) != everyone[0]["config"].get(k))
+                what = ", ".join(f"{k}: {everyone[0]['config'].get(k)!r} vs {theirs['config'].get(k)!r}"
+                                 for k in diff) or "the trainable parameters or noise definition"
+                raise ValueError(f"rank {rank} disagrees with rank 0 on {what}. Every rank must start with the "
+                                 "same seed, configuration and model, or the noise would not match.")
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _ratio(rows: list[list[float]], col: int, count_col: int) -> float:
+    """sum of loss sums / sum of counts, added in float64 in micro-batch order (CONTRACTS.md)."""
+    num = den = 0.0
+    for row in rows:
+        num += row[col]
+        den += row[count_col]
+    return num / den if den else math.nan
+
+
+def _pieces_of(e: ParamEntry, a: int, n: int):
+    """(target view, index range in the view, index range in a region piece [a, a+n))."""
+    for view, off in e.targets():
+        lo, hi = max(a, off), min(a + n, off + view.numel())
+        if hi > lo:
+            yield view, slice(lo - off, hi - off), slice(lo - a, hi - a)
+
+
+def _add(e: ParamEntry, a: int, z: torch.Tensor, alpha: float) -> None:
+    for view, vs, zs in _pieces_of(e, a, z.numel()):
+        part = view[vs]
+        zp = z[zs].to(part.device)
+        if part.dtype in _EXACT:
+            part.add_(zp.to(part.dtype), alpha=alpha)
+        else:
+            part.copy_(part.float().add_(zp, alpha=alpha))
+
+
+def _scale_add(e: ParamEntry, a: int, z: torch.Tensor, scale: float, alpha: float) -> None:
+    for view, vs, zs in _pieces_of(e, a, z.numel()):
+        part = view[vs]
+        zp = z[zs].to(part.device)
+        if part.dtype in _EXACT:
+            if scale != 1.0:
+                part.mul_(scale)
+            part.add_(zp.to(part.dtype), alpha=alpha)
+        else:
+            part.copy_(part.float().mul_(scale).add_(zp, alpha=alpha))
+
+
+def _write(e: ParamEntry, a: int, values: torch.Tensor) -> None:
+    for view, vs, zs in _pieces_of(e, a, values.numel()):
+        view[vs].copy_(values[zs])

@@ -1,0 +1,296 @@
+"""The one-process engine: the paper's statistical properties, training, faults, bad input."""
+
+import math
+
+import pytest
+import torch
+
+from curvzo_ds.config import ZOConfig
+from curvzo_ds.engine import NonFiniteLossError, ZOEngine
+from curvzo_ds.noise import NoiseSource
+
+
+class Quadratic(torch.nn.Module):
+    """f(w) = sum_k 0.5 a_k ||w_k - c_k||^2 in float64: the SPSA difference is exactly g . v."""
+
+    def __init__(self, sizes=(3, 5, 2, 6), seed=0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.ws = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(n, generator=gen, dtype=torch.float64)) for n in sizes])
+        self.curv = [float(k + 1) ** 2 for k in range(len(sizes))]
+
+    def forward(self):
+        return sum(0.5 * a * (w**2).sum() for a, w in zip(self.curv, self.ws))
+
+    def grad(self):
+        return [a * w.detach().clone() for a, w in zip(self.curv, self.ws)]
+
+
+def quad_loss(model, batch):
+    return model(), 1
+
+
+def _frozen_pi_engine(model, pi_scores, **cfg):
+    base = dict(method="fixed", budget=0.5, score_init=1.0, score_warmup_steps=0, budget_floor=0.1,
+                learning_rate=1.0, zo_eps=1e-3)
+    base.update(cfg)
+    engine = ZOEngine(model, quad_loss, ZOConfig(**base))
+    engine.scores = torch.tensor(pi_scores, dtype=torch.float64)
+    return engine
+
+
+def _run_frozen(engine, model, n):
+    """n steps from the same weights and scores: returns the estimates -delta_w and the raw scores."""
+    w0 = [w.detach().clone() for w in model.ws]
+    s0 = engine.scores.clone()
+    estimates, scores = [], []
+    for _ in range(n):
+        engine.step(None)
+        estimates.append(torch.cat([(a - w.detach()) for a, w in zip(w0, model.ws)]))
+        scores.append(engine.scores.clone())
+        with torch.no_grad():
+            for w, a in zip(model.ws, w0):
+                w.copy_(a)
+        engine.scores = s0.clone()
+    return torch.stack(estimates), torch.stack(scores)
+
+
+def test_horvitz_thompson_estimate_is_unbiased():
+    """Prop. 3.2 (the issue's 'Prop. 3.1'): E[g~] = g for non-uniform pi, with and without the floor."""
+    for floor in (0.0, 0.2):
+        model = Quadratic()
+        engine = _frozen_pi_engine(model, [1.0, 0.05, 9.0, 0.3], budget_floor=floor)
+        pi, _, _, _ = engine.probabilities()
+        assert pi.max() - pi.min() > 0.3  # really non-uniform
+        g = torch.cat(model.grad())
+        n = 6000
+        est, _ = _run_frozen(engine, model, n)
+        mean = est.mean(0)
+        se = est.std(0) / math.sqrt(n)
+        # 16 coordinates at 4.5 standard errors: a false failure has probability < 1e-4.
+        assert ((mean - g).abs() <= 4.5 * se + 1e-9).all(), (mean, g, se)
+
+
+@pytest.mark.parametrize("chunk", [1, None])
+def test_block_score_mixed_moment(chunk):
+    """E[Delta^2 ||v_Gi||^2] = pi_i n_i sum_{k!=i} pi_k ||g_k||^2 + pi_i (n_i + 2) ||g_i||^2.
+
+    With one-element blocks (chunk=1) this is Eq. 6 (the issue's 'Eq. 7'):
+    E[s_i] = pi_i sum_j pi_j g_j^2 + pi_i (3 - pi_i) g_i^2.
+    """
+    sizes = (2, 3, 1, 2)
+    model = Quadratic(sizes, seed=3)
+    extra = dict(score_estimator="raw", score_beta=1.0)
+    if chunk:
+        extra.update(block_granularity="chunk", block_chunk_size=1)
+        start = [1.0, 0.2, 4.0, 0.5, 0.1, 2.0, 0.7, 0.05]
+    else:
+        start = [1.0, 0.2, 4.0, 0.5]
+    engine = _frozen_pi_engine(model, start, **extra)
+    pi, _, _, _ = engine.probabilities()
+    g = model.grad()
+    if chunk:
+        g_sq = torch.cat(g) ** 2
+        n_i = torch.ones_like(g_sq)
+    else:
+        g_sq = torch.stack([x.square().sum() for x in g])
+        n_i = torch.tensor(sizes, dtype=torch.float64)
+    total = (pi * g_sq).sum()
+    expected = pi * n_i * (total - pi * g_sq) + pi * (n_i + 2) * g_sq
+    n = 12000
+    _, scores = _run_frozen(engine, model, n)
+    mean = scores.mean(0)
+    se = scores.std(0) / math.sqrt(n)
+    assert ((mean - expected).abs() <= 4.5 * se).all(), (mean, expected, se)
+
+
+def test_every_block_is_drawn_and_inverse_pi_is_bounded():
+    model = Quadratic((4, 4, 4, 4, 4, 4, 4, 4), seed=1)
+    engine = ZOEngine(model, quad_loss, ZOConfig(method="curvzo", learning_rate=1e-3, zo_eps=1e-3,
+                                                 budget_min=0.125, budget_max=0.5, budget_floor=0.1))
+    drawn = torch.zeros(8, dtype=torch.bool)
+    g = 8
+    for _ in range(300):
+        pi, b, _, _ = engine.probabilities()
+        assert (1 / pi).max().item() <= g / (0.1 * b) * (1 + 1e-9)
+        drawn |= engine.noise.mask_uniforms(engine.step_count, g) < pi
+        r = engine.step(None)
+        assert all(math.isfinite(x) for x in engine.scores.tolist())
+        assert r.max_inv_pi <= g / (0.1 * b) * (1 + 1e-9)
+    assert drawn.all()
+
+
+def test_budget_of_one_block_never_gives_nan():
+    model = Quadratic((3, 3, 3, 3), seed=2)
+    engine = ZOEngine(model, quad_loss, ZOConfig(method="curvzo", learning_rate=1e-3, zo_eps=1e-3,
+                                                 budget_min=0.25, budget_max=0.25))
+    empty = 0
+    for _ in range(200):
+        r = engine.step(None)
+        empty += r.skipped == "empty_mask"
+        assert torch.isfinite(engine.scores).all()
+        assert r.skipped in (None, "empty_mask")
+    assert empty > 0  # B = 1 block leaves some masks empty; they must be harmless
+    assert engine.step_count == 200
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.l2 = torch.nn.Linear(16, 2)
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.l2(self.norm(torch.tanh(self.l1(x))))
+
+
+def _task(n=256):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 8, generator=gen)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    return x, y
+
+
+def ce_loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y, reduction="sum"), len(y)
+
+
+@pytest.mark.parametrize("method", ["mezo", "curvzo"])
+def test_engine_lowers_the_loss(method):
+    torch.manual_seed(0)
+    net = TinyNet()
+    x, y = _task()
+    engine = ZOEngine(net, ce_loss, ZOConfig(method=method, learning_rate=2e-2, zo_eps=1e-3, seed=3))
+    with torch.no_grad():
+        before = ce_loss(net, (x, y))[0].item() / len(y)
+    for i in range(300):
+        idx = torch.arange(i * 16, i * 16 + 16) % len(y)
+        engine.step((x[idx], y[idx]))
+    with torch.no_grad():
+        after = ce_loss(net, (x, y))[0].item() / len(y)
+    assert after < before - 0.1, (before, after)
+
+
+def _drift_bound(w, z, eps):
+    # +eps z, -2 eps z, +eps z in fp32: each of the three adds (and each product eps*z) rounds by at
+    # most half an ulp, below 2^-24 of its magnitude; the intermediate magnitudes are <= |w| + 2 eps |z|.
+    return 2.0**-24 * (3 * (w.abs() + 2 * eps * z.abs()) + 4 * eps * z.abs())
+
+
+def test_lr_zero_step_restores_fp32_weights_within_drift():
+    torch.manual_seed(0)
+    net = TinyNet()
+    x, y = _task(32)
+    eps = 1e-2
+    engine = ZOEngine(net, ce_loss, ZOConfig(method="mezo", learning_rate=0.0, zo_eps=eps, seed=11,
+                                             noise_chunk_size=100))
+    before = {e.name: e.param.detach().clone() for e in engine.entries}
+    engine.step((x, y))
+    noise = NoiseSource(11, 100)
+    moved = 0
+    for e in engine.entries:
+        w0 = before[e.name].view(-1)
+        z = noise.slice(0, e.name, e.numel, 0, e.numel)
+        diff = (e.param.detach().view(-1) - w0).abs()
+        assert (diff <= _drift_bound(w0, z, eps)).all(), e.name
+        moved += int((diff > 0).sum())
+    assert moved < sum(e.numel for e in engine.entries)  # most elements return exactly
+
+
+def test_fp32_master_copy_makes_bf16_restore_exact():
+    torch.manual_seed(0)
+    x, y = _task(32)
+    for master, exact in ((False, False), (True, True)):
+        net = TinyNet().to(torch.bfloat16)
+        batch = (x.to(torch.bfloat16), y)
+        engine = ZOEngine(net, ce_loss, ZOConfig(method="mezo", learning_rate=0.0, zo_eps=1e-3,
+                                                 fp32_master_weights=master))
+        before = [p.detach().clone() for p in net.parameters()]
+        for _ in range(3):
+            engine.step(batch)
+        same = all(torch.equal(a, p.detach()) for a, p in zip(before, net.parameters()))
+        assert same == exact
+
+
+def test_non_finite_loss_restores_weights_and_stops_after_a_streak():
+    torch.manual_seed(0)
+    net = TinyNet()
+    x, y = _task(32)
+    calls = {"n": 0}
+
+    def flaky(model, batch):
+        calls["n"] += 1
+        loss, count = ce_loss(model, batch)
+        return (loss * math.nan if calls["n"] > 2 else loss), count
+
+    engine = ZOEngine(net, flaky, ZOConfig(method="mezo", learning_rate=1e-2, zo_eps=1e-3,
+                                           max_consecutive_skips=3))
+    engine.step((x, y))  # forwards 1 and 2 are finite
+    before = [p.detach().clone() for p in net.parameters()]
+    r = engine.step((x, y))
+    assert r.skipped == "non_finite_loss" and engine.skipped_total == 1
+    for a, p in zip(before, net.parameters()):
+        assert torch.allclose(a, p.detach(), atol=1e-6, rtol=0)
+    engine.step((x, y))
+    with pytest.raises(NonFiniteLossError, match="3 consecutive"):
+        engine.step((x, y))
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("zo_eps", 0.0, "zo_eps=0.0"), ("zo_eps", -1e-3, "zo_eps"), ("learning_rate", -1.0, "learning_rate"),
+    ("score_beta", 0.0, "(0, 1]"), ("score_beta", 1.5, "score_beta"), ("budget_alpha", -0.1, "[0, 1]"),
+    ("budget_alpha", 2.0, "budget_alpha"), ("budget_min", 0.0, "(0, 1]"), ("budget_max", 1.5, "budget_max"),
+    ("budget", 0.0, "budget"), ("method", "adam", "method"), ("budget_floor", -0.1, "budget_floor"),
+])
+def test_bad_hyper_parameters_are_refused_by_name(key, value, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("[", r"\[").replace(")", r"\)")
+                       .replace("]", r"\]")):
+        ZOEngine(TinyNet(), ce_loss, ZOConfig(**{key: value}))
+
+
+def test_budget_min_above_max_and_no_trainable_parameters():
+    with pytest.raises(ValueError, match="budget_min=0.8 is larger than budget_max=0.5"):
+        ZOEngine(TinyNet(), ce_loss, ZOConfig(budget_min=0.8, budget_max=0.5))
+    frozen = TinyNet().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ZOEngine(frozen, ce_loss, ZOConfig())
+
+
+def test_noise_generated_three_times_per_selected_tensor(monkeypatch):
+    net = TinyNet()
+    x, y = _task(16)
+    engine = ZOEngine(net, ce_loss, ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-3))
+    calls = []
+    real = engine.noise.slice
+    monkeypatch.setattr(engine.noise, "slice", lambda *a: calls.append(a[1]) or real(*a))
+    engine.step((x, y))
+    assert sorted(set(calls)) == sorted(e.name for e in engine.entries)
+    assert all(calls.count(name) == 3 for name in set(calls))
+
+
+def test_state_dict_round_trip_continues_the_same_trajectory():
+    x, y = _task(64)
+
+    def run(split):
+        torch.manual_seed(0)
+        net = TinyNet()
+        cfg = ZOConfig(method="curvzo", learning_rate=1e-2, zo_eps=1e-3, score_warmup_steps=3)
+        engine = ZOEngine(net, ce_loss, cfg)
+        for i in range(12):
+            if i == split:
+                state = engine.state_dict()
+                weights = {k: v.clone() for k, v in net.state_dict().items()}
+                net = TinyNet()
+                net.load_state_dict(weights)
+                engine = ZOEngine(net, ce_loss, cfg)
+                engine.load_state_dict(state)
+            engine.step((x[i * 4: i * 4 + 16], y[i * 4: i * 4 + 16]))
+        return net.state_dict(), engine.scores
+
+    a, sa = run(-1)
+    b, sb = run(6)
+    assert torch.equal(sa, sb)
+    assert all(torch.equal(a[k], b[k]) for k in a)
