@@ -40,9 +40,13 @@ class ParamEntry:
         if not self.partitioned:
             return [(self.param.data.view(-1), 0)]
         own_lo, own_hi = self.owned
-        out = [(ds_compat.shard_view(self.param, own_hi - own_lo), own_lo - lo)]
+        shard = ds_compat.shard_view(self.param, own_hi - own_lo)
+        out = [(shard, own_lo - lo)]
         if (lo, hi) == (0, self.numel) and ds_compat.is_available(self.param):
-            out.append((self.param.data.view(-1), 0))
+            full = self.param.data.view(-1)
+            # At world size 1 the gathered tensor can be the shard itself: edit it once.
+            if full.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr():
+                out.append((full, 0))
         return out
 
     def region_values(self) -> torch.Tensor:

@@ -24,8 +24,9 @@ def test_water_filling_sums_to_budget_and_clips():
 
 
 def test_water_filling_corner_cases():
-    assert torch.equal(sampling.water_filling(torch.rand(5, dtype=torch.float64), 5.0), torch.ones(5, dtype=torch.float64))
-    assert torch.equal(sampling.water_filling(torch.rand(5, dtype=torch.float64), 7.0), torch.ones(5, dtype=torch.float64))
+    ones = torch.ones(5, dtype=torch.float64)
+    assert torch.equal(sampling.water_filling(torch.rand(5, dtype=torch.float64), 5.0), ones)
+    assert torch.equal(sampling.water_filling(torch.rand(5, dtype=torch.float64), 7.0), ones)
     uniform = sampling.water_filling(torch.zeros(4, dtype=torch.float64), 2.0)
     assert torch.allclose(uniform, torch.full((4,), 0.5, dtype=torch.float64))
     equal = sampling.water_filling(torch.full((4,), 3.0, dtype=torch.float64), 1.0)

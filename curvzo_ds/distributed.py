@@ -1,0 +1,84 @@
+"""Start torch.distributed the same way under every launcher (DESIGN.md §3).
+
+- `torchrun`, `deepspeed`, `accelerate launch`: RANK/WORLD_SIZE/MASTER_* are already set.
+- `mpirun`: Open MPI or MPICH variables; DeepSpeed's MPI discovery (needs mpi4py) fills the rest.
+- `srun` without another launcher: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, MASTER_ADDR from the
+  first host of the job (or the environment), MASTER_PORT from the job id.
+- a plain `python` process: a one-rank job on a free loopback port.
+Rank and world size are always read back from torch.distributed, never from Accelerate.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+
+log = logging.getLogger("curvzo_ds")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_kind(env=os.environ) -> str:
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "env"
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return "mpi"
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return "slurm"
+    return "single"
+
+
+def _slurm_env(env) -> None:
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    if "MASTER_ADDR" not in env:
+        nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        try:
+            first = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
+                                   check=True).stdout.split()[0]
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            first = "127.0.0.1"
+        env["MASTER_ADDR"] = first
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+
+
+def init_distributed(timeout_minutes: int = 30):
+    """Initialise the default process group if needed; returns (rank, world_size, local_rank)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        kind = launcher_kind()
+        env = os.environ
+        if kind == "slurm":
+            _slurm_env(env)
+        elif kind == "single":
+            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            env.setdefault("MASTER_ADDR", "127.0.0.1")
+            env.setdefault("MASTER_PORT", str(_free_port()))
+        import deepspeed
+
+        deepspeed.init_distributed(auto_mpi_discovery=(kind == "mpi"), verbose=False,
+                                   timeout=datetime.timedelta(minutes=timeout_minutes))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+    return rank, world, local_rank
+
+
+def pin_threads(threads: int | None) -> int:
+    """Pin torch's CPU threads (CPU matmul results depend on the count); returns the count used."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    if threads is None:
+        threads = 1 if get_accelerator().device_name() == "cpu" else torch.get_num_threads()
+    torch.set_num_threads(threads)
+    return threads

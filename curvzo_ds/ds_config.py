@@ -1,0 +1,327 @@
+"""A user's DeepSpeed config: each key honoured, mapped onto `TrainConfig`, or refused.
+
+CurvZO takes no optimizer step, so a DeepSpeed config written for Adam (the Hugging Face
+`ds_config_zero3.json` shape) carries keys that either mean something else here or cannot be
+served. `resolve_ds_config` reads the user's dict, moves what belongs to our config (batch sizes,
+dtype, ZeRO stage, parameter offload) into `cfg`, and returns the dict to hand to
+`deepspeed.initialize(model=..., config=...)` together with one-line warnings for what it dropped.
+What cannot be served raises `ConfigError` naming the key, the reason and the fix.
+
+Policy:
+- batch keys map to `global_batch_size`/`micro_batch_size` ("auto" keeps ours). DeepSpeed's own
+  batch fields are then set to `micro`, `1`, `micro * world_size`, which it accepts at any world
+  size; the engine does its own batching.
+- `zero_optimization.stage` 3 and 0 are served; 1 and 2 need an optimizer in DeepSpeed. A
+  missing stage takes `cfg.zero_stage`. `offload_param` cpu is served, nvme refused.
+  hpZ and quantized weights are refused (the engine edits each rank's primary shard in place).
+  `offload_optimizer` and `zero_quantized_gradients` are dropped with a warning. The bucket and
+  persistence sizes are honoured; their "auto" is resolved as Hugging Face does from the hidden
+  size, or left to DeepSpeed's defaults when the hidden size is unknown. Other ZeRO keys pass
+  through and are checked against DeepSpeed's own schema.
+- `bf16`/`fp16` `enabled: true` set `cfg.dtype`; fp16 loss scaling is dropped (no gradients).
+- `optimizer`, `scheduler`, `activation_checkpointing`, a numeric `gradient_clipping`, `amp`,
+  `torch_autocast` and DeepSpeed's monitors (`tensorboard`, `wandb`, `csv_monitor`, `comet`) are
+  dropped with a warning. Keys that only configure gradients or DeepSpeed's optimizer, data
+  loader or checkpoint engine are dropped quietly (`QUIET_DROP`). Profiling and logging keys
+  pass through quietly (`QUIET_PASS`). Any other key passes through with a warning.
+- pipeline stages > 1, `tensor_parallel.autotp_size` > 1 and `sequence_parallel_size` > 1 are
+  refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from .config import ConfigError, TrainConfig
+
+# The TrainConfig fields a DeepSpeed config can set.
+MAPPED_FIELDS = ("global_batch_size", "micro_batch_size", "dtype", "zero_stage", "offload_param")
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+# ZeRO-3 sizes we honour; "auto" for the first three is resolved from the hidden size (HF's rule).
+HONOURED_ZERO_SIZES = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                       "stage3_max_live_parameters", "stage3_max_reuse_distance")
+
+# Keys that only configure gradients, DeepSpeed's optimizer, data loader or checkpoint engine.
+QUIET_DROP = ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "prescale_gradients",
+              "gradient_predivide_factor", "gradient_allreduce_op", "communication_data_type",
+              "seq_parallel_communication_data_type", "sparse_gradients", "data_types", "checkpoint",
+              "dataloader_drop_last", "managed_gradient_accumulation", "elasticity")
+
+# DeepSpeed's own logging and profiling: harmless, handed to DeepSpeed as written.
+QUIET_PASS = ("steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "flops_profiler",
+              "comms_logger", "timers", "log_level", "disable_python_gc", "aio", "compile",
+              "pipeline", "tensor_parallel", "sequence_parallel_size")  # the last three only when not refused
+
+MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet")
+
+FP16_LOSS_SCALING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                     "consecutive_hysteresis", "min_loss_scale", "auto_cast")
+
+
+def load_ds_config(path: str) -> dict:
+    """Read a DeepSpeed JSON config; a missing file or bad JSON is a one-line ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"deepspeed config {path!r} cannot be read ({e.strerror}): pass an existing JSON file "
+                          "to --deepspeed") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"deepspeed config {path!r} is not valid JSON: {e.msg} at line {e.lineno} column "
+                          f"{e.colno}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"deepspeed config {path!r} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def resolve_ds_config(user: dict | None, cfg: TrainConfig, world_size: int,
+                      hidden_size: int | None) -> tuple[dict, list[str]]:
+    """Map `user` onto `cfg` and return (config for deepspeed.initialize, warnings).
+
+    Only the `MAPPED_FIELDS` of `cfg` change, and only when no ConfigError is raised; the
+    user's keys win over `cfg`'s values. `user` itself is not edited.
+    """
+    user = copy.deepcopy(user or {})
+    staged = copy.copy(cfg)
+    warnings: list[str] = []
+    out: dict[str, Any] = {}
+
+    _check_parallelism(user)
+    _map_batch(user, staged, world_size, warnings)
+    _map_dtype(user, staged, warnings)
+    zero = _map_zero(user.pop("zero_optimization", None), staged, hidden_size, warnings)
+
+    for key in ("optimizer", "scheduler"):
+        if key in user:
+            user.pop(key)
+            warnings.append(f"{key}: ignored; a DeepSpeed {key} would cost fp32 master weights and Adam state, "
+                            "and CurvZO takes no gradient step: set learning_rate and lr_scheduler_type instead")
+    if "activation_checkpointing" in user:
+        user.pop("activation_checkpointing")
+        warnings.append("activation_checkpointing: ignored; it only saves memory for a backward pass, and CurvZO "
+                        "runs forwards only")
+    clip = user.pop("gradient_clipping", None)
+    if clip not in (None, "auto", 0, 0.0):
+        warnings.append(f"gradient_clipping={clip}: ignored; CurvZO computes no gradient to clip")
+    for key in ("amp", "torch_autocast"):
+        if key in user:
+            user.pop(key)
+            warnings.append(f"{key}: ignored; the precision is set by dtype (or bf16/fp16.enabled)")
+    for key in MONITORS:
+        if key in user:
+            user.pop(key)
+            warnings.append(f"{key}: ignored; DeepSpeed's monitors log optimizer steps, which CurvZO does not take: "
+                            "metrics go to metrics.jsonl, and to TensorBoard with report_to=tensorboard")
+    for key in QUIET_DROP:
+        user.pop(key, None)
+    for key, value in user.items():
+        if key not in QUIET_PASS:
+            warnings.append(f"{key}: not a key curvzo_ds knows; passed to DeepSpeed unchanged")
+        out[key] = value
+
+    out["train_micro_batch_size_per_gpu"] = staged.micro_batch_size
+    out["gradient_accumulation_steps"] = 1
+    out["train_batch_size"] = staged.micro_batch_size * world_size
+    out["zero_optimization"] = zero
+    if staged.dtype == "bfloat16":
+        out["bf16"] = {"enabled": True}
+    elif staged.dtype == "float16":
+        out["fp16"] = {"enabled": True}
+    _refuse_auto(out, "")
+    for name in MAPPED_FIELDS:
+        setattr(cfg, name, getattr(staged, name))
+    return out, warnings
+
+
+def _map_batch(user: dict, cfg: TrainConfig, world_size: int, warnings: list[str]) -> None:
+    total, micro, accum = (_batch_value(user.pop(key, None), key) for key in BATCH_KEYS)
+    if micro is not None:
+        cfg.micro_batch_size = micro
+    if total is not None:
+        cfg.global_batch_size = total
+        if accum is not None and total != cfg.micro_batch_size * accum * world_size:
+            warnings.append(f"gradient_accumulation_steps={accum}: ignored; train_batch_size={total} sets the "
+                            "global batch (CurvZO does its own batching)")
+    elif accum is not None:
+        cfg.global_batch_size = cfg.micro_batch_size * accum * world_size
+
+
+def _batch_value(value: Any, key: str) -> int | None:
+    if value is None or value == "auto":
+        return None
+    number = _integer(value)
+    if number is None or number < 1:
+        raise ConfigError(f"{key}={value!r} in the deepspeed config must be an integer >= 1 or \"auto\"")
+    return number
+
+
+def _map_dtype(user: dict, cfg: TrainConfig, warnings: list[str]) -> None:
+    if "bfloat16" in user and "bf16" not in user:  # DeepSpeed's older spelling
+        user["bf16"] = user.pop("bfloat16")
+    chosen, loss_scaling = [], []
+    for key, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        section = user.pop(key, None)
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise ConfigError(f"{key} in the deepspeed config must be an object like {{\"enabled\": true}}")
+        enabled = section.get("enabled", False)
+        if enabled not in (True, False, "auto"):
+            raise ConfigError(f"{key}.enabled={enabled!r} in the deepspeed config must be true, false or \"auto\"")
+        if enabled is False and cfg.dtype == dtype:
+            raise ConfigError(f"{key}.enabled=false in the deepspeed config conflicts with dtype={dtype}: set "
+                              f"{key}.enabled to true or \"auto\", or set dtype=float32")
+        if enabled is True:
+            chosen.append(dtype)
+        if key == "fp16":
+            loss_scaling = [k for k in FP16_LOSS_SCALING if k in section]
+    if len(chosen) == 2:
+        raise ConfigError("bf16.enabled and fp16.enabled are both true in the deepspeed config: enable one")
+    if chosen:
+        cfg.dtype = chosen[0]
+    if cfg.dtype == "float16" and loss_scaling:
+        warnings.append(f"fp16.{'/'.join(loss_scaling)}: ignored; loss scaling protects gradients, and CurvZO "
+                        "computes none")
+
+
+def _map_zero(zero: Any, cfg: TrainConfig, hidden_size: int | None, warnings: list[str]) -> dict:
+    if zero is None:
+        zero = {}
+    if not isinstance(zero, dict):
+        raise ConfigError("zero_optimization in the deepspeed config must be an object like {\"stage\": 3}")
+    stage = zero.pop("stage", cfg.zero_stage)
+    stage = stage if _integer(stage) is None else _integer(stage)
+    if stage in (1, 2):
+        raise ConfigError(f"zero_optimization.stage={stage}: ZeRO stage 1 and 2 require an optimizer in "
+                          "DeepSpeed 0.19.8, and CurvZO has none; use stage 3")
+    if stage not in (0, 3) or isinstance(stage, bool):
+        raise ConfigError(f"zero_optimization.stage={stage!r} is invalid: use 3 (or 0 for no ZeRO)")
+    cfg.zero_stage = stage
+
+    hpz = zero.pop("zero_hpz_partition_size", 1)
+    if _integer(hpz) is None or hpz > 1:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size={hpz!r} (hpZ) is not supported: gathers read a "
+                          "secondary copy that the engine's in-place edits of each rank's shard never reach; "
+                          "remove it or set it to 1")
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+        if zero.pop(key, False):
+            raise ConfigError(f"zero_optimization.{key}=true is not supported: the shards are int8 and cannot take "
+                              f"the engine's small in-place perturbations; set {key} to false")
+    if zero.pop("zero_quantized_gradients", False):
+        warnings.append("zero_optimization.zero_quantized_gradients: ignored; CurvZO communicates no gradients")
+    if "offload_optimizer" in zero or zero.get("cpu_offload"):
+        warnings.append("zero_optimization.offload_optimizer: ignored; CurvZO keeps no optimizer state")
+    zero.pop("offload_optimizer", None)
+    zero.pop("cpu_offload", None)
+
+    offload = zero.pop("offload_param", None)
+    if zero.pop("cpu_offload_param", False):  # DeepSpeed's deprecated spelling
+        offload = {"device": "cpu"}
+    if offload is not None:
+        if not isinstance(offload, dict):
+            raise ConfigError("zero_optimization.offload_param must be an object like {\"device\": \"cpu\"}")
+        device = offload.get("device", "none")
+        if device == "nvme":
+            raise ConfigError("zero_optimization.offload_param.device=nvme is not supported: the engine edits "
+                              "each shard in place; use \"cpu\" or remove offload_param")
+        if device not in ("cpu", "none"):
+            raise ConfigError(f"zero_optimization.offload_param.device={device!r} is invalid: use \"cpu\" or \"none\"")
+        cfg.offload_param = device
+    if cfg.offload_param == "cpu" and stage != 3:
+        raise ConfigError("offload_param=cpu needs ZeRO stage 3: set zero_optimization.stage to 3, or remove "
+                          "offload_param")
+    if stage == 0:
+        return {"stage": 0}
+
+    for key in HONOURED_ZERO_SIZES:
+        if zero.get(key) == "auto":
+            value = _hf_auto(key, hidden_size)
+            if value is None:
+                zero.pop(key)
+            else:
+                zero[key] = value
+        elif key in zero:
+            number = _integer(zero[key])
+            if number is None or number < 0:
+                raise ConfigError(f"zero_optimization.{key}={zero[key]!r} must be an integer >= 0 or \"auto\"")
+            zero[key] = number
+    for key, value in list(zero.items()):
+        if isinstance(value, float) and value.is_integer():  # 1e9 in JSON is a float
+            zero[key] = int(value)
+    out = {"stage": 3, **zero}
+    if cfg.offload_param == "cpu":
+        out["offload_param"] = {**(offload or {}), "device": "cpu"}
+    _check_zero_schema(out)
+    return out
+
+
+def _hf_auto(key: str, hidden_size: int | None) -> int | None:
+    """transformers' `HfTrainerDeepSpeedConfig.trainer_config_finalize`; None means DeepSpeed's default."""
+    if hidden_size is None:
+        return None
+    rule = {"reduce_bucket_size": hidden_size * hidden_size,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+            "stage3_param_persistence_threshold": 10 * hidden_size}
+    return rule.get(key)
+
+
+def _check_zero_schema(zero: dict) -> None:
+    """Check the ZeRO section against DeepSpeed's own schema now, to fail in one line."""
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from pydantic import ValidationError
+    except ImportError:  # pragma: no cover - deepspeed is a dependency
+        return
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(part) for part in err["loc"])
+        raise ConfigError(f"zero_optimization.{where} in the deepspeed config: {err['msg']} (DeepSpeed's "
+                          "schema); fix or remove the key") from None
+
+
+def _check_parallelism(user: dict) -> None:
+    pipeline = user.get("pipeline")
+    stages = pipeline.get("stages") if isinstance(pipeline, dict) else None
+    if _integer(stages) is not None and stages > 1:
+        raise ConfigError(f"pipeline.stages={stages} is not supported: curvzo_ds shards with ZeRO-3 only; "
+                          "remove the pipeline section")
+    tensor_parallel = user.get("tensor_parallel")
+    tp_size = tensor_parallel.get("autotp_size") if isinstance(tensor_parallel, dict) else None
+    if _integer(tp_size) is not None and tp_size > 1:
+        raise ConfigError(f"tensor_parallel.autotp_size={tp_size} is not supported: curvzo_ds shards with "
+                          "ZeRO-3 only; remove the tensor_parallel section")
+    sp_size = user.get("sequence_parallel_size")
+    if _integer(sp_size) is not None and sp_size > 1:
+        raise ConfigError(f"sequence_parallel_size={sp_size} is not supported: curvzo_ds shards with ZeRO-3 "
+                          "only; remove the key")
+
+
+def _refuse_auto(node: Any, path: str) -> None:
+    """An "auto" left over would fail inside DeepSpeed; name it here instead."""
+    if node == "auto":
+        raise ConfigError(f"{path}=\"auto\" in the deepspeed config cannot be resolved by curvzo_ds: set a value "
+                          "or remove the key")
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _refuse_auto(value, f"{path}.{key}" if path else key)
+
+
+def _integer(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+__all__ = ["load_ds_config", "resolve_ds_config"]

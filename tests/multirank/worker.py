@@ -1,0 +1,133 @@
+"""One rank of a multi-rank engine test: runs a list of scenarios in one launch (saves start-up).
+
+    torchrun --nproc_per_node W tests/multirank/worker.py SPEC.json OUT.json
+
+Each scenario builds a tiny Llama on every rank with the same seed, hands it to
+`deepspeed.initialize` (ZeRO-3 partitions it), trains it with ZOEngine on a world-size-
+independent stream of micro-batches, and records the trajectory bit for bit (floats as
+Python floats, scores as hashes of their bytes) and the final params_digest.
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from curvzo_ds.config import ZOConfig  # noqa: E402
+from curvzo_ds.digest import params_digest  # noqa: E402
+from curvzo_ds.distributed import init_distributed  # noqa: E402
+from curvzo_ds.engine import MicroBatches, ZOEngine  # noqa: E402
+
+
+def tiny_llama(seed: int, tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def lm_loss(model, batch):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    target = batch["input_ids"][:, 1:]
+    mask = batch["attention_mask"][:, 1:].to(torch.float32)
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
+                                            target.reshape(-1), reduction="none")
+    return (nll * mask.reshape(-1)).sum(), mask.sum()
+
+
+def micro_batches(step: int, n_micro: int, rows: int):
+    """The step's global batch: n_micro micro-batches, each padded to its own longest row."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(n_micro):
+        lengths = torch.randint(4, 12, (rows,), generator=gen)
+        width = int(lengths.max())
+        ids = torch.randint(1, 96, (rows, width), generator=gen)
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+        out.append({"input_ids": ids * mask, "attention_mask": mask})
+    return out
+
+
+def run(spec: dict, rank: int, world: int) -> dict:
+    import deepspeed
+
+    model = tiny_llama(0, spec.get("tie", False))
+    if spec.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)  # every rank must create the same adapters (DESIGN.md §3)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    zero = {"stage": spec.get("stage", 3), "stage3_param_persistence_threshold": spec.get("persist", 100)}
+    if spec.get("offload"):
+        zero["offload_param"] = {"device": "cpu"}
+    ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "train_batch_size": world, "zero_optimization": zero}
+    ds_engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
+    if spec.get("disagree"):
+        try:
+            ZOEngine(ds_engine, lm_loss, ZOConfig(**{**spec["zo"], "seed": rank}))
+        except ValueError as e:
+            return {"error": str(e)}
+        return {"error": None}
+    zo = ZOEngine(ds_engine, lm_loss, ZOConfig(**spec["zo"]))
+    calls = {"n": 0, "elements": 0}
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *a, **k):
+        calls["n"] += 1
+        calls["elements"] += tensor.numel()
+        return real_all_reduce(tensor, *a, **k)
+
+    dist.all_reduce = counting_all_reduce
+    traj = []
+    try:
+        for t in range(spec["steps"]):
+            r = zo.step(MicroBatches(micro_batches(t, spec["n_micro"], spec.get("rows", 2))))
+            row = r.as_dict()
+            row["scores"] = hashlib.sha256(zo.scores.numpy().tobytes()).hexdigest()[:16]
+            pi = zo.probabilities()[0]
+            row["pi"] = hashlib.sha256(pi.numpy().tobytes()).hexdigest()[:16]
+            traj.append(row)
+    finally:
+        dist.all_reduce = real_all_reduce
+    owned = sum(e.owned[1] - e.owned[0] for e in zo.entries)
+    owned_all = [0] * world
+    dist.all_gather_object(owned_all, owned)
+    return {
+        "traj": traj,
+        "digest": params_digest(zo.entries, zo.comm),
+        "num_blocks": zo.num_blocks,
+        "num_params": zo.num_params,
+        "engine_all_reduce": dict(zo.comm.stats),
+        "torch_all_reduce": calls,
+        "owned_per_rank": owned_all,
+        "persistent": sorted(e.name for e in zo.entries if e.region == (0, e.numel) and e.partitioned),
+    }
+
+
+def main():
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    rank, world, _ = init_distributed()
+    torch.set_num_threads(1)
+    results = {}
+    for spec in json.load(open(spec_path)):
+        if spec.get("min_world", 1) > world:
+            continue
+        results[spec["name"]] = run(spec, rank, world)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"world_size": world, "results": results}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

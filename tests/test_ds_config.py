@@ -1,0 +1,217 @@
+"""A user's DeepSpeed config is honoured, mapped onto TrainConfig, or refused with the key named."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from curvzo_ds.config import ConfigError, TrainConfig
+from curvzo_ds.ds_config import load_ds_config, resolve_ds_config
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "ds_configs"
+SHIPPED = ROOT / "ds_configs"
+WORLD = 2  # the table is resolved as one rank of a 2-rank job
+HIDDEN = 64  # HF's "auto": reduce 64*64, prefetch int(0.9*64*64), persistence 10*64
+
+# file -> expected outcome: `refused` (a substring of the one-line error that names the key), or
+# `warns` (the key each warning starts with), `cfg` (the TrainConfig fields that change) and
+# `zero` (entries the output's zero_optimization must hold).
+CASES = {
+    "hf_zero3_auto.json": dict(
+        warns=["zero_optimization.offload_optimizer", "optimizer", "scheduler"],
+        cfg={"offload_param": "cpu"},
+        zero={"stage": 3, "reduce_bucket_size": 4096, "stage3_prefetch_bucket_size": 3686,
+              "stage3_param_persistence_threshold": 640, "sub_group_size": 10**9,
+              "stage3_max_live_parameters": 10**9, "offload_param": {"device": "cpu", "pin_memory": True}}),
+    "zero3_offload_param.json": dict(
+        warns=[], cfg={"global_batch_size": 32, "offload_param": "cpu"},
+        zero={"stage3_param_persistence_threshold": 10000, "offload_param": {"device": "cpu", "pin_memory": False}}),
+    "zero3_offload_optimizer.json": dict(
+        warns=["zero_optimization.offload_optimizer"],
+        cfg={"micro_batch_size": 2, "global_batch_size": 2 * 8 * WORLD, "dtype": "bfloat16"},
+        zero={"reduce_bucket_size": 500_000_000}),
+    "zero2.json": dict(refused="zero_optimization.stage=2"),
+    "zero1.json": dict(refused="zero_optimization.stage=1"),
+    "bf16_zero3.json": dict(
+        warns=["gradient_accumulation_steps"],
+        cfg={"global_batch_size": 32, "micro_batch_size": 8, "dtype": "bfloat16"},
+        zero={"stage3_param_persistence_threshold": 40960}),
+    "fp16_loss_scaling.json": dict(warns=["fp16.loss_scale"], cfg={"dtype": "float16"}, zero={"stage": 3}),
+    "zeropp_hpz.json": dict(refused="zero_hpz_partition_size=8"),
+    "zeropp_quantized_weights.json": dict(refused="zero_quantized_weights"),
+    "zeropp_quantized_gradients.json": dict(warns=["zero_optimization.zero_quantized_gradients"], cfg={},
+                                            zero={"stage": 3}),
+    "pipeline.json": dict(refused="pipeline.stages=2"),
+    "optimizer_scheduler.json": dict(warns=["optimizer", "scheduler", "gradient_clipping"], cfg={},
+                                     zero={"stage3_param_persistence_threshold": 0}),
+    "activation_checkpointing.json": dict(
+        warns=["activation_checkpointing"], cfg={"micro_batch_size": 1, "global_batch_size": 16 * WORLD},
+        zero={"stage3_prefetch_bucket_size": 3686}),
+    "nvme_offload.json": dict(refused="offload_param.device=nvme"),
+    "stage0.json": dict(warns=[], cfg={"micro_batch_size": 2, "dtype": "bfloat16", "zero_stage": 0},
+                        zero={"stage": 0}),
+    "tensor_parallel.json": dict(refused="tensor_parallel.autotp_size=2"),
+    "sequence_parallel.json": dict(refused="sequence_parallel_size=4"),
+    "monitors_and_unknown.json": dict(warns=["tensorboard", "wandb", "my_launcher_note"], cfg={},
+                                      zero={"stage": 3}),
+    "zero_key_typo.json": dict(refused="zero_optimization.stage3_prefetch_bucket"),
+    "bf16_and_fp16.json": dict(refused="bf16.enabled and fp16.enabled"),
+    "shipped/zero3.json": dict(warns=[], cfg={}, zero={"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}),
+    "shipped/zero3_offload.json": dict(warns=[], cfg={"offload_param": "cpu"},
+                                       zero={"offload_param": {"device": "cpu", "pin_memory": False}}),
+}
+
+
+def fixture_path(name: str) -> Path:
+    return SHIPPED / name.split("/", 1)[1] if name.startswith("shipped/") else FIXTURES / name
+
+
+def test_every_fixture_is_in_the_table():
+    on_disk = {p.name for p in FIXTURES.glob("*.json")} | {f"shipped/{p.name}" for p in SHIPPED.glob("*.json")}
+    assert on_disk == set(CASES)
+
+
+def warning_key(warning: str) -> str:
+    """A warning starts with the key it is about: `key: ...`, `key=value: ...` or `key.a/b: ...`."""
+    return warning.split(":")[0].split("=")[0].split("/")[0]
+
+
+def changed_fields(before: TrainConfig, after: TrainConfig) -> dict:
+    old, new = dataclasses.asdict(before), dataclasses.asdict(after)
+    return {k: v for k, v in new.items() if old[k] != v}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_table(name):
+    expected = CASES[name]
+    user = load_ds_config(str(fixture_path(name)))
+    original = copy.deepcopy(user)
+    cfg = TrainConfig()
+    if "refused" in expected:
+        with pytest.raises(ConfigError) as err:
+            resolve_ds_config(user, cfg, WORLD, HIDDEN)
+        message = str(err.value)
+        assert expected["refused"] in message and "\n" not in message
+        assert cfg == TrainConfig()  # nothing half-applied
+        return
+    out, warnings = resolve_ds_config(user, cfg, WORLD, HIDDEN)
+    assert user == original  # the caller's dict is not edited
+    assert sorted(warning_key(w) for w in warnings) == sorted(expected["warns"])
+    assert all("\n" not in w for w in warnings)
+    assert changed_fields(TrainConfig(), cfg) == expected["cfg"]
+    assert out["train_micro_batch_size_per_gpu"] == cfg.micro_batch_size
+    assert out["gradient_accumulation_steps"] == 1
+    assert out["train_batch_size"] == cfg.micro_batch_size * WORLD
+    for key, value in expected["zero"].items():
+        assert out["zero_optimization"][key] == value, key
+    assert "optimizer" not in out and "scheduler" not in out
+    assert "auto" not in json.dumps(out)
+    assert ("bf16" in out) == (cfg.dtype == "bfloat16") and ("fp16" in out) == (cfg.dtype == "float16")
+
+
+def test_hidden_size_unknown_leaves_deepspeed_defaults():
+    user = load_ds_config(str(FIXTURES / "hf_zero3_auto.json"))
+    out, _ = resolve_ds_config(user, TrainConfig(), 1, None)
+    for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+        assert key not in out["zero_optimization"]
+
+
+def test_no_user_config_follows_cfg():
+    cfg = TrainConfig(micro_batch_size=3, dtype="bfloat16", offload_param="cpu")
+    out, warnings = resolve_ds_config(None, cfg, 4, 64)
+    assert warnings == []
+    assert out == {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1, "train_batch_size": 12,
+                   "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "bf16": {"enabled": True}}
+
+
+def test_global_batch_not_divisible_by_world_is_accepted():
+    # DeepSpeed itself refuses train_batch_size 16 at 3 ranks; the engine batches on its own.
+    cfg = TrainConfig()
+    out, _ = resolve_ds_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, cfg, 3, None)
+    assert cfg.global_batch_size == 16 and out["train_batch_size"] == 12
+
+
+@pytest.mark.parametrize("user, key", [
+    ({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, "zero_optimization.sub_group_size"),
+    ({"bf16": {"enabled": False}}, "bf16.enabled=false"),
+    ({"train_batch_size": 0}, "train_batch_size=0"),
+    ({"train_micro_batch_size_per_gpu": 2.5}, "train_micro_batch_size_per_gpu=2.5"),
+    ({"zero_optimization": {"stage": 0, "offload_param": {"device": "cpu"}}}, "offload_param=cpu"),
+    ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": -1}},
+     "stage3_param_persistence_threshold=-1"),
+    ({"zero_optimization": {"stage": "3"}}, "zero_optimization.stage='3'"),
+])
+def test_bad_values_name_the_key(user, key):
+    cfg = TrainConfig(dtype="bfloat16")
+    with pytest.raises(ConfigError) as err:
+        resolve_ds_config(user, cfg, 1, 64)
+    assert key in str(err.value)
+
+
+def test_load_errors_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_ds_config(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "train_batch_size": 16,\n  "zero_optimization": {"stage": 3,}\n}\n')
+    with pytest.raises(ConfigError, match="line 3"):
+        load_ds_config(str(bad))
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        load_ds_config(str(listed))
+
+
+@contextlib.contextmanager
+def one_rank_env():
+    """The environment of rank 0 of a 1-rank job, for deepspeed.initialize in this process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               DS_ACCELERATOR="cpu")
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        yield
+
+
+def test_deepspeed_initialize_accepts_every_served_config():
+    import torch
+
+    served = [name for name, expected in CASES.items() if "refused" not in expected]
+    with one_rank_env():
+        import deepspeed
+        import torch.distributed as dist
+
+        started_here = not dist.is_initialized()
+        try:
+            for name in served:
+                cfg = TrainConfig()
+                out, _ = resolve_ds_config(load_ds_config(str(fixture_path(name))), cfg, 1, 16)
+                torch.manual_seed(0)
+                model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+                engine, optimizer, _, _ = deepspeed.initialize(model=model, config=out)
+                assert not isinstance(optimizer, torch.optim.Optimizer), name  # no Adam state
+                assert engine.zero_optimization_stage() == cfg.zero_stage, name
+                dtype = getattr(torch, cfg.dtype)
+                with torch.no_grad():
+                    y = engine(torch.randn(2, 16, dtype=dtype))
+                assert y.shape == (2, 4) and y.dtype == dtype, name
+        finally:
+            if started_here and dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def test_shipped_accelerate_config_loads():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(SHIPPED / "accelerate_zero3.yaml"))
+    assert str(config.distributed_type).endswith("DEEPSPEED")
+    assert config.deepspeed_config["zero_stage"] == 3 and config.deepspeed_config["zero3_init_flag"] is True
