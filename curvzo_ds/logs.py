@@ -121,6 +121,9 @@ class MetricsWriter:
     def truncate_after(self, step: int) -> int:
         """On resume from `step`: keep the lines with step <= `step`, drop the rest; return how many went.
 
+        The end-of-run evaluation lines (`"final": true`) are dropped too: a run that goes on would
+        not have written them.
+
         A line that does not parse (a crash in the middle of a write) is dropped too, so a resumed
         run's file matches the straight run's. TensorBoard events after `step` are purged on the
         next write.
@@ -140,7 +143,8 @@ class MetricsWriter:
                     dropped += 1
                     continue
                 row_step = row.get("step") if isinstance(row, dict) else None
-                if isinstance(row_step, int | float) and row_step > step:
+                final_eval = isinstance(row, dict) and row.get("final") is True
+                if isinstance(row_step, int | float) and row_step > step or final_eval:
                     dropped += 1
                 else:
                     kept.append(line if line.endswith("\n") else line + "\n")

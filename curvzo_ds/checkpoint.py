@@ -1,0 +1,199 @@
+"""Checkpoints without an optimizer: each rank saves what it owns; reload at any world size.
+
+`checkpoint-<step>/` holds one safetensors file per rank with the rank's owned slice of every
+trainable tensor (1-D, with its global [lo, hi) in the manifest), and `manifest.json`: format,
+step, world size, the SHA-256 of every file, the tensors' shapes and dtypes, the engine's ZO
+state (step, seed, scores, noise definition) and the trainer's state (data position is the step,
+best dev result). A checkpoint is written under `checkpoint-<step>.tmp` and renamed when complete,
+so a crash never leaves a directory that looks complete. `engine.save_checkpoint` of DeepSpeed
+is not used: it needs an optimizer (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .engine import ZOEngine, _write
+from .params import intersect
+
+log = logging.getLogger("curvzo_ds")
+FORMAT = "curvzo_ds-checkpoint-v1"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _jsonable_state(state: dict) -> dict:
+    return {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in state.items()}
+
+
+def save_checkpoint(engine: ZOEngine, output_dir: str, trainer_state: dict | None = None,
+                    write_extra: Callable[[str], None] | None = None) -> str:
+    """Collective: every rank writes its owned slices. Returns the checkpoint directory.
+
+    `write_extra(dir)` runs on rank 0 before the rename (model config, tokenizer, LoRA config).
+    """
+    comm = engine.comm
+    step = engine.step_count
+    final = os.path.join(output_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    comm.barrier()
+    fname = f"rank-{comm.rank:05d}-of-{comm.world_size:05d}.safetensors"
+    tensors, slices = {}, {}
+    for e in engine.entries:
+        lo, hi = e.owned
+        if hi > lo:
+            values = e.region_values()[lo - e.region[0]: hi - e.region[0]]
+            tensors[e.name] = values.contiguous() if e.master is not None else values.to(e.param.dtype).contiguous()
+            slices[e.name] = [lo, hi]
+    path = os.path.join(tmp, fname)
+    save_file(tensors, path)
+    mine = (fname, _sha256(path), slices)
+    everyone = comm.all_gather_object(mine)
+    if comm.rank == 0:
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": comm.world_size,
+            "files": {f: sha for f, sha, _ in everyone},
+            "slices": {f: s for f, _, s in everyone},
+            "tensors": {e.name: {"shape": list(e.shape), "dtype": str(e.param.dtype).removeprefix("torch."),
+                                 "numel": e.numel} for e in engine.entries},
+            "engine": _jsonable_state(engine.state_dict()),
+            "trainer": trainer_state or {},
+        }
+        if write_extra is not None:
+            write_extra(tmp)
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    comm.barrier()
+    return final
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints (a manifest, no .tmp suffix), oldest first."""
+    out = []
+    if os.path.isdir(output_dir):
+        for name in os.listdir(output_dir):
+            m = _NAME.match(name)
+            path = os.path.join(output_dir, name)
+            if m and os.path.isfile(os.path.join(path, "manifest.json")):
+                out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    found = list_checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def rotate_checkpoints(output_dir: str, keep: int | None, protect: str | None = None) -> None:
+    """Keep the newest `keep` checkpoints, and never delete `protect` (the best-dev one)."""
+    if not keep:
+        return
+    found = list_checkpoints(output_dir)
+    doomed = found[:-keep] if len(found) > keep else []
+    for _, path in doomed:
+        if protect and os.path.abspath(path) == os.path.abspath(protect):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def read_manifest(path: str) -> dict:
+    mpath = os.path.join(path, "manifest.json")
+    if not os.path.isfile(mpath):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no manifest.json); "
+                                "pass a checkpoint-<step> directory or use --resume with no path")
+    with open(mpath) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{mpath}: unknown checkpoint format {manifest.get('format')!r}")
+    return manifest
+
+
+def read_range(path: str, manifest: dict, name: str, lo: int, hi: int, verified: set | None = None) -> torch.Tensor:
+    """Elements [lo, hi) of tensor `name`, assembled from every rank file that holds a part of them."""
+    out = None
+    filled = 0
+    for fname, slices in manifest["slices"].items():
+        if name not in slices:
+            continue
+        s_lo, s_hi = slices[name]
+        a, b = intersect((lo, hi), (s_lo, s_hi))
+        if b <= a:
+            continue
+        fpath = os.path.join(path, fname)
+        if verified is not None and fname not in verified:
+            if _sha256(fpath) != manifest["files"][fname]:
+                raise ValueError(f"checksum mismatch for {fpath}: the checkpoint is corrupt")
+            verified.add(fname)
+        with safe_open(fpath, framework="pt") as f:
+            part = f.get_slice(name)[a - s_lo: b - s_lo]
+        if out is None:
+            out = torch.empty(hi - lo, dtype=part.dtype)
+        out[a - lo: b - lo] = part
+        filled += b - a
+    if filled != hi - lo:
+        raise ValueError(f"checkpoint {path} misses elements of {name} in [{lo}, {hi})")
+    return out if out is not None else torch.empty(0)
+
+
+def load_checkpoint(engine: ZOEngine, path: str) -> dict:
+    """Load weights and ZO state into `engine` (any world size). Returns the trainer state."""
+    manifest = read_manifest(path)
+    tensors = manifest["tensors"]
+    names = sorted(e.name for e in engine.entries)
+    if sorted(tensors) != names:
+        missing = sorted(set(names) - set(tensors))[:3]
+        extra = sorted(set(tensors) - set(names))[:3]
+        raise ValueError(f"checkpoint {path} does not match this model's trainable parameters "
+                         f"(missing {missing}, unexpected {extra}): same model, LoRA and block settings?")
+    verified: set = set()
+    with torch.no_grad():
+        for e in engine.entries:
+            if list(e.shape) != tensors[e.name]["shape"]:
+                raise ValueError(f"{e.name}: checkpoint shape {tensors[e.name]['shape']} != model {list(e.shape)}")
+            lo, hi = e.region
+            if hi <= lo:
+                continue
+            values = read_range(path, manifest, e.name, lo, hi, verified)
+            if e.master is not None:
+                e.master.copy_(values.float())
+                _write(e, 0, e.master)
+            else:
+                _write(e, 0, values)
+    engine.load_state_dict(manifest["engine"])
+    engine.comm.barrier()
+    return manifest.get("trainer", {})
+
+
+def consolidated_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Full tensors in their stored dtype, one process (for export)."""
+    manifest = read_manifest(path)
+    verified: set = set()
+    out = {}
+    for name, info in sorted(manifest["tensors"].items()):
+        flat = read_range(path, manifest, name, 0, info["numel"], verified)
+        out[name] = flat.to(getattr(torch, info["dtype"])).view(info["shape"])
+    return out

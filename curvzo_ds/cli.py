@@ -1,0 +1,134 @@
+"""`curvzo-ds`: train | eval | export | plot | bench | plan (CONTRACTS.md).
+
+`train` and `eval` run inside the current process: alone it is a one-rank job, under
+deepspeed / torchrun / accelerate launch / mpirun / srun it is one rank of the job.
+A bad configuration prints one line naming the key or file and the fix, and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import os
+import re
+import sys
+
+from .config import ConfigError, TrainConfig, build, field_names
+
+
+def _key_docs() -> dict[str, str]:
+    """Each key's one-line doc: the comment beside its field in config.py."""
+    from . import config
+
+    docs = {}
+    for line in inspect.getsource(config).splitlines():
+        m = re.match(r"\s+(\w+): [^=]+= ([^#]+?)\s*(?:#\s*(.*))?$", line)
+        if m and m.group(1) in field_names():
+            docs[m.group(1)] = m.group(3) or ""
+    return docs
+
+
+def _keys_help() -> str:
+    docs = _key_docs()
+    lines = ["configuration keys (--set KEY=VALUE or a YAML file; default in brackets):"]
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        lines.append(f"  {f.name:<26} [{default}] {docs.get(f.name, '')}".rstrip())
+    lines.append("None means: taken from a preset (demo model, full or LoRA; see docs/config.md).")
+    return "\n".join(lines)
+
+
+def load_config(config_file: str | None, sets: list[str], deepspeed: str | None) -> TrainConfig:
+    import yaml
+
+    values: dict = {}
+    if config_file:
+        if not os.path.isfile(config_file):
+            raise ConfigError(f"--config {config_file}: no such file")
+        try:
+            with open(config_file) as f:
+                loaded = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {config_file}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {config_file}: must be a mapping of key: value")
+        values.update(loaded)
+    for item in sets:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: use KEY=VALUE, for example --set learning_rate=1e-6")
+        key, raw = item.split("=", 1)
+        try:
+            values[key.strip()] = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            values[key.strip()] = raw
+    if deepspeed:
+        values["deepspeed"] = deepspeed
+    for key in ("model", "tokenizer", "task", "data_dir", "deepspeed"):
+        path = values.get(key)
+        must_exist = key == "deepspeed" or (key == "data_dir" and path not in (None, "hub"))
+        if must_exist and path is not None and not os.path.exists(str(path)):
+            raise ConfigError(f"{key}={path}: no such file or directory")
+    cfg = build(TrainConfig, values)
+    cfg.validate()
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="curvzo-ds", description="CurvZO zeroth-order fine-tuning on ZeRO-3.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("train", "train a model (one rank of a launcher's job, or alone)"),
+                       ("eval", "evaluate a checkpoint (or the initial model) on dev and test")):
+        p = sub.add_parser(name, help=text, epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--config", help="a YAML file of key: value")
+        p.add_argument("--deepspeed", help="your DeepSpeed config (JSON); each key honoured, mapped or refused")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key")
+        p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                       help="resume from CHECKPOINT, or from the newest complete one in output_dir")
+        p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
+    p.add_argument("checkpoint")
+    p.add_argument("--out", required=True)
+    p.add_argument("--merge-lora", action="store_true", help="also write the merged model (LoRA runs)")
+    p = sub.add_parser("plot", help="draw loss and evaluation curves of runs to a PNG")
+    p.add_argument("run_dirs", nargs="+")
+    p.add_argument("--out")
+    p = sub.add_parser("bench", help="time engine steps on a model (prints figures)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--steps", type=int, default=20)
+    p = sub.add_parser("plan", help="per-rank memory of a model under ZeRO-3 with CurvZO")
+    p.add_argument("--model", default="demo")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--fp32-master-weights", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        if args.command in ("train", "eval"):
+            cfg = load_config(args.config, args.set, args.deepspeed)
+            from .train import run_eval, run_train
+
+            (run_train if args.command == "train" else run_eval)(cfg, args.resume)
+        elif args.command == "export":
+            from .export import export_checkpoint
+
+            print(export_checkpoint(args.checkpoint, args.out, args.merge_lora))
+        elif args.command == "plot":
+            from .plot import plot_runs
+
+            print(plot_runs(args.run_dirs, args.out))
+        elif args.command == "bench":
+            from .bench import bench
+
+            bench(load_config(None, args.set, None), args.steps)
+        elif args.command == "plan":
+            from .bench import plan
+
+            plan(args.model, args.world_size, args.dtype, args.fp32_master_weights)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"curvzo-ds {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

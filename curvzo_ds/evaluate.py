@@ -1,0 +1,66 @@
+"""Evaluation under ZeRO-3: examples in fixed micro-batches, micro-batch j on rank j mod W.
+
+Every rank runs the same number of forwards (and of `generate` calls, with synced_gpus), so
+the collective gathers stay in step; the micro-batches and their padding do not depend on the
+world size, so the metrics are identical at any number of ranks.
+"""
+
+from __future__ import annotations
+
+from . import data as D
+
+
+def chunks(n: int, size: int) -> list[range]:
+    return [range(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def evaluate(model, task, tokenizer, encoded: list[dict], micro_batch_size: int, comm, device,
+             max_new_tokens: int, loss_fn) -> dict:
+    """The split's loss and the task's metrics, the same on every rank."""
+    parts = chunks(len(encoded), micro_batch_size)
+    w, r = comm.world_size, comm.rank
+    mine = list(range(r, len(parts), w))
+    rounds = -(-len(parts) // w) if parts else 0
+    module = getattr(model, "module", model)
+    was_training = module.training
+    module.eval()
+    results = []
+    try:
+        for k in range(rounds):
+            j = mine[k] if k < len(mine) else None
+            idx = parts[j if j is not None else 0]
+            batch = D.to_device(D.collate([encoded[i] for i in idx], tokenizer.pad_token_id), device)
+            if task.is_classification and loss_fn is D.classification_loss:
+                loss_sum, count, pred = D.classification_eval(model, batch)  # one forward for both
+            else:
+                loss_sum, count = loss_fn(model, batch)
+                pred = D.predict_classification(model, batch) if task.is_classification else None
+            row = {"chunk": j, "loss_sum": float(loss_sum), "count": float(count)}
+            if task.is_classification:
+                row["pred"] = pred.tolist()
+                row["labels"] = batch["labels"].tolist()
+            else:
+                answers = D.generate_answers(model, tokenizer, batch["prompt_ids"], max_new_tokens,
+                                             synced_gpus=w > 1)
+                row["pred"] = answers
+                row["gold"] = batch["answers"]
+            if j is not None:
+                results.append(row)
+    finally:
+        module.train(was_training)
+    rows = sorted((row for part in comm.all_gather_object(results) for row in part), key=lambda x: x["chunk"])
+    num = den = 0.0
+    for row in rows:
+        num += row["loss_sum"]
+        den += row["count"]
+    out = {"loss": num / den if den else None}
+    if task.is_classification:
+        preds = [p for row in rows for p in row["pred"]]
+        labels = [g for row in rows for g in row["labels"]]
+        out["accuracy"] = D.accuracy(preds, labels) if labels else None
+    else:
+        preds = [p for row in rows for p in row["pred"]]
+        golds = [g for row in rows for g in row["gold"]]
+        out["f1"] = sum(D.f1(p, g) for p, g in zip(preds, golds)) / max(len(golds), 1)
+        out["exact_match"] = sum(D.exact_match(p, g) for p, g in zip(preds, golds)) / max(len(golds), 1)
+    return out

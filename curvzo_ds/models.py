@@ -1,0 +1,84 @@
+"""Models and tokenizers: the built-in tiny demo models, or any causal LM by hub id or path.
+
+Under ZeRO-3 a hub model is built inside `zero.Init` by `from_pretrained` while a live
+`HfDeepSpeedConfig` exists (DESIGN.md §3), so no rank ever holds the full model; keep the
+returned `keep_alive` object for the whole run (dropping it makes `generate()` hang).
+The demo models are tiny and built whole on every rank from a config and a fixed seed;
+`deepspeed.initialize` partitions them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .config import DEMO_MODELS, TrainConfig
+
+log = logging.getLogger("curvzo_ds")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def demo_kind(model: str) -> str:
+    return "opt" if model == "demo-opt" else "llama"
+
+
+def model_hidden_size(cfg: TrainConfig) -> int | None:
+    """The hidden size, for DeepSpeed's "auto" bucket sizes (read from the config only)."""
+    if cfg.model in DEMO_MODELS:
+        from .tasks import demo_model_config
+
+        return demo_model_config(demo_kind(cfg.model)).hidden_size
+    from transformers import AutoConfig
+
+    try:
+        conf = AutoConfig.from_pretrained(cfg.model)
+    except OSError as e:
+        raise FileNotFoundError(f"model={cfg.model!r}: no such local directory, and the hub could not be reached "
+                                f"({e.__class__.__name__}); pass a local path") from None
+    return getattr(conf, "hidden_size", None) or getattr(conf, "d_model", None)
+
+
+def load_tokenizer(cfg: TrainConfig):
+    from transformers import AutoTokenizer
+
+    if cfg.tokenizer is None and cfg.model in DEMO_MODELS:
+        from .tasks import load_tokenizer as load_demo
+
+        tok = load_demo(demo_kind(cfg.model))
+    else:
+        tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+    return tok
+
+
+def build_model(cfg: TrainConfig, ds_config: dict):
+    """(model, keep_alive): the causal LM, LoRA-wrapped when asked, ready for deepspeed.initialize."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES[cfg.dtype]
+    keep_alive = None
+    if cfg.model in DEMO_MODELS:
+        from .tasks import demo_model_config
+
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(demo_model_config(demo_kind(cfg.model))).to(dtype)
+    else:
+        if ds_config.get("zero_optimization", {}).get("stage") == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            keep_alive = HfDeepSpeedConfig(ds_config)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
+    if cfg.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model.requires_grad_(False)
+        torch.manual_seed(cfg.seed + 1)  # every rank must create the same adapters (DESIGN.md §3)
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.lora_target_modules),
+                          lora_dropout=0.0, task_type="CAUSAL_LM")
+        try:
+            model = get_peft_model(model, lora)
+        except ValueError as e:
+            raise ValueError(f"lora_target_modules={cfg.lora_target_modules}: {e}") from None
+    return model, keep_alive

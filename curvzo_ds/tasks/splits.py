@@ -1,0 +1,151 @@
+"""Where examples come from, and MeZO's rule for sampling train / dev / test from them.
+
+Sources: the bundled samples (the default), a local directory of JSONL or CSV files in the
+hub's fields, or the Hugging Face hub itself (`data_dir="hub"`).
+
+The split rule (MeZO, large_models/run.py): the train pool is permuted with
+`numpy.random.RandomState(seed)`; train is the first `num_train` of that order and dev
+the next `num_dev`. A test split drawn from train (a task directory without test.jsonl)
+takes the `num_eval` after those. A split given as its own file is subsampled with the
+same permutation rule (test: the whole file, in order, when `num_eval` is None). The
+result is a pure function of the inputs, so every rank of any world size sees the same.
+"""
+
+import csv
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from curvzo_ds.tasks.task import Task, get_task
+
+log = logging.getLogger(__name__)
+SPLIT_FILES = {"train": ("train",), "dev": ("dev",), "test": ("test", "validation")}
+
+
+def load_splits(task: Task | str, seed: int, num_train: int | None = None, num_dev: int | None = None,
+                num_eval: int | None = None, data_dir: str | Path | None = None) -> dict[str, list[dict]]:
+    """Return {"train": [...], "dev": [...], "test": [...]}, lists of plain dict examples.
+
+    num_train=None takes what is left of train after dev (and test); num_dev=None is the
+    task's default (500, CB 100); num_eval=None is the whole test split. data_dir=None reads
+    the task's own files (the bundled samples of a built-in task, or a task directory),
+    "hub" loads the hub dataset, and a path reads train/dev/validation(or test).jsonl|.csv.
+    """
+    task = get_task(task)
+    if data_dir is None and task.data_dir is None:
+        raise ValueError(f"task {task.name!r} has no files of its own; pass data_dir")
+    if str(data_dir) == "hub":
+        pools = _read_hub(task)
+    else:
+        pools = read_split_files(task, Path(data_dir) if data_dir is not None else task.data_dir)
+        if data_dir is None and task.hub is not None:
+            log.warning("task %s: using the %d bundled sample examples; pass data_dir='hub' or a "
+                        "directory of the real data", task.name, len(pools["train"]))
+    return split(pools, seed, num_train, task.num_dev if num_dev is None else num_dev, num_eval)
+
+
+def split(pools: dict[str, list], seed: int, num_train: int | None, num_dev: int,
+          num_eval: int | None) -> dict[str, list]:
+    """MeZO's sampling; pools holds "train" and optionally "dev" and "test"."""
+    train = pools["train"]
+    held = {}  # splits drawn from train, in the order they follow the train examples
+    if "dev" not in pools:
+        held["dev"] = num_dev
+    if "test" not in pools:
+        held["test"] = num_dev if num_eval is None else num_eval
+    n = len(train)
+    if (num_train or 1) + sum(held.values()) > n:
+        cut = {k: min(v, n // 5) for k, v in held.items()}
+        log.warning("train holds %d examples, fewer than num_train=%s plus %s; drawing %s from it",
+                    n, num_train, held, cut)
+        held = cut
+    rest = n - sum(held.values())
+    n_train = rest if num_train is None else min(num_train, rest)
+    order = _permutation(seed, n)
+    out = {"train": [dict(train[i]) for i in order[:n_train]]}
+    start = n_train
+    for name, size in held.items():
+        out[name] = [dict(train[i]) for i in order[start:start + size]]
+        start += size
+    if "dev" in pools:
+        out["dev"] = _subset(pools["dev"], seed, num_dev)
+    if "test" in pools:
+        test = pools["test"]
+        out["test"] = [dict(ex) for ex in test] if num_eval is None else _subset(test, seed, num_eval)
+    return out
+
+
+def _permutation(seed: int, n: int) -> list[int]:
+    return np.random.RandomState(seed).permutation(n).tolist()
+
+
+def _subset(examples: list, seed: int, num: int) -> list:
+    return [dict(examples[i]) for i in _permutation(seed, len(examples))[:num]]
+
+
+def read_split_files(task: Task, directory: Path) -> dict[str, list[dict]]:
+    """train.(jsonl|csv) and, if present, dev.* and test.* (or validation.*), checked against the task."""
+    if not directory.is_dir():
+        raise ValueError(f"data_dir {directory} is not a directory; it should hold train.jsonl "
+                         f"(or train.csv) and validation.jsonl")
+    pools = {}
+    for split_name, stems in SPLIT_FILES.items():
+        path = next((directory / f"{s}{e}" for s in stems for e in (".jsonl", ".csv")
+                     if (directory / f"{s}{e}").is_file()), None)
+        if path is None:
+            continue
+        rows = read_csv(path) if path.suffix == ".csv" else read_jsonl(path)
+        for line, example in rows:
+            task.check(example, f"{path} line {line}")
+        pools[split_name] = [example for _, example in rows]
+    if "train" not in pools:
+        raise ValueError(f"{directory}: no train.jsonl or train.csv; put the training examples there, "
+                         f"one JSON object per line")
+    if not pools["train"]:
+        raise ValueError(f"{directory}: the train file holds no examples")
+    return pools
+
+
+def read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, object) for each non-blank line; a bad line raises naming its number."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((line_no, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path} line {line_no}: not valid JSON ({err.msg} at column "
+                                 f"{err.colno}); each line must be one JSON object") from None
+    return rows
+
+
+def read_csv(path: Path) -> list[tuple[int, dict]]:
+    """Rows of a CSV file with a header line; cells stay strings (the task converts them)."""
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        return [(reader.line_num, dict(row)) for row in reader]
+
+
+def _read_hub(task: Task) -> dict[str, list[dict]]:
+    if task.hub is None:
+        raise ValueError(f"task {task.name!r} has no hub dataset; use its own files (data_dir unset)")
+    path, name, revision = task.hub
+    try:
+        import datasets
+
+        dataset = datasets.load_dataset(path, name, revision=revision)
+    except Exception as err:  # offline, not cached, renamed: all end the same way for the user
+        raise ValueError(
+            f"task {task.name}: could not load {path} ({name}) from the Hugging Face hub "
+            f"({type(err).__name__}: {err}). Without the hub, pass data_dir=DIR where DIR holds "
+            f"train.jsonl and validation.jsonl (or .csv) in the hub's fields, or leave data_dir "
+            f"unset to use the small bundled samples") from None
+    pools = {"train": [dict(r) for r in dataset["train"]], "test": [dict(r) for r in dataset["validation"]]}
+    for split_name, examples in pools.items():
+        for i, example in enumerate(examples):
+            task.check(example, f"{path} {split_name} row {i}")
+    return pools
