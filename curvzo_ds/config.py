@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,6 +177,9 @@ def coerce(cls, key: str, value: Any) -> Any:
         raise ConfigError(f"unknown key {key!r}{hint}; `curvzo-ds train --help` lists every key")
     f = next(f for f in dataclasses.fields(cls) if f.name == key)
     default = f.default if f.default is not dataclasses.MISSING else None
+    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", value.strip()) \
+            and any(t in str(f.type) for t in ("float", "int", "Any")):
+        value = float(value)  # YAML 1.1 reads 1e-6 as a string; CONTRACTS.md promises a number
     if value is None or default is None or isinstance(default, str) and key in ("score_init",):
         return value
     if isinstance(default, bool):

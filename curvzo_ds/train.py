@@ -141,6 +141,7 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
     bar = _progress(cfg, run.rank, engine.step_count)
     seconds0, t0 = state["seconds"], time.time()
     saved = None
+    last_dev = None
     try:
         while engine.step_count < cfg.max_steps:
             r = engine.step(run.micro_batches(engine.step_count))
@@ -153,30 +154,37 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
                 bar.update(1)
                 bar.set_postfix(loss=f"{r.loss:.4f}" if r.loss is not None else "-",
                                 budget=f"{r.budget:.1f}", blocks=r.n_selected)
-            if "dev" in run.eval_data and cfg.eval_steps and step % cfg.eval_steps == 0 and step < cfg.max_steps:
-                dev = run.evaluate("dev")
-                writer.write({"step": step, "split": "dev", **dev})
-                if _better(dev, state["best_dev"], metric_name):
-                    state["best_dev"] = {"step": step, "metrics": dev}
+            if "dev" in run.eval_data and cfg.eval_steps and step % cfg.eval_steps == 0:
+                last_dev = (step, run.evaluate("dev"))
+                writer.write({"step": step, "split": "dev", **last_dev[1]})
+                if _better(last_dev[1], state["best_dev"], metric_name):
+                    state["best_dev"] = {"step": step, "metrics": last_dev[1]}
                     _save(run, state, seconds0 + time.time() - t0, best=True)
                     saved = step
-            if cfg.save_steps and step % cfg.save_steps == 0 and step < cfg.max_steps and saved != step:
+            if (cfg.save_steps and step % cfg.save_steps == 0 or step == cfg.max_steps) and saved != step:
                 _save(run, state, seconds0 + time.time() - t0)
+                saved = step
     finally:
         if bar is not None:
             bar.close()
-    # The last checkpoint carries the state a longer run would have had here (no end-of-run eval).
-    final_path = _save(run, state, seconds0 + time.time() - t0)
+    step = engine.step_count
+    if saved != step:
+        _save(run, state, seconds0 + time.time() - t0)
+    final_path = os.path.join(out, f"checkpoint-{step}")
     digest = params_digest(engine.entries, comm)
+    # End-of-run evaluations are marked "final": a resumed run drops them (a longer run has none).
     final = {}
-    for split in ("dev", "test"):
-        if split in run.eval_data:
-            final[split] = run.evaluate(split)
-            writer.write({"step": engine.step_count, "split": split, "final": True, **final[split]})
+    if "dev" in run.eval_data:
+        final["dev"] = last_dev[1] if last_dev and last_dev[0] == step else run.evaluate("dev")
+        if not (last_dev and last_dev[0] == step):
+            writer.write({"step": step, "split": "dev", "final": True, **final["dev"]})
+    if "test" in run.eval_data:
+        final["test"] = run.evaluate("test")
+        writer.write({"step": step, "split": "test", "final": True, **final["test"]})
     best = state["best_dev"]
     test = final.get("test")
-    if "dev" in final and _better(final["dev"], best, metric_name):
-        best = {"step": engine.step_count, "metrics": final["dev"], "checkpoint": final_path}
+    if "dev" in final and (best is None or best["step"] == step or _better(final["dev"], best, metric_name)):
+        best = {"step": step, "metrics": final["dev"], "checkpoint": final_path}
     elif best and "test" in run.eval_data:
         ckpt.load_checkpoint(engine, best["checkpoint"])  # MeZO: report test at the best dev point
         test = run.evaluate("test")

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# mpirun (Open MPI or MPICH); needs mpi4py (pip install -e '.[mpi]'). Several nodes: MPI_ARGS="--hostfile hosts".
+extra=()
+if [ "$(id -u)" = 0 ]; then extra+=(--allow-run-as-root); fi
+if [ "${NPROC:-2}" -gt "$(nproc)" ]; then extra+=(--oversubscribe); fi
+exec mpirun -np "${NPROC:-2}" "${extra[@]}" ${MPI_ARGS:-} python -m curvzo_ds.cli train "$@"

@@ -1,0 +1,133 @@
+"""`curvzo-ds train` end to end: every launcher, world-size invariance, resume at 1->1, 2->2, 2->3.
+
+All runs use the same small configuration, so every launcher and world size must produce the
+same params_digest (the trajectory is world-size independent), and a run split by a resume must
+equal the straight run: same digest and the same metrics lines (wall-clock fields aside).
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from curvzo_ds.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CHECK = ROOT.parent / "shared" / "check_run.py"
+COMMON = ["--set", "max_steps=12", "--set", "eval_steps=3", "--set", "save_steps=3", "--set", "num_train=200",
+          "--set", "num_dev=16", "--set", "num_eval=16", "--set", "global_batch_size=8",
+          "--set", "micro_batch_size=2", "--set", "disable_tqdm=true", "--set", "report_to=none",
+          "--set", "save_total_limit=2", "--deepspeed", str(ROOT / "ds_configs" / "zero3.json")]
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+CLI = [sys.executable, "-m", "curvzo_ds.cli", "train"]
+
+
+def launcher_cmd(kind: str, n: int, port: int) -> list[str]:
+    if kind == "python":
+        return CLI
+    if kind == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
+                str(port), "-m", "curvzo_ds.cli", "train"]
+    if kind == "deepspeed":
+        return [shutil.which("deepspeed"), "--num_gpus", str(n), "--master_port", str(port), "--module",
+                "curvzo_ds.cli", "train"]
+    if kind == "accelerate":
+        cfg = str(ROOT / "ds_configs" / "accelerate_zero3.yaml")
+        return [shutil.which("accelerate"), "launch", "--config_file", cfg,
+                "--num_processes", str(n), "--main_process_port", str(port), "-m", "curvzo_ds.cli", "train"]
+    if kind == "mpirun":
+        return [shutil.which("mpirun"), "-np", str(n), "--allow-run-as-root", "--oversubscribe", "-x", "PYTHONPATH",
+                "-x", "DS_ACCELERATOR", "-x", "MASTER_PORT", sys.executable, "-m", "curvzo_ds.cli", "train"]
+    raise ValueError(kind)
+
+
+def train(kind: str, n: int, out: pathlib.Path, *extra: str, port: int = 29610) -> dict:
+    cmd = launcher_cmd(kind, n, port) + COMMON + ["--set", f"output_dir={out}", *extra]
+    env = {**ENV, "MASTER_PORT": str(port)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
+    assert proc.returncode == 0, f"{kind}: " + proc.stdout[-3000:] + proc.stderr[-5000:]
+    check = subprocess.run([sys.executable, str(CHECK), str(out)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+    return json.loads((out / "summary.json").read_text())
+
+
+def metrics_lines(out: pathlib.Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows if not r.get("final")]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("app") / "straight-1"
+    return out, train("python", 1, out)
+
+
+def test_straight_run_trains_and_writes_the_contract(straight):
+    out, summary = straight
+    assert summary["world_size"] == 1 and summary["steps"] == 12
+    assert summary["best_dev"] is not None and "accuracy" in summary["test"]
+    rows = metrics_lines(out)
+    train_rows = [r for r in rows if "split" not in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 13))
+    assert any(r["projected_grad"] not in (0, None) for r in train_rows)
+    # Rotation kept the last two checkpoints and the best-dev one.
+    kept = sorted(p.name for p in out.glob("checkpoint-*"))
+    best = pathlib.Path(json.loads((out / "checkpoint-12" / "manifest.json").read_text())["trainer"]["best_dev"]
+                        ["checkpoint"]).name
+    assert {"checkpoint-9", "checkpoint-12", best} == set(kept)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["torchrun", "deepspeed", "accelerate", "mpirun"])
+def test_every_launcher_gives_the_one_process_result(straight, tmp_path, kind):
+    if kind == "mpirun" and shutil.which("mpirun") is None:
+        pytest.fail("mpirun is not installed (apt-get install openmpi-bin; .ci/run does it)")
+    summary = train(kind, 2, tmp_path / kind, port=29620 + len(kind))
+    assert summary["world_size"] == 2
+    assert summary["params_digest"] == straight[1]["params_digest"]
+    assert len(summary["peak_rss_bytes"]) == 2
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("first,second", [(1, 1), (2, 2), (2, 3)])
+def test_resume_equals_the_straight_run(straight, tmp_path, first, second):
+    out = tmp_path / "resumed"
+    kind = "python" if first == 1 else "torchrun"
+    train(kind, first, out, "--set", "max_steps=6", port=29640 + first)
+    kind = "python" if second == 1 else "torchrun"
+    summary = train(kind, second, out, "--resume", port=29650 + second)
+    assert summary["params_digest"] == straight[1]["params_digest"]
+    assert metrics_lines(out) == metrics_lines(straight[0])
+    assert summary["best_dev"] == straight[1]["best_dev"] and summary["test"] == straight[1]["test"]
+
+
+def test_export_loads_and_matches_the_digest(straight, tmp_path):
+    out, summary = straight
+    export = tmp_path / "hf"
+    assert main(["export", str(out / "checkpoint-12"), "--out", str(export)]) == 0
+    check = subprocess.run([sys.executable, str(CHECK), str(out), "--export", str(export)],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(export))
+    assert sum(p.numel() for p in model.parameters()) == summary["num_params"]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--set", "learnin_rate=1e-3"], "did you mean 'learning_rate'"),
+    (["--set", "max_steps=abc"], "max_steps"),
+    (["--set", "zo_eps=-1"], "zo_eps"),
+    (["--config", "/nonexistent.yaml"], "/nonexistent.yaml"),
+    (["--deepspeed", "/nonexistent.json"], "/nonexistent.json"),
+    (["--set", "zero_stage=2"], "use 3"),
+    (["--set", "novalue"], "KEY=VALUE"),
+])
+def test_bad_config_is_one_line_and_exit_2(capsys, args, words):
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
