@@ -85,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key")
         p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
                        help="resume from CHECKPOINT, or from the newest complete one in output_dir")
-        p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
     p.add_argument("checkpoint")
     p.add_argument("--out", required=True)
@@ -101,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--fp32-master-weights", action="store_true")
+    argv = sys.argv[1:] if argv is None else argv
+    # The deepspeed launcher inserts --local_rank=N (before the subcommand); LOCAL_RANK has it too.
+    argv = [a for a in argv if not re.match(r"--local[-_]rank=\d+$", a)]
     args = parser.parse_args(argv)
     try:
         if args.command in ("train", "eval"):

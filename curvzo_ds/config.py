@@ -30,7 +30,7 @@ class ZOConfig:
 
     method: str = "curvzo"
     seed: int = 42
-    learning_rate: float | None = None  # preset: demo 1e-3, full 1e-6, LoRA 5e-5
+    learning_rate: float | None = None  # preset: demo 3e-4, full 1e-6, LoRA 5e-5
     zo_eps: float | None = None  # preset: demo 1e-2, full 1e-3, LoRA 1e-2
     weight_decay: float = 0.0
     lr_scheduler_type: str = "constant"
@@ -213,7 +213,7 @@ def resolve_presets(cfg: TrainConfig) -> TrainConfig:
     """Fill the `None` defaults that depend on the kind of run (DESIGN.md §5: MeZO's defaults)."""
     demo = cfg.model in DEMO_MODELS
     if cfg.learning_rate is None:
-        cfg.learning_rate = 1e-3 if demo else (5e-5 if cfg.lora else 1e-6)
+        cfg.learning_rate = 3e-4 if demo else (5e-5 if cfg.lora else 1e-6)
     if cfg.zo_eps is None:
         cfg.zo_eps = 1e-2 if demo or cfg.lora else 1e-3
     if cfg.max_steps is None:
