@@ -11,6 +11,7 @@ boundary, and still covers the answer when it does. Leading special tokens (Llam
 OPT's </s>) are kept when a row is cut from the left.
 """
 
+import functools
 import re
 import string
 from collections import Counter
@@ -196,9 +197,11 @@ def classification_eval(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor,
     return *_cross_entropy(scores, batch), _argmax_per_example(scores, batch)
 
 
-def _newline_ids(tokenizer) -> list[int]:
+@functools.lru_cache(maxsize=4)
+def _newline_ids(tokenizer) -> tuple[int, ...]:
+    """Every token whose text holds a newline (Llama: <0x0A>; GPT-2/OPT: Ċ and merges of it)."""
     pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    return [i for i, piece in enumerate(pieces) if "\n" in piece]
+    return tuple(i for i, piece in enumerate(pieces) if "\n" in piece)
 
 
 @torch.no_grad()

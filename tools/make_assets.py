@@ -27,33 +27,20 @@ SEED = 1234
 SIZES = {"train": 2000, "dev": 200, "test": 200}
 VOCAB_SIZE = 1024
 
+# Short sentences, four sentiment words per class: kept this simple so that plain MeZO visibly
+# trains a randomly initialised demo Llama (lr 5e-4, eps 1e-3, batch 16, seed 0: dev accuracy
+# 0.6 at step 500, 0.8 at 750, 0.9 at 1000 when this was written). Longer sentences did not learn.
 SUBJECTS = ["the movie", "the film", "the show", "the story", "the acting", "the plot", "the ending",
             "the music", "the cast", "the book", "the meal", "the service", "the hotel", "the game",
             "the concert", "the trip", "the album", "the script"]
 VERBS = ["was", "is", "felt", "seemed", "looked", "sounded"]
 ADVERBS = ["", "", "really ", "very ", "truly ", "quite ", "so ", "pretty "]
-WORDS = [  # label 0 (negative), label 1 (positive)
-    ["bad", "awful", "boring", "dull", "poor", "horrible", "weak", "dreadful", "messy", "painful",
-     "lame", "ugly", "annoying", "disappointing"],
-    ["good", "wonderful", "excellent", "lovely", "amazing", "fun", "brilliant", "charming", "superb",
-     "delightful", "fantastic", "beautiful", "enjoyable", "perfect"],
-]
-FILLERS = ["", "", "", "We saw it last week.", "I went with my sister.", "It lasted two hours.",
-           "My friends came too.", "We went on a Friday.", "It was my first time there.",
-           "The place was full."]
-
-
-def clause(rng: random.Random, label: int) -> str:
-    return f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(ADVERBS)}{rng.choice(WORDS[label])}"
+WORDS = [["bad", "awful", "boring", "dull"], ["good", "wonderful", "excellent", "lovely"]]  # label 0, 1
 
 
 def sentence(rng: random.Random, label: int) -> str:
-    text = clause(rng, label)
-    if rng.random() < 0.3:
-        text += ", and " + clause(rng, label)
-    text = text[0].upper() + text[1:] + "."
-    filler = rng.choice(FILLERS)
-    return f"{text} {filler}" if filler else text
+    text = f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(ADVERBS)}{rng.choice(WORDS[label])}."
+    return text[0].upper() + text[1:]
 
 
 def make_demo() -> None:

@@ -29,7 +29,8 @@ def load_splits(task: Task | str, seed: int, num_train: int | None = None, num_d
     """Return {"train": [...], "dev": [...], "test": [...]}, lists of plain dict examples.
 
     num_train=None takes what is left of train after dev (and test); num_dev=None is the
-    task's default (500, CB 100); num_eval=None is the whole test split. data_dir=None reads
+    task's default (500, CB 100); num_eval=None is the whole test split (when test is drawn
+    from train: as many as dev). data_dir=None reads
     the task's own files (the bundled samples of a built-in task, or a task directory),
     "hub" loads the hub dataset, and a path reads train/dev/validation(or test).jsonl|.csv.
     """
