@@ -260,7 +260,7 @@ class ZOEngine:
                 else:
                     _write(e, a, e.master[a: a + z.numel()])
             else:
-                _add(e, a, z, alpha)
+                _scale_add(e, a, z, 1.0, alpha)
             if stats:
                 o_lo, o_hi = intersect((lo, hi), e.owned)
                 if o_hi > o_lo:
@@ -393,16 +393,6 @@ def _pieces_of(e: ParamEntry, a: int, n: int):
         lo, hi = max(a, off), min(a + n, off + view.numel())
         if hi > lo:
             yield view, slice(lo - off, hi - off), slice(lo - a, hi - a)
-
-
-def _add(e: ParamEntry, a: int, z: torch.Tensor, alpha: float) -> None:
-    for view, vs, zs in _pieces_of(e, a, z.numel()):
-        part = view[vs]
-        zp = z[zs].to(part.device)
-        if part.dtype in _EXACT:
-            part.add_(zp.to(part.dtype), alpha=alpha)
-        else:
-            part.copy_(part.float().add_(zp, alpha=alpha))
 
 
 def _scale_add(e: ParamEntry, a: int, z: torch.Tensor, scale: float, alpha: float) -> None:
