@@ -59,3 +59,55 @@ def plan(model: str, world_size: int, dtype: str, fp32_master: bool) -> None:
     print(f"  noise buffer per tensor piece        {min(largest, 1 << 22) * 4 / 2**20:8.2f} MiB")
     print(f"  CurvZO state (scores, replicated)    {len(tensors) * 16 / 2**10:8.2f} KiB")
     print("  gradients, optimizer state           0 (zeroth order)")
+
+
+def drift(steps: int, dtype: str = "bfloat16", seed: int = 0) -> list[dict]:
+    """Weight drift of low-precision ZO steps, with and without the fp32 master copy (prints a table).
+
+    One process, the demo model and task. lr = 0: only the +eps, -2eps, +eps cycle moves the weights,
+    so everything that moves is drift. lr > 0: the distance to an fp32 run of the same seed, as a
+    fraction of how far the fp32 run moved.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from . import data as D
+    from .engine import MicroBatches, ZOEngine
+    from .tasks import demo_model_config, get_task, load_splits
+    from .tasks.demo import load_tokenizer
+
+    tok, task = load_tokenizer("llama"), get_task("demo")
+    encoded = [D.encode(task, tok, ex, 128, True) for ex in load_splits(task, seed, 512, 8, 8)["train"]]
+    batches = [MicroBatches([D.collate(encoded[(16 * t + i) % len(encoded):][:4], tok.pad_token_id)
+                             for i in (0, 4, 8, 12)]) for t in range(steps)]
+    torch.manual_seed(seed)
+    init = AutoModelForCausalLM.from_config(demo_model_config("llama")).state_dict()
+
+    def run(dt, lr, eps, master):
+        model = AutoModelForCausalLM.from_config(demo_model_config("llama"))
+        model.load_state_dict(init)
+        model.to(getattr(torch, dt))
+        engine = ZOEngine(model, D.classification_loss, method="mezo", learning_rate=lr, zo_eps=eps, seed=seed,
+                          fp32_master_weights=master)
+        losses = [engine.step(b).loss for b in batches]
+        return torch.cat([p.detach().double().flatten() for p in model.parameters()]), losses
+
+    w0 = torch.cat([p.double().flatten() for p in init.values()])
+    w0_low = w0.to(getattr(torch, dtype)).double()
+    rows = []
+    for lr, eps in ((0.0, 1e-3), (3e-4, 1e-2)):
+        ref, _ = run("float32", lr, eps, False) if lr else (w0, None)
+        for master in (False, True):
+            w, losses = run(dtype, lr, eps, master)
+            row = {"dtype": dtype, "lr": lr, "eps": eps, "fp32_master": master, "steps": steps,
+                   "changed_fraction": (w != w0_low).double().mean().item(),
+                   "max_abs_change": (w - w0_low).abs().max().item(), "final_loss": losses[-1]}
+            if lr:
+                row["dist_to_fp32_over_fp32_move"] = ((w - ref).norm() / (ref - w0).norm()).item()
+            rows.append(row)
+    print(f"{'dtype':9} {'lr':>7} {'eps':>6} {'master':>6} {'changed':>8} {'max|dw|':>9} {'vs fp32':>8} "
+          f"{'loss':>7}  ({steps} MeZO steps, demo model)")
+    for r in rows:
+        vs = f"{r['dist_to_fp32_over_fp32_move']:8.3f}" if "dist_to_fp32_over_fp32_move" in r else f"{'-':>8}"
+        print(f"{r['dtype']:9} {r['lr']:7.0e} {r['eps']:6.0e} {str(r['fp32_master']):>6} "
+              f"{r['changed_fraction']:8.4f} {r['max_abs_change']:9.2e} {vs} {r['final_loss']:7.4f}")
+    return rows

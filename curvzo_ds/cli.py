@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="time engine steps on a model (prints figures)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--drift", choices=["bfloat16", "float16"],
+                   help="instead: weight drift of DTYPE steps with and without fp32_master_weights")
     p = sub.add_parser("plan", help="per-rank memory of a model under ZeRO-3 with CurvZO")
     p.add_argument("--model", default="demo")
     p.add_argument("--world-size", type=int, default=8)
@@ -119,9 +121,12 @@ def main(argv: list[str] | None = None) -> int:
 
             print(plot_runs(args.run_dirs, args.out))
         elif args.command == "bench":
-            from .bench import bench
+            from .bench import bench, drift
 
-            bench(load_config(None, args.set, None), args.steps)
+            if args.drift:
+                drift(args.steps, args.drift)
+            else:
+                bench(load_config(None, args.set, None), args.steps)
         elif args.command == "plan":
             from .bench import plan
 

@@ -184,9 +184,9 @@ class ZOEngine:
         was_training = self.module.training
         self.module.eval()  # dropout would give the two forwards different masks
         try:
-            block_fixed = self._perturb(t, pieces, eps, stats=True)
+            block_fixed = self._perturb(t, pieces, 0.0, eps, stats=True)
             plus = self._forwards(batch)
-            self._perturb(t, pieces, -2 * eps)
+            self._perturb(t, pieces, eps, -eps)
             minus = self._forwards(batch)
         finally:
             self.module.train(was_training)
@@ -194,7 +194,7 @@ class ZOEngine:
         delta = (loss_plus - loss_minus) / (2 * eps)
         loss = 0.5 * (loss_plus + loss_minus)
         if not all(math.isfinite(x) for x in (loss_plus, loss_minus, delta)):
-            self._perturb(t, pieces, eps, restore=True)
+            self._perturb(t, pieces, -eps, 0.0)
             self.step_count += 1
             self.skips_in_row += 1
             self.skipped_total += 1
@@ -249,18 +249,17 @@ class ZOEngine:
     def _noise(self, t: int, e: ParamEntry, lo: int, hi: int) -> torch.Tensor:
         return self.noise.slice(t, e.name, e.numel, lo, hi - lo)
 
-    def _perturb(self, t: int, pieces, alpha: float, stats: bool = False, restore: bool = False):
+    def _perturb(self, t: int, pieces, at: float, to: float, stats: bool = False):
+        """Move the selected weights from w + at z to w + to z (the fp32 master copy, when kept, is w)."""
         block_fixed = torch.zeros(self.num_blocks, dtype=torch.int64) if stats else None
         for b, e, lo, hi in pieces:
             z = self._noise(t, e, lo, hi)
             a = lo - e.region[0]
             if e.master is not None:
-                if not restore:
-                    _write(e, a, e.master[a: a + z.numel()] + alpha * z)
-                else:
-                    _write(e, a, e.master[a: a + z.numel()])
+                m = e.master[a: a + z.numel()]
+                _write(e, a, m + to * z if to else m)
             else:
-                _scale_add(e, a, z, 1.0, alpha)
+                _scale_add(e, a, z, 1.0, to - at)
             if stats:
                 o_lo, o_hi = intersect((lo, hi), e.owned)
                 if o_hi > o_lo:

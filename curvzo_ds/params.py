@@ -108,7 +108,7 @@ def collect_entries(module: torch.nn.Module, *, replicated_rank: int, fp32_maste
         raise ValueError("two trainable parameters have the same canonical name; rename one")
     if fp32_master:
         for e in entries:
-            if e.param.dtype != torch.float32:
+            if e.param.dtype in (torch.bfloat16, torch.float16):  # fp32/fp64 are edited exactly
                 e.master = e.region_values().clone()
     return entries
 
