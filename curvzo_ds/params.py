@@ -12,6 +12,7 @@ Blocks (paper Sec. 3.5) are lists of segments (entry, lo, hi) of one or more ten
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 
@@ -55,7 +56,10 @@ class ParamEntry:
             return self.master
         lo, hi = self.region
         out = torch.empty(hi - lo, dtype=torch.float32)
-        for view, off in self.targets():
+        targets = self.targets()
+        if max(off + view.numel() for view, off in targets) < hi - lo or min(off for _, off in targets) > 0:
+            raise RuntimeError(f"{self.name}: only the shard is here; gather the parameter to read its region")
+        for view, off in targets:
             out[off: off + view.numel()] = view.float().cpu()
         return out
 
@@ -107,8 +111,13 @@ def collect_entries(module: torch.nn.Module, *, replicated_rank: int, fp32_maste
     if len(set(names)) != len(names):
         raise ValueError("two trainable parameters have the same canonical name; rename one")
     if fp32_master:
-        for e in entries:
-            if e.param.dtype in (torch.bfloat16, torch.float16):  # fp32/fp64 are edited exactly
+        low = [e for e in entries if e.param.dtype in (torch.bfloat16, torch.float16)]  # fp32/64 edited exactly
+        # A persistent tensor's region is all of it, but before the first forward only the shard is
+        # here: gather those (a collective; the list is the same on every rank).
+        gather = [e.param for e in low if e.partitioned and e.region == (0, e.numel)
+                  and not ds_compat.is_available(e.param)]
+        with ds_compat.gathered(gather) if gather else contextlib.nullcontext():
+            for e in low:
                 e.master = e.region_values().clone()
     return entries
 

@@ -26,6 +26,10 @@ SCENARIOS = [
     # LoRA: every adapter tensor is persistent under the default threshold.
     {"name": "lora", "steps": 60, "n_micro": 2, "lora": True, "persist": 100000,
      "zo": {**ZO, "method": "curvzo", "learning_rate": 1e-2}},
+    # bf16 shards, edited in place or through an fp32 master copy of the owned slice only.
+    {"name": "bf16", "steps": 15, "n_micro": 2, "bf16": True, "zo": {**ZO, "method": "curvzo", "zo_eps": 1e-2}},
+    {"name": "bf16_master", "steps": 15, "n_micro": 2, "bf16": True,
+     "zo": {**ZO, "method": "curvzo", "zo_eps": 1e-2, "fp32_master_weights": True}},
     {"name": "stage3_short", "steps": 10, "n_micro": 3, "zo": {**ZO, "method": "curvzo"}},
     {"name": "stage0_short", "steps": 10, "n_micro": 3, "stage": 0, "zo": {**ZO, "method": "curvzo"}},
     {"name": "disagree", "steps": 0, "n_micro": 1, "disagree": True, "min_world": 2, "zo": ZO},
@@ -51,7 +55,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["curvzo", "mezo", "offload", "small_batch", "lora"])
+@pytest.mark.parametrize("name", ["curvzo", "mezo", "offload", "small_batch", "lora", "bf16", "bf16_master"])
 def test_bit_identical_at_1_2_3_ranks(runs, name):
     ref = runs[1][name]
     assert len(ref["traj"]) > 0
@@ -115,3 +119,17 @@ def test_disagreeing_rank_is_detected_at_start(runs):
     for w in (2, 3):
         msg = runs[w]["disagree"]["error"]
         assert msg and "seed" in msg and "disagrees with rank 0" in msg
+
+
+@pytest.mark.multirank
+def test_bf16_master_copy_covers_the_edited_region_only(runs):
+    for w in (1, 2, 3):
+        plain, master = runs[w]["bf16"], runs[w]["bf16_master"]
+        assert plain["dtypes"] == master["dtypes"] == ["torch.bfloat16"]
+        assert plain["master_elements"] == 0
+        # fp32 copies of the owned shards plus the replicated persistent tensors, never whole models.
+        owned, persistent = master["owned_per_rank"], master["persistent"]
+        assert master["master_elements"] >= max(owned)
+        if w > 1 and not persistent:
+            assert master["master_elements"] == owned[0]
+        assert master["digest"] != plain["digest"]

@@ -70,6 +70,9 @@ def run(spec: dict, rank: int, world: int) -> dict:
         zero["offload_param"] = {"device": "cpu"}
     ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "train_batch_size": world, "zero_optimization": zero}
+    if spec.get("bf16"):
+        model.to(torch.bfloat16)
+        ds_cfg["bf16"] = {"enabled": True}
     ds_engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
     if spec.get("disagree"):
         try:
@@ -109,6 +112,8 @@ def run(spec: dict, rank: int, world: int) -> dict:
         "engine_all_reduce": dict(zo.comm.stats),
         "torch_all_reduce": calls,
         "owned_per_rank": owned_all,
+        "master_elements": sum(e.master.numel() for e in zo.entries if e.master is not None),
+        "dtypes": sorted({str(e.param.dtype) for e in zo.entries}),
         "persistent": sorted(e.name for e in zo.entries if e.region == (0, e.numel) and e.partitioned),
     }
 
@@ -121,6 +126,8 @@ def main():
     for spec in json.load(open(spec_path)):
         if spec.get("min_world", 1) > world:
             continue
+        if rank == 0:
+            print(f"scenario {spec['name']} at world size {world}", flush=True)  # for the log of a failure
         results[spec["name"]] = run(spec, rank, world)
     if rank == 0:
         with open(out_path, "w") as f:
