@@ -12,11 +12,15 @@ import torch
 
 def bench(cfg, steps: int) -> None:
     """Time `steps` engine steps of the configured run (one rank or under a launcher)."""
-    from .logs import peak_rss_bytes
+    import gc
+
+    from .logs import peak_rss_bytes, rss_bytes
     from .train import Run
 
     cfg.disable_tqdm = True
     run = Run(cfg)
+    gc.collect()
+    rss_setup, peak_setup = rss_bytes(trim=True), peak_rss_bytes()
     times = []
     for t in range(steps):
         batch = run.micro_batches(t)
@@ -24,6 +28,11 @@ def bench(cfg, steps: int) -> None:
         run.engine.step(batch)
         times.append(time.perf_counter() - start)
     owned = sum(e.owned[1] - e.owned[0] for e in run.engine.entries)
+    owned_bytes = sum((e.owned[1] - e.owned[0]) * e.param.element_size() for e in run.engine.entries)
+    master_bytes = sum(e.master.numel() * 4 for e in run.engine.entries if e.master is not None)
+    gc.collect()
+    per_rank = run.engine.comm.all_gather_object((owned_bytes, master_bytes, rss_setup, peak_setup,
+                                                  rss_bytes(trim=True), peak_rss_bytes()))
     if run.rank == 0:
         warm = sorted(times[1:] or times)
         print(f"model {cfg.model} method {cfg.method} world {run.world} blocks {run.engine.num_blocks} "
@@ -32,6 +41,10 @@ def bench(cfg, steps: int) -> None:
               f"(first {times[0]:.4f})")
         print(f"rank 0 owns {owned} elements ({owned / run.engine.num_params:.3f} of the model); "
               f"peak RSS {peak_rss_bytes() / 2**20:.1f} MiB")
+        mib = lambda b: f"{b / 2**20:.1f} MiB" if b is not None else "n/a"
+        for r, (ob, mb, setup, peak_setup, now, peak) in enumerate(per_rank):
+            print(f"rank {r}: owned trainable slices {mib(ob)}, fp32 master {mib(mb)}; RSS after set-up "
+                  f"{mib(setup)} (peak while loading {mib(peak_setup)}), after the steps {mib(now)}, peak {mib(peak)}")
 
 
 def plan(model: str, world_size: int, dtype: str, fp32_master: bool) -> None:

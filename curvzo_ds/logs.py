@@ -189,6 +189,26 @@ def peak_rss_bytes() -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
+def rss_bytes(trim: bool = False) -> int | None:
+    """This process's resident set size now (Linux /proc; None elsewhere).
+
+    trim: first return freed heap memory to the system (glibc malloc_trim), so the figure counts
+    live memory rather than what the allocator keeps for reuse.
+    """
+    if trim:
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return None
+
+
 def versions() -> dict[str, str | None]:
     """Versions of Python and of the packages a run's numbers depend on (None: not installed)."""
     found: dict[str, str | None] = {"python": platform.python_version()}
