@@ -8,6 +8,7 @@ written by exactly one rank and is zero elsewhere, so the integer sum returns it
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
@@ -66,6 +67,19 @@ class Comm:
     def barrier(self) -> None:
         if self.active and self.world_size > 1:
             dist.barrier(group=self.group)
+
+
+@contextlib.contextmanager
+def main_process_first(comm: Comm):
+    """Rank 0 of `comm`'s group runs the body first (it fills the download and tokenizer caches); the
+    other ranks wait at a barrier of that group until it is done, then run theirs."""
+    if comm.rank != 0:
+        comm.barrier()
+    try:
+        yield
+    finally:
+        if comm.rank == 0:
+            comm.barrier()  # also on an error, so that the others fail on their own instead of hanging
 
 
 def float64_bits(values: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,12 @@ class MicroBatches:
         self.items = list(items)
 
 
+def round_robin_slots(n: int, rank: int, world: int) -> list[int | None]:
+    """The part this rank runs in each of ceil(n / W) rounds: part j on rank j mod W, None where the
+    rank has none (it then runs a zero-weight forward: ZeRO-3's gathers are collective)."""
+    return [j if j < n else None for j in range(rank, -(-n // world) * world, world)]
+
+
 @dataclass
 class StepResult:
     step: int  # 1 after the first update
@@ -296,12 +302,11 @@ class ZOEngine:
         """This rank's (slot, loss_sum, count), plus zero-weight forwards to match the others."""
         w, r = self.comm.world_size, self.comm.rank
         if isinstance(batch, MicroBatches):
-            items = batch.items
-            mine = list(range(r, len(items), w))
-            rounds = -(-len(items) // w)
-            out = [(j, *self._call_loss(items[j])) for j in mine]
-            if self.partitioned:
-                for _ in range(rounds - len(mine)):
+            items, out = batch.items, []
+            for j in round_robin_slots(len(items), r, w):
+                if j is not None:
+                    out.append((j, *self._call_loss(items[j])))
+                elif self.partitioned:
                     self._call_loss(items[0])  # zero weight: keeps ZeRO-3's collective gathers in step
             return out
         return [(r, *self._call_loss(batch))]

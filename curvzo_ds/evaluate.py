@@ -7,27 +7,28 @@ world size, so the metrics are identical at any number of ranks.
 
 from __future__ import annotations
 
+import torch
+
 from . import data as D
+from .engine import round_robin_slots
 
 
 def chunks(n: int, size: int) -> list[range]:
     return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+@torch.no_grad()
 def evaluate(model, task, tokenizer, encoded: list[dict], micro_batch_size: int, comm, device,
              max_new_tokens: int, loss_fn) -> dict:
     """The split's loss and the task's metrics, the same on every rank."""
     parts = chunks(len(encoded), micro_batch_size)
-    w, r = comm.world_size, comm.rank
-    mine = list(range(r, len(parts), w))
-    rounds = -(-len(parts) // w) if parts else 0
+    w = comm.world_size
     module = getattr(model, "module", model)
     was_training = module.training
     module.eval()
     results = []
     try:
-        for k in range(rounds):
-            j = mine[k] if k < len(mine) else None
+        for j in round_robin_slots(len(parts), comm.rank, w):
             idx = parts[j if j is not None else 0]
             batch = D.to_device(D.collate([encoded[i] for i in idx], tokenizer.pad_token_id), device)
             if task.is_classification and loss_fn is D.classification_loss:
@@ -40,9 +41,12 @@ def evaluate(model, task, tokenizer, encoded: list[dict], micro_batch_size: int,
                 row["pred"] = pred.tolist()
                 row["labels"] = batch["labels"].tolist()
             else:
-                answers = D.generate_answers(model, tokenizer, batch["prompt_ids"], max_new_tokens,
-                                             synced_gpus=w > 1)
-                row["pred"] = answers
+                # Each generate() is collective under ZeRO-3: as many calls on every rank, so a short
+                # last part is padded with its first prompt (answers do not depend on the batching).
+                prompts = batch["prompt_ids"]
+                padded = prompts + prompts[:1] * (len(parts[0]) - len(prompts))
+                answers = D.generate_answers(model, tokenizer, padded, max_new_tokens, synced_gpus=w > 1)
+                row["pred"] = answers[:len(prompts)]
                 row["gold"] = batch["answers"]
             if j is not None:
                 results.append(row)

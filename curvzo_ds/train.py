@@ -16,6 +16,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import data as D
+from .comm import Comm, main_process_first
 from .config import TrainConfig, resolve_presets, to_dict, zo_part
 from .digest import params_digest
 from .distributed import init_distributed, pin_threads
@@ -70,9 +71,10 @@ class Run:
             log.warning("deepspeed config: %s", note)
         cfg.validate()
         self.cfg = cfg
-        self.task = get_task(cfg.task)
-        self.tokenizer = load_tokenizer(cfg)
-        splits = load_splits(self.task, cfg.seed, cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.data_dir)
+        with main_process_first(Comm()):  # the group of the engine's Comm below
+            self.task = get_task(cfg.task)
+            self.tokenizer = load_tokenizer(cfg)
+            splits = load_splits(self.task, cfg.seed, cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.data_dir)
         enc = lambda ex, cls: D.encode(self.task, self.tokenizer, ex, cfg.max_length, cls, cfg.max_new_tokens)
         self.train_data = [enc(ex, cfg.train_as_classification) for ex in splits["train"]]
         self.eval_data = {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]}

@@ -294,3 +294,33 @@ def test_state_dict_round_trip_continues_the_same_trajectory():
     b, sb = run(6)
     assert torch.equal(sa, sb)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_step_forwards_run_in_eval_mode_so_dropout_cannot_split_l_plus_and_l_minus():
+    """The issue's "with eps = 0, L+ = L- on OPT with dropout". ZOConfig refuses eps = 0, so the only
+    trainable tensor is one the model never reads: the perturbation has no effect, and L+ = L- exactly
+    if and only if both forwards see the same network (no dropout masks)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, word_embed_proj_dim=32,
+                                     num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                                     dropout=0.1, attention_dropout=0.1))
+    model.requires_grad_(False)
+    model.register_parameter("unused", torch.nn.Parameter(torch.zeros(4)))
+    ids = torch.randint(2, 64, (4, 12), generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(m, batch):
+        return m(input_ids=batch, labels=batch).loss
+
+    model.train()
+    with torch.no_grad():
+        assert loss_fn(model, ids).item() != loss_fn(model, ids).item()  # dropout is live in train mode
+    engine = ZOEngine(model, loss_fn, ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-3))
+    r = engine.step(ids)
+    assert r.loss_plus == r.loss_minus and r.projected_grad == 0.0
+    assert model.training  # the engine restores the mode it found
+    assert engine.loss(ids) == engine.loss(ids) == r.loss_plus
+    model.eval = lambda: model  # without the engine's eval(), the two forwards differ
+    r = engine.step(ids)
+    assert r.loss_plus != r.loss_minus
