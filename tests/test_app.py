@@ -61,12 +61,6 @@ def metrics_lines(out: pathlib.Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "seconds"} for r in rows if not r.get("final")]
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    out = tmp_path_factory.mktemp("app") / "straight-1"
-    return out, train("python", 1, out)
-
-
 def test_straight_run_trains_and_writes_the_contract(straight):
     out, summary = straight
     assert summary["world_size"] == 1 and summary["steps"] == 12
