@@ -29,7 +29,9 @@ def launcher_kind(env=os.environ) -> str:
         return "env"
     if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
         return "mpi"
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    # Only srun's tasks (they carry SLURM_STEP_ID): an sbatch script itself also has SLURM_PROCID=0 and
+    # SLURM_NTASKS=N, and a `curvzo-ds train` started there directly is a one-rank job, not rank 0 of N.
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         return "slurm"
     return "single"
 
@@ -66,7 +68,12 @@ def init_distributed(timeout_minutes: int = 30):
             env.setdefault("MASTER_PORT", str(_free_port()))
         import deepspeed
 
-        deepspeed.init_distributed(auto_mpi_discovery=(kind == "mpi"), verbose=False,
+        port = int(env.get("MASTER_PORT", "29500"))
+        if kind == "mpi":  # MPI discovery ignores MASTER_PORT (always 29500): use rank 0's, as for MASTER_ADDR
+            from mpi4py import MPI
+
+            port = MPI.COMM_WORLD.bcast(port, root=0)
+        deepspeed.init_distributed(auto_mpi_discovery=(kind == "mpi"), verbose=False, distributed_port=port,
                                    timeout=datetime.timedelta(minutes=timeout_minutes))
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# accelerate launch with the ZeRO-3 config; several nodes: add --num_machines N --machine_rank R
-# --main_process_ip HOST --main_process_port PORT (ACCELERATE_ARGS).
+# accelerate launch with the ZeRO-3 config; several nodes, run on each: NPROC=<ranks in all> ACCELERATE_ARGS=
+# "--num_machines N --machine_rank R --main_process_ip HOST --main_process_port PORT
+# --deepspeed_multinode_launcher standard" (without `standard`, DeepSpeed's pdsh runs from machine 0 only).
 exec accelerate launch --config_file "${ACCELERATE_CONFIG:-ds_configs/accelerate_zero3.yaml}" \
     --num_processes "${NPROC:-2}" ${ACCELERATE_ARGS:-} -m curvzo_ds.cli train "$@"
