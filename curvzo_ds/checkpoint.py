@@ -45,13 +45,19 @@ def _jsonable_state(state: dict) -> dict:
 
 def save_checkpoint(engine: ZOEngine, output_dir: str, trainer_state: dict | None = None,
                     write_extra: Callable[[str], None] | None = None) -> str:
-    """Collective: every rank writes its owned slices. Returns the checkpoint directory.
+    """Collective: every rank writes its owned slices to `output_dir/checkpoint-<step>`; returns that path.
 
     `write_extra(dir)` runs on rank 0 before the rename (model config, tokenizer, LoRA config).
     """
+    return write_checkpoint(engine, os.path.join(output_dir, f"checkpoint-{engine.step_count}"), trainer_state,
+                            write_extra)
+
+
+def write_checkpoint(engine: ZOEngine, final: str, trainer_state: dict | None = None,
+                     write_extra: Callable[[str], None] | None = None) -> str:
+    """Collective: the checkpoint at exactly `final` (written as `final.tmp`, renamed when complete)."""
     comm = engine.comm
     step = engine.step_count
-    final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     if comm.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -91,5 +91,14 @@ def check_engine_supported(engine) -> None:
         raise ValueError("pipeline parallelism is not supported by curvzo_ds; use ZeRO-3 alone")
 
 
+def optimizer_of(engine):
+    """The engine's optimizer, or None. ZeRO-3 without one keeps a `DeepSpeedZeRoOffload` in
+    `engine.optimizer`: it only gathers and releases parameters, it holds no optimizer state."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    opt = getattr(engine, "optimizer", None)
+    return None if opt is None or isinstance(opt, DeepSpeedZeRoOffload) else opt
+
+
 def module_of(model) -> torch.nn.Module:
     return model.module if is_ds_engine(model) else model

@@ -139,6 +139,20 @@ class ZOEngine:
         self.skipped_total = 0
         self._check_ranks_agree()
 
+    @classmethod
+    def from_accelerator(cls, accelerator, model, loss_fn: LossFn, config: ZOConfig | None = None, *,
+                         micro_batch_size: int = 1, **overrides) -> ZOEngine:
+        """A ZOEngine for an Accelerate loop: `model` is prepared with no optimizer (integrations.py).
+
+        Under DeepSpeed the Accelerate config is cleaned like `--deepspeed` (optimizer and scheduler
+        dropped, "auto" resolved, `micro_batch_size` as DeepSpeed's micro batch), and
+        `accelerator.save_state()` / `load_state()` write and read this project's checkpoint.
+        """
+        from .integrations import from_accelerator
+
+        return from_accelerator(accelerator, model, loss_fn, config, micro_batch_size=micro_batch_size,
+                                **overrides)
+
     # ----------------------------------------------------------------- sampling
     @property
     def num_blocks(self) -> int:

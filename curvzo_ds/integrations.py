@@ -1,0 +1,159 @@
+"""Users' own training code under Accelerate, with no optimizer (the Trainer is in trainer.py).
+
+- `ZOEngine.from_accelerator(accelerator, model, loss_fn, ...)` cleans the Accelerate DeepSpeed
+  config the way `--deepspeed` is cleaned (ds_config.py: optimizer and scheduler dropped, stages 1/2
+  refused, "auto" resolved), prepares the model (a DeepSpeedEngine with no optimizer) and returns a
+  ZOEngine whose checkpoints go through `accelerator.save_state()` / `load_state()`.
+- DeepSpeed's `engine.save_checkpoint` needs an optimizer: without one, rank 0 waits in a collective
+  the other ranks never enter (DESIGN.md §3). `install_checkpoint_hooks` replaces the engine's
+  `save_checkpoint` / `load_checkpoint` with this project's shard-local checkpoint, so Accelerate,
+  the Trainer and users' own calls all work, at any world size.
+- `split_batch` cuts one global batch into `MicroBatches` (micro-batch j on rank j mod W), which
+  makes a loop with an unsharded data loader independent of the number of ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from . import checkpoint as ckpt
+from . import ds_compat
+from .config import TrainConfig, ZOConfig
+from .engine import MicroBatches, ZOEngine
+
+log = logging.getLogger("curvzo_ds")
+ZO_CHECKPOINT = "zo_checkpoint"  # the sub-directory of an accelerate.save_state() directory (no DeepSpeed)
+
+
+def split_batch(batch, micro_batch_size: int) -> MicroBatches:
+    """One global batch (a dict of tensors or lists, first dimension = examples) as MicroBatches."""
+    if not isinstance(batch, dict) or not batch:
+        raise TypeError("split_batch needs a non-empty dict of tensors or lists (a collated batch)")
+    sizes = {len(v) for v in batch.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"the batch's fields have different lengths {sorted(sizes)}: cannot cut it into examples")
+    n = sizes.pop()
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+    return MicroBatches([{k: v[i:i + micro_batch_size] for k, v in batch.items()}
+                         for i in range(0, n, micro_batch_size)])
+
+
+def _hidden_size(model) -> int | None:
+    conf = getattr(ds_compat.module_of(model), "config", None)
+    return getattr(conf, "hidden_size", None) or getattr(conf, "d_model", None)
+
+
+def clean_deepspeed_config(config: dict, world_size: int, micro_batch_size: int, hidden_size: int | None) -> dict:
+    """`config` edited in place to what a ZO run can use (the `--deepspeed` policy); returns it."""
+    from .ds_config import resolve_ds_config
+
+    cfg = TrainConfig(micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * world_size)
+    cleaned, notes = resolve_ds_config(config, cfg, world_size, hidden_size)
+    for note in notes:
+        log.warning("deepspeed config: %s", note)
+    config.clear()
+    config.update(cleaned)
+    return config
+
+
+def align_accelerate_state(accelerator=None) -> None:
+    """Make Accelerate's rank and world size those of torch.distributed when they disagree.
+
+    On a machine without a GPU, Accelerate's DeepSpeed set-up leaves `num_processes` 1 and
+    `process_index` 0 on every rank (accelerate 1.15, checked here), although torch.distributed
+    has all ranks: every rank would then act as the main process (all writing the same
+    `save_state` files) and data loaders would not be sharded. The launcher's ranks win.
+    """
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, PartialState
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    state = PartialState()
+    if state.num_processes == world and state.process_index == rank:
+        return
+    log.warning("accelerate reports process %d of %d but torch.distributed has rank %d of %d (Accelerate's "
+                "DeepSpeed set-up without a GPU): using torch.distributed's", state.process_index,
+                state.num_processes, rank, world)
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    for obj in (state, AcceleratorState() if accelerator is None else accelerator.state):
+        obj.num_processes, obj.process_index, obj.local_process_index = world, rank, local
+
+
+def _refuse_optimizer(ds_engine) -> None:
+    opt = ds_compat.optimizer_of(ds_engine)
+    if opt is not None:
+        raise ValueError(f"this DeepSpeed engine was created with an optimizer ({type(opt).__name__}), which "
+                         "holds fp32 master weights and Adam state that CurvZO never uses. Prepare the model alone, "
+                         "with no optimizer in the DeepSpeed config, or pass the unprepared model to "
+                         "ZOEngine.from_accelerator.")
+
+
+def from_accelerator(accelerator, model, loss_fn, config: ZOConfig | None = None, *, micro_batch_size: int = 1,
+                     **overrides) -> ZOEngine:
+    """A ZOEngine on `model` prepared by `accelerator` (see ZOEngine.from_accelerator)."""
+    from accelerate.utils import DistributedType
+
+    align_accelerate_state(accelerator)
+    plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
+    if plugin is not None and not ds_compat.is_ds_engine(model):
+        clean_deepspeed_config(plugin.deepspeed_config, accelerator.num_processes, micro_batch_size,
+                               _hidden_size(model))
+        model = accelerator.prepare(model)
+    elif plugin is None:
+        # No DDP wrapper: every rank applies the same update, so replicas stay equal without one.
+        model = model.to(accelerator.device)
+    if ds_compat.is_ds_engine(model):
+        _refuse_optimizer(model)
+    engine = ZOEngine(model, loss_fn, config, **overrides)
+    if ds_compat.is_ds_engine(model):
+        install_checkpoint_hooks(model, engine)
+    else:
+        _register_accelerate_hooks(accelerator, engine)
+    return engine
+
+
+def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
+    """Route `ds_engine.save_checkpoint` / `load_checkpoint` to the shard-local ZO checkpoint.
+
+    The signatures are DeepSpeed's: `save_checkpoint(save_dir, tag=None, client_state=None, ...)`
+    writes `save_dir/tag` (tag defaults to `global_step<N>`) and a `latest` file;
+    `load_checkpoint(load_dir, tag=None, ...)` returns `(path, client_state)`.
+    """
+    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **_ignored):
+        tag = str(tag) if tag is not None else f"global_step{engine.step_count}"
+        ckpt.write_checkpoint(engine, os.path.join(save_dir, tag), {"client_state": client_state or {}})
+        if save_latest and engine.comm.rank == 0:
+            with open(os.path.join(save_dir, "latest"), "w") as f:
+                f.write(tag)
+        engine.comm.barrier()
+        return True
+
+    def load_checkpoint(load_dir, tag=None, **_ignored):
+        if tag is None:
+            latest = os.path.join(load_dir, "latest")
+            if not os.path.isfile(latest):
+                raise FileNotFoundError(f"{load_dir} has no 'latest' file: pass tag=<checkpoint name>")
+            with open(latest) as f:
+                tag = f.read().strip()
+        path = os.path.join(load_dir, str(tag))
+        trainer = ckpt.load_checkpoint(engine, path)
+        return path, trainer.get("client_state", {})
+
+    ds_engine.save_checkpoint = save_checkpoint
+    ds_engine.load_checkpoint = load_checkpoint
+
+
+def _register_accelerate_hooks(accelerator, engine: ZOEngine) -> None:
+    """Without DeepSpeed, save_state/load_state carry the ZO checkpoint in `<dir>/zo_checkpoint`."""
+    def save(models, weights, output_dir):
+        ckpt.write_checkpoint(engine, os.path.join(output_dir, ZO_CHECKPOINT))
+
+    def load(models, input_dir):
+        ckpt.load_checkpoint(engine, os.path.join(input_dir, ZO_CHECKPOINT))
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
