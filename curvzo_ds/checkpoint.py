@@ -64,37 +64,53 @@ def write_checkpoint(engine: ZOEngine, final: str, trainer_state: dict | None = 
         os.makedirs(tmp)
     comm.barrier()
     fname = f"rank-{comm.rank:05d}-of-{comm.world_size:05d}.safetensors"
-    tensors, slices = {}, {}
-    for e in engine.entries:
-        lo, hi = e.owned
-        if hi > lo:
-            values = e.region_values()[lo - e.region[0]: hi - e.region[0]]
-            tensors[e.name] = values.contiguous() if e.master is not None else values.to(e.param.dtype).contiguous()
-            slices[e.name] = [lo, hi]
-    path = os.path.join(tmp, fname)
-    save_file(tensors, path)
-    mine = (fname, _sha256(path), slices)
-    everyone = comm.all_gather_object(mine)
+    mine = error = None
+    try:  # a failure on one rank is shared, so that no rank waits for it in a collective
+        tensors, slices = {}, {}
+        for e in engine.entries:
+            lo, hi = e.owned
+            if hi > lo:
+                values = e.region_values()[lo - e.region[0]: hi - e.region[0]]
+                tensors[e.name] = values.contiguous() if e.master is not None else values.to(e.param.dtype).contiguous()
+                slices[e.name] = [lo, hi]
+        path = os.path.join(tmp, fname)
+        save_file(tensors, path)
+        mine = (fname, _sha256(path), slices)
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+        error = f"rank {comm.rank}: {e.__class__.__name__}: {e}"
+    everyone = comm.all_gather_object((mine, error))
+    _raise_any(final, [err for _, err in everyone])
     if comm.rank == 0:
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "world_size": comm.world_size,
-            "files": {f: sha for f, sha, _ in everyone},
-            "slices": {f: s for f, _, s in everyone},
-            "tensors": {e.name: {"shape": list(e.shape), "dtype": str(e.param.dtype).removeprefix("torch."),
-                                 "numel": e.numel} for e in engine.entries},
-            "engine": _jsonable_state(engine.state_dict()),
-            "trainer": trainer_state or {},
-        }
-        if write_extra is not None:
-            write_extra(tmp)
-        with open(os.path.join(tmp, "manifest.json"), "w") as f:
-            json.dump(manifest, f, indent=1)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-    comm.barrier()
+        try:
+            parts = [m for m, _ in everyone]
+            manifest = {
+                "format": FORMAT,
+                "step": step,
+                "world_size": comm.world_size,
+                "files": {f: sha for f, sha, _ in parts},
+                "slices": {f: s for f, _, s in parts},
+                "tensors": {e.name: {"shape": list(e.shape), "dtype": str(e.param.dtype).removeprefix("torch."),
+                                     "numel": e.numel} for e in engine.entries},
+                "engine": _jsonable_state(engine.state_dict()),
+                "trainer": trainer_state or {},
+            }
+            if write_extra is not None:
+                write_extra(tmp)
+            with open(os.path.join(tmp, "manifest.json"), "w") as f:
+                json.dump(manifest, f, indent=1)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = f"rank 0: {e.__class__.__name__}: {e}"
+    _raise_any(final, [comm.broadcast_object(error if comm.rank == 0 else None)])
     return final
+
+
+def _raise_any(final: str, errors: list) -> None:
+    errors = [e for e in errors if e]
+    if errors:
+        raise RuntimeError(f"checkpoint {final} was not written ({'; '.join(errors)}); the previous checkpoints "
+                           f"are intact, and {final}.tmp holds the partial files")
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:

@@ -14,6 +14,7 @@ import os
 import time
 
 from transformers import Trainer, TrainerState
+from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import TrainOutput, set_seed
 
 from . import checkpoint as ckpt
@@ -47,6 +48,15 @@ class ZOTrainer(Trainer):
     def __init__(self, *args, zo_config: ZOConfig | None = None, loss_fn=None, **kwargs):
         super().__init__(*args, **kwargs)
         align_accelerate_state(self.accelerator)
+        args = self.args
+        if args.load_best_model_at_end or str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+            raise ValueError("load_best_model_at_end and save_strategy='best' are not supported by ZOTrainer: use "
+                             "save_strategy='steps' with metric_for_best_model (the best checkpoint is kept through "
+                             "rotation; state.best_model_checkpoint names it)")
+        for key in ("learning_rate", "seed"):
+            if zo_config is not None and getattr(zo_config, key) not in (None, getattr(args, key)):
+                log.warning("zo_config.%s=%s is replaced by TrainingArguments.%s=%s", key, getattr(zo_config, key),
+                            key, getattr(args, key))
         self.zo_config = zo_config
         self.zo_loss_fn = loss_fn
         self.zo_engine: ZOEngine | None = None
@@ -94,18 +104,26 @@ class ZOTrainer(Trainer):
             install_checkpoint_hooks(model, self.zo_engine)
         return self.zo_engine
 
-    def _zo_max_steps(self, per_epoch: int) -> int:
+    def _zo_max_steps(self, per_epoch: int | None = None) -> int:
         args = self.args
-        return args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+        if args.max_steps > 0:
+            return args.max_steps
+        if per_epoch is None:
+            per_epoch = len(self.get_train_dataloader()) if self.train_dataset is not None else 0
+        return math.ceil(args.num_train_epochs * per_epoch)
 
-    def evaluate(self, *args, **kwargs):
-        if self.zo_engine is None and self.is_deepspeed_enabled:  # prepare the model without an optimizer first
-            self._zo_setup(self._zo_max_steps(len(self.get_train_dataloader())))
-        return super().evaluate(*args, **kwargs)
+    def evaluation_loop(self, *args, **kwargs):
+        """evaluate() and predict(): under DeepSpeed, prepare the model without an optimizer first (the
+        Trainer would otherwise prepare it itself, from a config that still holds the optimizer sections)."""
+        if self.zo_engine is None and self.is_deepspeed_enabled:
+            self._zo_setup(self._zo_max_steps())
+        return super().evaluation_loop(*args, **kwargs)
 
     # ---------------------------------------------------------------- the loop
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
               **kwargs) -> TrainOutput:
+        if kwargs:
+            raise TypeError(f"ZOTrainer.train() got unexpected arguments {sorted(kwargs)}")
         if trial is not None:
             raise ValueError("ZOTrainer does not support hyper-parameter search trials")
         args = self.args
@@ -117,14 +135,17 @@ class ZOTrainer(Trainer):
             raise ValueError("the training data loader is empty: check train_dataset and the batch size")
         max_steps = self._zo_max_steps(per_epoch)
         engine = self._zo_setup(max_steps)
-        self.state = TrainerState(is_local_process_zero=self.is_local_process_zero(),
-                                  is_world_process_zero=self.is_world_process_zero())
+        # As Trainer._init_training_state: stateful callbacks saved with the state, restored on resume.
+        self.state = TrainerState(stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
+                                                      if isinstance(cb, ExportableState)])
         if resume_from_checkpoint:
             path = self._zo_resume_path(resume_from_checkpoint)
             ckpt.load_checkpoint(engine, path)
             self.state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
+            self._load_callback_state()
             log.info("resumed from %s at step %d", path, engine.step_count)
-        self.state.max_steps, self.state.num_train_epochs = max_steps, math.ceil(max_steps / per_epoch)
+        # Sets is_world_process_zero / is_local_process_zero for this rank (the file holds rank 0's).
+        self.state.init_training_references(self, max_steps, math.ceil(max_steps / per_epoch), None)
         self.state.compute_steps(args, max_steps)
         self.state.train_batch_size = args.per_device_train_batch_size
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
@@ -175,24 +196,20 @@ class ZOTrainer(Trainer):
         self.control.should_log = False
         if self.control.should_evaluate and self.eval_dataset is not None:
             metrics = self.evaluate(ignore_keys=ignore_keys)  # every rank takes part (ZeRO-3 gathers)
+            self._zo_track_best(metrics)
         self.control.should_evaluate = False
         if self.control.should_save:
-            self._zo_save(metrics)
+            self._zo_save()
             self.control.should_save = False
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         return metrics
 
     # ---------------------------------------------------------------- checkpoints
-    def _zo_save(self, metrics: dict) -> str:
+    def _zo_save(self) -> str:
         args, engine = self.args, self.zo_engine
         path = os.path.join(args.output_dir, f"checkpoint-{self.state.global_step}")
-        name = args.metric_for_best_model
-        value = metrics.get(name if name and name.startswith("eval_") else f"eval_{name}") if name else None
-        if value is not None:
-            best = self.state.best_metric
-            if best is None or (value > best if args.greater_is_better else value < best):
-                self.state.best_metric, self.state.best_model_checkpoint = value, path
-                self.state.best_global_step = self.state.global_step
+        if self.state.best_global_step == self.state.global_step:  # the weights evaluated best are these
+            self.state.best_model_checkpoint = path
 
         def extra(directory: str) -> None:  # rank 0, before the rename
             self.state.save_to_json(os.path.join(directory, "trainer_state.json"))
@@ -207,6 +224,19 @@ class ZOTrainer(Trainer):
             ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, protect=self.state.best_model_checkpoint)
         engine.comm.barrier()
         return path
+
+    def _zo_track_best(self, metrics: dict) -> None:
+        """The best `metric_for_best_model` so far and its step, updated after every evaluation."""
+        name = self.args.metric_for_best_model
+        if not name:
+            return
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise KeyError(f"metric_for_best_model={name!r}: the evaluation gave no {key!r} "
+                           f"(it gave {sorted(metrics)})")
+        best, value = self.state.best_metric, metrics[key]
+        if best is None or (value > best if self.args.greater_is_better else value < best):
+            self.state.best_metric, self.state.best_global_step = value, self.state.global_step
 
     def _zo_resume_path(self, resume) -> str:
         if resume is True:

@@ -20,8 +20,8 @@ WORKER = str(ROOT / "tests" / "multirank" / "integ_worker.py")
 ACCELERATE_CFG = str(ROOT / "ds_configs" / "accelerate_zero3.yaml")
 
 
-def launch(cmd: list[str], out: pathlib.Path, port: int) -> dict:
-    env = {**ENV, "MASTER_PORT": str(port)}
+def launch(cmd: list[str], out: pathlib.Path, port: int, **env_extra: str) -> dict:
+    env = {**ENV, "MASTER_PORT": str(port), **env_extra}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
@@ -93,9 +93,19 @@ def test_zotrainer_one_process_trains_logs_saves_and_resumes(tmp_path):
 
 
 @pytest.mark.multirank
-def test_zotrainer_under_deepspeed_two_ranks_with_the_hf_auto_config(tmp_path):
-    out = tmp_path / "t.json"
-    cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", "29704", WORKER, "trainer", str(out)]
-    r = launch(cmd, out, 29704)
+def test_zotrainer_under_deepspeed_two_ranks_with_the_hf_auto_config_and_resume(tmp_path):
+    def run(name: str, port: int, **env: str) -> dict:
+        out = tmp_path / name
+        cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(port), WORKER, "trainer", str(out)]
+        return launch(cmd, out, port, **env)
+
+    r = run("t.json", 29704)
     check_trainer_run(r, tmp_path / "t.json.d", 2)
     assert r["ds_engine"] == "DeepSpeedEngine"
+    assert r["world_process_zero"] == [True, False]
+    # A second launch resumed from checkpoint-20: the same weights and training log rows; rank 1 stays
+    # non-zero although trainer_state.json was written by rank 0.
+    resumed = run("r.json", 29705, ZO_RESUME=str(tmp_path / "t.json.d" / "checkpoint-20"))
+    assert resumed["world_process_zero"] == [True, False]
+    assert resumed["digest"] == r["digest"]
+    assert train_rows(resumed["log_history"]) == train_rows(r["log_history"])

@@ -1,7 +1,7 @@
 """One rank of the integration tests: users' own code driving CurvZO.
 
     accelerate launch --config_file ds_configs/accelerate_zero3.yaml tests/multirank/integ_worker.py loop OUT
-    deepspeed --num_gpus 2 tests/multirank/integ_worker.py trainer OUT
+    deepspeed --num_gpus 2 tests/multirank/integ_worker.py trainer OUT   (ZO_RESUME=CKPT: resume from CKPT)
     python tests/multirank/integ_worker.py trainer OUT            (one process, no DeepSpeed)
 
 - "loop": an Accelerate loop with `ZOEngine.from_accelerator`: an unsharded data loader whose
@@ -149,7 +149,7 @@ def trainer_scenario(out_dir: str) -> dict:
                          zo_config=zo, loss_fn=lm_loss)
 
     trainer = make(out_dir, 30)
-    output = trainer.train()
+    output = trainer.train(resume_from_checkpoint=os.environ.get("ZO_RESUME"))  # a path: resume from it
     engine = trainer.zo_engine
     result = {
         "world_size": engine.comm.world_size,
@@ -163,6 +163,7 @@ def trainer_scenario(out_dir: str) -> dict:
         "no_grads": no_grads(engine.module),
         "checkpoints": sorted(n for n in os.listdir(out_dir) if n.startswith("checkpoint-")),
         "tensorboard": any(f.startswith("events") for _, _, fs in os.walk(out_dir) for f in fs),
+        "world_process_zero": engine.comm.all_gather_object(trainer.state.is_world_process_zero),
     }
     if not distributed:  # a second trainer, resumed from the middle: the same final weights
         resumed = make(out_dir + "-resumed", 30)

@@ -1,0 +1,53 @@
+"""The checkpoint writer in one process: round trip, and a failure that leaves nothing half-written.
+
+Multi-rank checkpoints (any world size to any other) are covered by test_app's resume tests and by
+test_integrations (accelerate save_state/load_state at 2 ranks).
+"""
+
+import os
+
+import pytest
+import torch
+
+from curvzo_ds import checkpoint as ckpt
+from curvzo_ds.engine import ZOEngine
+
+
+def engine():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    x = torch.randn(16, 4)
+    return ZOEngine(model, lambda m, b: m(b).square().mean(), method="mezo", learning_rate=1e-2), x
+
+
+def weights(e):
+    return [p.detach().clone() for p in e.module.parameters()]
+
+
+def test_round_trip_restores_weights_and_state(tmp_path):
+    e, x = engine()
+    e.step(x)
+    path = ckpt.write_checkpoint(e, str(tmp_path / "ck"), {"note": 1})
+    saved, step = weights(e), e.step_count
+    e.step(x)
+    assert e.step_count == step + 1
+    assert ckpt.load_checkpoint(e, path) == {"note": 1}
+    assert e.step_count == step
+    assert all(torch.equal(a, b) for a, b in zip(weights(e), saved))
+
+
+def test_a_failure_on_rank_0_is_raised_and_leaves_no_complete_checkpoint(tmp_path):
+    e, x = engine()
+    e.step(x)
+    first = ckpt.save_checkpoint(e, str(tmp_path))
+    e.step(x)
+
+    def broken(directory):
+        raise OSError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        ckpt.save_checkpoint(e, str(tmp_path), write_extra=broken)
+    with pytest.raises(RuntimeError, match="not JSON serializable"):
+        ckpt.save_checkpoint(e, str(tmp_path), trainer_state={"t": torch.zeros(1)})
+    assert [p for _, p in ckpt.list_checkpoints(str(tmp_path))] == [first]  # only the complete one
+    assert not os.path.exists(os.path.join(str(tmp_path), "checkpoint-2"))
