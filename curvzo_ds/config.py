@@ -125,6 +125,7 @@ class TrainConfig(ZOConfig):
     logging_steps: int = 1
     report_to: str = "auto"  # auto (tensorboard if installed), tensorboard, none
     disable_tqdm: bool = False
+    progress_interval: float = 30.0  # seconds between progress log lines when stderr is not a terminal
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -150,6 +151,7 @@ class TrainConfig(ZOConfig):
              "0 or 3 (ZeRO stages 1 and 2 need an optimizer in DeepSpeed: use 3)")
         need(self.offload_param in ("none", "cpu"), "offload_param", "none or cpu")
         need(self.report_to in ("auto", "tensorboard", "none"), "report_to", "auto, tensorboard or none")
+        need(_finite(self.progress_interval) and self.progress_interval >= 0, "progress_interval", "a number >= 0")
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level", "debug, info, warning or error")
         if self.lora_target_modules is not None:
             need(isinstance(self.lora_target_modules, list | str), "lora_target_modules",

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -153,12 +154,13 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
             if step % cfg.logging_steps == 0 or step == cfg.max_steps:
                 writer.write(row)
             if bar is not None:
-                bar.update(1)
                 bar.set_postfix(loss=f"{r.loss:.4f}" if r.loss is not None else "-",
-                                budget=f"{r.budget:.1f}", blocks=r.n_selected)
+                                budget=f"{r.budget:.1f}", blocks=r.n_selected, refresh=False)
+                bar.update(1)
             if "dev" in run.eval_data and cfg.eval_steps and step % cfg.eval_steps == 0:
                 last_dev = (step, run.evaluate("dev"))
                 writer.write({"step": step, "split": "dev", **last_dev[1]})
+                log.info("step %d: dev %s", step, _fmt(last_dev[1]))
                 if _better(last_dev[1], state["best_dev"], metric_name):
                     state["best_dev"] = {"step": step, "metrics": last_dev[1]}
                     _save(run, state, seconds0 + time.time() - t0, best=True)
@@ -244,6 +246,10 @@ def _resume_path(out: str, resume) -> str | None:
     return resume
 
 
+def _fmt(metrics: dict) -> str:
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+
+
 def _better(metrics: dict, best: dict | None, name: str) -> bool:
     value = metrics.get(name)
     return value is not None and (best is None or value > best["metrics"].get(name, float("-inf")))
@@ -255,6 +261,7 @@ def _save(run: Run, state: dict, seconds: float, best: bool = False) -> str:
     if best:
         state["best_dev"]["checkpoint"] = os.path.join(run.cfg.output_dir, f"checkpoint-{run.engine.step_count}")
     path = ckpt.save_checkpoint(run.engine, run.cfg.output_dir, trainer, run.write_extra)
+    log.info("saved %s%s", path, " (best dev so far)" if best else "")
     if run.rank == 0:
         protect = state["best_dev"]["checkpoint"] if state["best_dev"] else None
         ckpt.rotate_checkpoints(run.cfg.output_dir, run.cfg.save_total_limit, protect=protect)
@@ -274,9 +281,39 @@ def _tensorboard(cfg: TrainConfig) -> bool:
     return True
 
 
+class LogProgress:
+    """The progress bar's figures as a log line every `interval` seconds, for logs that are files (cluster jobs):
+    a tqdm bar there is one endless line of carriage returns."""
+
+    def __init__(self, total: int, start: int, interval: float):
+        self.total, self.n, self.start, self.interval = total, start, start, interval
+        self.t0 = self.last = time.time()
+        self.postfix = {}
+
+    def update(self, n: int) -> None:
+        self.n += n
+        now = time.time()
+        if now - self.last >= self.interval or self.n == self.total:
+            self.last = now
+            rate = (self.n - self.start) / max(now - self.t0, 1e-9)
+            eta = (self.total - self.n) / rate if rate > 0 else float("inf")
+            extra = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+            log.info("step %d/%d (%.0f%%) %s, %.2f steps/s, ETA %s", self.n, self.total, 100 * self.n / self.total,
+                     extra, rate, time.strftime("%H:%M:%S", time.gmtime(eta)) if eta < 8.64e4 else f"{eta:.0f}s")
+
+    def set_postfix(self, refresh: bool = True, **kw) -> None:
+        self.postfix = kw
+
+    def close(self) -> None:
+        pass
+
+
 def _progress(cfg: TrainConfig, rank: int, start: int):
+    """A tqdm bar on rank 0 when stderr is a terminal, else log lines (every `progress_interval` seconds)."""
     if rank != 0 or cfg.disable_tqdm:
         return None
+    if not sys.stderr.isatty():
+        return LogProgress(cfg.max_steps, start, cfg.progress_interval)
     from tqdm.auto import tqdm
 
     return tqdm(total=cfg.max_steps, initial=start, desc="curvzo", unit="step", dynamic_ncols=True)

@@ -133,3 +133,19 @@ def test_the_contract_check_copy_is_current():
     shared = ROOT.parent / "shared" / "check_run.py"
     if shared.exists():
         assert (ROOT / "tests" / "check_run.py").read_text() == shared.read_text()
+
+
+def test_a_log_file_gets_progress_lines_not_a_bar(tmp_path):
+    """stderr is a pipe here, as in a cluster job's log file: progress comes as log lines, as do evaluations and
+    saves."""
+    args = ["disable_tqdm=false" if a == "disable_tqdm=true" else a for a in COMMON]
+    cmd = CLI + args + ["--set", "max_steps=6", "--set", "progress_interval=0", "--set", f"output_dir={tmp_path}"]
+    proc = subprocess.run(cmd, env={**ENV, "MASTER_PORT": "29660"}, capture_output=True, text=True, timeout=400,
+                          cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "\r" not in proc.stderr
+    steps = [line.split("step ")[1].split(" ")[0] for line in proc.stderr.splitlines() if "INFO step " in line
+             and "/6" in line]
+    assert steps == [f"{i}/6" for i in range(1, 7)], proc.stderr[-3000:]
+    assert "INFO step 3: dev loss" in proc.stderr and "ETA" in proc.stderr
+    assert f"INFO saved {tmp_path / 'checkpoint-3'}" in proc.stderr
