@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import inspect
 import os
 import re
@@ -137,5 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The console script and `python -m curvzo_ds.cli`: a crash in native code (a segfault or an abort in a
+    communication library) prints every thread's Python stack to stderr, so a cluster job's log shows where."""
+    faulthandler.enable()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -35,15 +35,15 @@ class ZOConfig:
     weight_decay: float = 0.0
     lr_scheduler_type: str = "constant"
     max_steps: int | None = None  # preset: demo 300, otherwise 20000 (the paper)
-    # The adaptive budget (Eq. 15): B = B_min + (B_max - B_min)(alpha d_eff/G + (1-alpha) H).
+    # The adaptive budget (Eq. 20): B = B_min + (B_max - B_min)(alpha d_eff/G + (1-alpha) H).
     budget_min: float = 0.1  # fraction of G
     budget_max: float = 0.7  # fraction of G
     budget_alpha: float = 0.5
     budget: float = 0.5  # the `fixed` method's budget, fraction of G
     budget_unit: str = "blocks"  # or "params": the budget counts expected perturbed parameters
-    score_beta: float = 0.1  # EMA rate of the scores (Eq. 11)
+    score_beta: float = 0.1  # EMA rate of the scores (Eq. 8)
     budget_floor: float = 0.1  # gamma: pi = (1-gamma) pi_curv + gamma B/G
-    score_estimator: str = "normalized"  # Eq. 18 (paper default), "raw" (Eq. 6), "unbiased" (App. B)
+    score_estimator: str = "normalized"  # Eq. 27 (paper default), "raw" (block Eq. 5), "unbiased" (App. B)
     score_init: Any = "warmup"  # "warmup" or a number: the scores at t = 0
     score_warmup_steps: int = 20  # uniform sampling before S := mean observed score
     block_granularity: str = "tensor"  # "tensor" (paper), "layer", "chunk"
@@ -105,7 +105,7 @@ class TrainConfig(ZOConfig):
     global_batch_size: int = 16  # examples per step over all ranks (MeZO: 16)
     micro_batch_size: int = 4  # examples per forward on one rank
     num_train: int = 1000
-    num_dev: int | None = 500  # CB and COPA use 100 (MeZO)
+    num_dev: int | None = None  # None: the task's own, 500 (CB: 100, as MeZO)
     num_eval: int = 1000
     max_length: int = 512  # tokens per sequence; longer prompts are cut from the left
     max_new_tokens: int = 50  # generation tasks

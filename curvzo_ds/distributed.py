@@ -10,6 +10,7 @@ Rank and world size are always read back from torch.distributed, never from Acce
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -75,9 +76,30 @@ def init_distributed(timeout_minutes: int = 30):
             port = MPI.COMM_WORLD.bcast(port, root=0)
         deepspeed.init_distributed(auto_mpi_discovery=(kind == "mpi"), verbose=False, distributed_port=port,
                                    timeout=datetime.timedelta(minutes=timeout_minutes))
+        _unlink_shm_buffer()
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
     return rank, world, local_rank
+
+
+def _unlink_shm_buffer() -> None:
+    """Remove the name of this rank's DeepSpeed CPU shared-memory all-reduce buffer.
+
+    When every rank is on one machine (LOCAL_SIZE = world size: the deepspeed launcher, mpirun),
+    DeepSpeed's CPU backend creates one buffer per rank in /dev/shm (69 MB, RAM-backed), named by
+    uid, MASTER_ADDR, MASTER_PORT and rank, and never unlinks it (deepspeed 0.19.8): every run would
+    leave its buffers behind. Each rank maps every other rank's buffer inside init_distributed; after
+    a barrier the names can go, and the memory is freed when the processes exit, even on a kill.
+    """
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return
+    dist.barrier()
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name)
 
 
 def pin_threads(threads: int | None) -> int:

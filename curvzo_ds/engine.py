@@ -197,7 +197,7 @@ class ZOEngine:
                     max_inv_pi=float((1.0 / pi).max()), learning_rate=lr, d_eff=d_eff, score_entropy=h)
         if n_selected == 0:
             # No block drawn: no forwards, no score update; the step is counted (DESIGN.md §1).
-            self.step_count += 1
+            self._count_step(t)
             return StepResult(t + 1, None, None, None, None, skipped="empty_mask", **base)
         pieces = self._local_pieces(mask)
         eps = cfg.zo_eps
@@ -215,7 +215,7 @@ class ZOEngine:
         loss = 0.5 * (loss_plus + loss_minus)
         if not all(math.isfinite(x) for x in (loss_plus, loss_minus, delta)):
             self._perturb(t, pieces, -eps, 0.0)
-            self.step_count += 1
+            self._count_step(t)
             self.skips_in_row += 1
             self.skipped_total += 1
             log.warning("step %d: non-finite loss (L+=%s, L-=%s); weights restored, step skipped (%d in a row)",
@@ -231,12 +231,17 @@ class ZOEngine:
         new = sampling.block_scores(delta, block_sq, mask, pi, self.sizes, cfg.score_estimator)
         if self.in_warmup(t):
             self.warmup_sum += new
-            if t + 1 == cfg.score_warmup_steps:
-                self.scores = self.warmup_sum / cfg.score_warmup_steps
         else:
             self.scores = sampling.ema(self.scores, new, cfg.score_beta)
-        self.step_count += 1
+        self._count_step(t)
         return StepResult(t + 1, loss, loss_plus, loss_minus, delta, **base)
+
+    def _count_step(self, t: int) -> None:
+        """Step t is done, skipped or not. The last warm-up step, even a skipped one, ends with
+        S := the mean observed score (warmup_sum / warm-up steps; the sum is of all-reduced values)."""
+        if self.in_warmup(t) and t + 1 == self.cfg.score_warmup_steps:
+            self.scores = self.warmup_sum / self.cfg.score_warmup_steps
+        self.step_count = t + 1
 
     @torch.no_grad()
     def loss(self, batch) -> float:

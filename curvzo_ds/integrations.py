@@ -14,12 +14,13 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 
 from . import checkpoint as ckpt
 from . import ds_compat
-from .config import TrainConfig, ZOConfig
+from .config import ConfigError, TrainConfig, ZOConfig
 from .engine import MicroBatches, ZOEngine
 
 log = logging.getLogger("curvzo_ds")
@@ -56,6 +57,24 @@ def clean_deepspeed_config(config: dict, world_size: int, micro_batch_size: int,
     config.clear()
     config.update(cleaned)
     return config
+
+
+def accelerate_ds_config() -> dict | None:
+    """The DeepSpeed config of the Accelerate config that `accelerate launch` started this process with
+    (its ACCELERATE_* variables: zero_stage, offload devices, deepspeed_config_file, mixed_precision), as
+    Accelerate builds it; None when the launch is not a DeepSpeed one. `curvzo-ds train` maps it like a
+    `--deepspeed` file."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin()
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision in ("bf16", "fp16"):
+        plugin.set_mixed_precision(precision)  # adds the bf16/fp16 section, as the Accelerator does
+    elif precision != "no":
+        raise ConfigError(f"mixed_precision={precision!r} in the Accelerate config: use no, bf16 or fp16")
+    return copy.deepcopy(plugin.deepspeed_config)
 
 
 def align_accelerate_state(accelerator=None) -> None:

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from .config import DEMO_MODELS, TrainConfig
+from .config import DEMO_MODELS, ConfigError, TrainConfig
 
 log = logging.getLogger("curvzo_ds")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,6 +70,10 @@ def build_model(cfg: TrainConfig, ds_config: dict):
 
             keep_alive = HfDeepSpeedConfig(ds_config)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
+        whole = [n for n, p in model.named_parameters() if not hasattr(p, "ds_id")]
+        if keep_alive is not None and whole:  # zero.Init did not take: every rank would hold the full model
+            raise RuntimeError(f"{cfg.model} loaded without zero.Init partitioning ({len(whole)} tensors whole, "
+                               f"e.g. {whole[0]}); is the transformers/deepspeed pair supported?")
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -80,5 +84,5 @@ def build_model(cfg: TrainConfig, ds_config: dict):
         try:
             model = get_peft_model(model, lora)
         except ValueError as e:
-            raise ValueError(f"lora_target_modules={cfg.lora_target_modules}: {e}") from None
+            raise ConfigError(f"lora_target_modules={cfg.lora_target_modules}: {e}") from None
     return model, keep_alive

@@ -2,7 +2,8 @@
 
 Nothing here knows about ranks, models or DeepSpeed: every function takes and returns
 float64 tensors of length G (the number of blocks), so it can be read against the paper and
-tested on its own. Equation numbers follow the paper's source.
+tested on its own. Equation, proposition and appendix numbers are those of the typeset paper
+(../shared/paper/curvzo_paper.tex: equations numbered in one sequence, propositions per section).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 
 def score_distribution(scores: torch.Tensor) -> torch.Tensor:
-    """p_i = sqrt(S_i) / sum_j sqrt(S_j) (Sec. 3.3). Uniform when every score is 0."""
+    """p_i = sqrt(S_i) / sum_j sqrt(S_j) (Sec. 3.3, after Eq. 19). Uniform when every score is 0."""
     root = scores.clamp(min=0).sqrt()
     total = root.sum()
     if not torch.isfinite(total) or total <= 0:
@@ -22,7 +23,7 @@ def score_distribution(scores: torch.Tensor) -> torch.Tensor:
 
 
 def effective_support(scores: torch.Tensor) -> float:
-    """d_eff = (sum sqrt S)^2 / sum S in [1, G] (Sec. 3.3). G when every score is 0."""
+    """d_eff = (sum sqrt S)^2 / sum S in [1, G] (Eq. 18). G when every score is 0."""
     s = scores.clamp(min=0)
     total = s.sum().item()
     if total <= 0 or not math.isfinite(total):
@@ -32,7 +33,7 @@ def effective_support(scores: torch.Tensor) -> float:
 
 
 def normalized_entropy(scores: torch.Tensor) -> float:
-    """H = -(1/log G) sum p log p in [0, 1] with p from `score_distribution` (Sec. 3.3).
+    """H = -(1/log G) sum p log p in [0, 1] with p from `score_distribution` (Eq. 19).
 
     G = 1 or all-zero scores give H = 1 (a flat distribution), DESIGN.md §1.
     """
@@ -47,7 +48,7 @@ def normalized_entropy(scores: torch.Tensor) -> float:
 
 def adaptive_budget(scores: torch.Tensor, budget_min: float, budget_max: float,
                     alpha: float) -> tuple[float, float, float]:
-    """B = B_min + (B_max - B_min)(alpha d_eff/G + (1 - alpha) H) (Eq. 15), in blocks.
+    """B = B_min + (B_max - B_min)(alpha d_eff/G + (1 - alpha) H) (Eq. 20), in blocks.
 
     Returns (B, d_eff, H): the last two are the rule's inputs, logged for study.
     """
@@ -59,7 +60,7 @@ def adaptive_budget(scores: torch.Tensor, budget_min: float, budget_max: float,
 
 
 def water_filling(weights: torch.Tensor, budget: float) -> torch.Tensor:
-    """pi_i = min(1, c w_i) with sum pi = B (the solution of Problem P2, Prop. 3.4 / Eq. 24).
+    """pi_i = min(1, c w_i) with sum pi = B (Problem (P2), Prop. 3.10 / Eq. 31; per coordinate: Prop. 3.4 / Eq. 16).
 
     `weights` are the sqrt-scores. Blocks clipped at 1 hand their excess to the rest. If the
     positive weights cannot absorb B even at 1 each, the remainder is spread evenly over the
@@ -133,8 +134,8 @@ def block_scores(delta: float, block_sq: torch.Tensor, mask: torch.Tensor, pi: t
                  sizes: torch.Tensor, estimator: str) -> torch.Tensor:
     """One step's block scores from Delta and ||v_Gi||^2 (0 for unselected blocks).
 
-    - "normalized": s~_i = ||v_Gi||^2 / ||v||^2 Delta^2 (Eq. 18, the paper's default);
-    - "raw": s_i = Delta^2 ||v_Gi||^2 (the block form of Eq. 6);
+    - "normalized": s~_i = ||v_Gi||^2 / ||v||^2 Delta^2 (Eq. 27, the block form of Eq. 7; the paper's default);
+    - "raw": s_i = Delta^2 ||v_Gi||^2 (the block form of Eq. 5, whose mean is Eq. 6);
     - "unbiased": (Delta^2 ||v_Gi||^2 - pi_i n_i Delta^2) / (pi_i (n_i + 2 - pi_i n_i)), the block
       form of Appendix B's s'_i, whose mean is ||g_i||^2. It can be negative (clamped later).
     An empty mask gives all zeros.
@@ -155,7 +156,7 @@ def block_scores(delta: float, block_sq: torch.Tensor, mask: torch.Tensor, pi: t
 
 
 def ema(scores: torch.Tensor, new: torch.Tensor, beta: float) -> torch.Tensor:
-    """S_i <- (1 - beta) S_i + beta s~_i (Eq. 11). Non-finite inputs leave S unchanged."""
+    """S_i <- (1 - beta) S_i + beta s~_i (Eq. 8). Non-finite inputs leave S unchanged."""
     if not torch.isfinite(new).all():
         return scores
     return (1 - beta) * scores + beta * new

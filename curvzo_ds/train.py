@@ -18,7 +18,7 @@ import torch
 from . import checkpoint as ckpt
 from . import data as D
 from .comm import Comm, main_process_first
-from .config import TrainConfig, resolve_presets, to_dict, zo_part
+from .config import ConfigError, TrainConfig, resolve_presets, to_dict, zo_part
 from .digest import params_digest
 from .distributed import init_distributed, pin_threads
 from .engine import MicroBatches, ZOEngine
@@ -58,6 +58,7 @@ class Run:
         import deepspeed
 
         from .ds_config import load_ds_config, resolve_ds_config
+        from .integrations import accelerate_ds_config
         from .models import build_model, load_tokenizer, model_hidden_size
         from .tasks import get_task, load_splits
 
@@ -66,19 +67,25 @@ class Run:
         self.threads = pin_threads(cfg.threads)
         cfg = resolve_presets(cfg)
         cfg.validate()
-        user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else None
+        user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()
         self.ds_config, notes = resolve_ds_config(user_ds, cfg, self.world, model_hidden_size(cfg))
         for note in notes:
             log.warning("deepspeed config: %s", note)
         cfg.validate()
         self.cfg = cfg
-        with main_process_first(Comm()):  # the group of the engine's Comm below
-            self.task = get_task(cfg.task)
-            self.tokenizer = load_tokenizer(cfg)
-            splits = load_splits(self.task, cfg.seed, cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.data_dir)
-        enc = lambda ex, cls: D.encode(self.task, self.tokenizer, ex, cfg.max_length, cls, cfg.max_new_tokens)
-        self.train_data = [enc(ex, cfg.train_as_classification) for ex in splits["train"]]
-        self.eval_data = {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]}
+        try:  # the task and its data are the user's: their errors are one line (exit 2), on every rank
+            with main_process_first(Comm()):  # the group of the engine's Comm below
+                self.task = get_task(cfg.task)
+                self.tokenizer = load_tokenizer(cfg)
+                splits = load_splits(self.task, cfg.seed, cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.data_dir)
+            enc = lambda ex, cls: D.encode(self.task, self.tokenizer, ex, cfg.max_length, cls, cfg.max_new_tokens)
+            self.train_data = [enc(ex, cfg.train_as_classification) for ex in splits["train"]]
+            self.eval_data = {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]}
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if cfg.global_batch_size > len(self.train_data):
+            raise ConfigError(f"global_batch_size={cfg.global_batch_size} is larger than the {len(self.train_data)} "
+                              "training examples: lower global_batch_size or raise num_train")
         model, self._keep_alive = build_model(cfg, self.ds_config)
         self.is_lora = cfg.lora
         self.ds_engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)

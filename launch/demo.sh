@@ -3,9 +3,10 @@
 # 2 CPU ranks under ZeRO-3, a few hundred CurvZO steps. Extra arguments go to `curvzo-ds train`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! python -c "import curvzo_ds, deepspeed" 2>/dev/null; then
+# Installed means: the project's distribution is there (the source tree alone also imports) with its test extras.
+if ! python -c "import importlib.metadata as m; m.version('curvzo_ds'); import deepspeed, peft, pytest" 2>/dev/null; then
     python -m pip install -q torch==2.13.0          # the CPU wheel; an unpinned torch pulls CUDA
     python -m pip install -q -e ".[test]"
 fi
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" OMP_NUM_THREADS=1
-exec torchrun --nproc_per_node "${NPROC:-2}" -m curvzo_ds.cli train --deepspeed ds_configs/zero3.json "$@"
+exec torchrun --nproc_per_node "${NPROC:-2}" --master_port "${MASTER_PORT:-29500}" -m curvzo_ds.cli train --deepspeed ds_configs/zero3.json "$@"

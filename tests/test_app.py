@@ -47,8 +47,15 @@ def launcher_cmd(kind: str, n: int, port: int) -> list[str]:
 
 
 def train(kind: str, n: int, out: pathlib.Path, *extra: str, port: int = 29610) -> dict:
-    cmd = launcher_cmd(kind, n, port) + COMMON + ["--set", f"output_dir={out}", *extra]
+    """A run of COMMON's settings; `kind` is a launcher, or one of the scripts in launch/ ("torchrun.sh", ...)."""
     env = {**ENV, "MASTER_PORT": str(port)}
+    if kind.endswith(".sh"):  # as a user runs it; `python` in the scripts is this interpreter
+        cmd = ["bash", str(ROOT / "launch" / kind)]
+        env.update(NPROC=str(n), ACCELERATE_ARGS=f"--main_process_port {port}",
+                   PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{ENV.get('PATH', '')}")
+    else:
+        cmd = launcher_cmd(kind, n, port)
+    cmd = cmd + COMMON + ["--set", f"output_dir={out}", *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
     assert proc.returncode == 0, f"{kind}: " + proc.stdout[-3000:] + proc.stderr[-5000:]
     check = subprocess.run([sys.executable, str(CHECK), str(out)], capture_output=True, text=True)
@@ -77,14 +84,60 @@ def test_straight_run_trains_and_writes_the_contract(straight):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("kind", ["torchrun", "deepspeed", "accelerate", "mpirun"])
+@pytest.mark.parametrize("kind", ["torchrun.sh", "deepspeed.sh", "accelerate.sh", "mpirun.sh"])
 def test_every_launcher_gives_the_one_process_result(straight, tmp_path, kind):
-    if kind == "mpirun" and shutil.which("mpirun") is None:
+    """Each launcher through its script in launch/, as the README tells users to start them."""
+    if kind == "mpirun.sh" and shutil.which("mpirun") is None:
         pytest.fail("mpirun is not installed (apt-get install openmpi-bin; .ci/run does it)")
-    summary = train(kind, 2, tmp_path / kind, port=29620 + len(kind))
+    port = 29620 + len(kind)
+    summary = train(kind, 2, tmp_path / kind, port=port)
     assert summary["world_size"] == 2
+    # DeepSpeed's CPU shared-memory all-reduce buffers (deepspeed and mpirun launches) are not left in /dev/shm.
+    assert not list(pathlib.Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     assert summary["params_digest"] == straight[1]["params_digest"]
     assert len(summary["peak_rss_bytes"]) == 2
+
+
+@pytest.mark.multirank
+def test_the_readme_main_job_runs(tmp_path):
+    """README command 1, `bash launch/demo.sh`, shortened: the demo at 2 ranks under ZeRO-3, and the contract."""
+    cmd = ["bash", str(ROOT / "launch" / "demo.sh"), "--set", "max_steps=6", "--set", "eval_steps=3",
+           "--set", f"output_dir={tmp_path}"]
+    env = {**ENV, "MASTER_PORT": "29668", "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{ENV['PATH']}"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["world_size"], summary["steps"], summary["method"]) == (2, 6, "curvzo")
+    check = subprocess.run([sys.executable, str(CHECK), str(tmp_path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+
+
+@pytest.mark.multirank
+def test_the_accelerate_config_is_mapped_like_a_deepspeed_file(tmp_path):
+    """`accelerate launch` without --deepspeed: the Accelerate config's DeepSpeed settings are honoured or refused."""
+    import yaml
+
+    base = yaml.safe_load((ROOT / "ds_configs" / "accelerate_zero3.yaml").read_text())
+
+    def launch(name: str, processes: int, **settings) -> subprocess.CompletedProcess:
+        conf = {**base, "num_processes": processes, **settings.pop("top", {})}
+        conf["deepspeed_config"] = {**base["deepspeed_config"], **settings}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(conf))
+        cmd = [shutil.which("accelerate"), "launch", "--config_file", str(tmp_path / f"{name}.yaml"),
+               "--main_process_port", "29667", "-m", "curvzo_ds.cli", "train", "--set", "max_steps=2",
+               "--set", "disable_tqdm=true", "--set", "report_to=none", "--set", f"output_dir={tmp_path / name}"]
+        return subprocess.run(cmd, env={**ENV, "MASTER_PORT": "29667"}, capture_output=True, text=True, timeout=400,
+                              cwd=str(ROOT))
+
+    refused = launch("stage2", 2, zero_stage=2)
+    assert refused.returncode != 0 and not (tmp_path / "stage2" / "summary.json").exists()
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("curvzo-ds train: error: ")]
+    assert len(errors) == 2 and all("use stage 3" in line for line in errors), refused.stderr[-3000:]
+
+    mapped = launch("offload_bf16", 1, offload_param_device="cpu", top={"mixed_precision": "bf16"})
+    assert mapped.returncode == 0, mapped.stderr[-3000:]
+    run_config = json.loads((tmp_path / "offload_bf16" / "checkpoint-2" / "run_config.json").read_text())
+    assert (run_config["offload_param"], run_config["dtype"]) == ("cpu", "bfloat16")
 
 
 @pytest.mark.multirank
@@ -126,6 +179,20 @@ def test_bad_config_is_one_line_and_exit_2(capsys, args, words):
     assert main(["train", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
+
+
+@pytest.mark.parametrize("setting,words", [
+    ("task=SST2", "names are lower case: 'sst2'"),
+    ("global_batch_size=5000", "lower global_batch_size or raise num_train"),
+    ("lora_target_modules=foo", "lora_target_modules=['foo']"),
+])
+def test_bad_task_data_or_model_setting_is_one_line_and_exit_2(tmp_path, setting, words):
+    """Errors found while building the task, data and model (past the config check) are one line too."""
+    cmd = CLI + ["--set", setting, "--set", "lora=true", "--set", f"output_dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("curvzo-ds train: error: ") and words in errors[0], errors
 
 
 def test_the_contract_check_copy_is_current():

@@ -51,3 +51,27 @@ def test_a_failure_on_rank_0_is_raised_and_leaves_no_complete_checkpoint(tmp_pat
         ckpt.save_checkpoint(e, str(tmp_path), trainer_state={"t": torch.zeros(1)})
     assert [p for _, p in ckpt.list_checkpoints(str(tmp_path))] == [first]  # only the complete one
     assert not os.path.exists(os.path.join(str(tmp_path), "checkpoint-2"))
+
+
+def test_a_corrupt_incomplete_or_foreign_checkpoint_is_refused_by_name(tmp_path):
+    import json
+
+    e, x = engine()
+    e.step(x)
+    path = ckpt.write_checkpoint(e, str(tmp_path / "ck"))
+    manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
+    rank_file = os.path.join(path, sorted(manifest["files"])[0])
+    with open(rank_file, "r+b") as f:  # flip one byte of the tensor data at the end of the file
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        ckpt.load_checkpoint(e, path)
+    os.remove(os.path.join(path, "manifest.json"))
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        ckpt.load_checkpoint(e, path)
+    other = ZOEngine(torch.nn.Sequential(torch.nn.Linear(4, 3)), lambda m, b: m(b).sum(), method="mezo")
+    good = ckpt.write_checkpoint(e, str(tmp_path / "good"))
+    with pytest.raises(ValueError, match="does not match this model's trainable parameters"):
+        ckpt.load_checkpoint(other, good)

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from curvzo_ds.cli import main
-from curvzo_ds.config import TrainConfig
+from curvzo_ds.config import TrainConfig, resolve_presets
 from tests.test_app import COMMON, ROOT
 
 KEYS = [f.name for f in dataclasses.fields(TrainConfig)]
@@ -41,3 +41,28 @@ def test_eval_of_a_checkpoint_equals_the_training_eval(straight):
     for split in ("dev", "test"):
         assert result[split]["accuracy"] == logged[split]["accuracy"]
         assert result[split]["loss"] == logged[split]["loss"]
+
+
+def test_the_reported_test_metric_is_the_best_dev_checkpoints(straight):
+    """As MeZO: summary.json's test metric is the evaluation of the best-dev checkpoint, not of the last step."""
+    out, summary = straight
+    best = summary["best_dev"]["step"]
+    assert best != summary["steps"] and summary["test"] != summary["final"]["test"]  # the two can be told apart
+    ev_dir = pathlib.Path(str(out) + "-eval-best")
+    args = [a.replace(str(out), str(ev_dir)) for a in COMMON] + ["--set", f"output_dir={ev_dir}"]
+    assert main(["eval", *args, "--resume", str(out / f"checkpoint-{best}")]) == 0
+    result = json.loads((ev_dir / "eval.json").read_text())
+    assert result["step"] == best
+    assert result["test"] == summary["test"]
+    assert result["dev"]["accuracy"] == summary["best_dev"]["accuracy"]
+
+
+def test_presets_are_mezos_for_full_and_lora_runs_and_give_way_to_the_user():
+    full = resolve_presets(TrainConfig(model="facebook/opt-13b"))
+    lora = resolve_presets(TrainConfig(model="facebook/opt-13b", lora=True))
+    demo = resolve_presets(TrainConfig())
+    assert (full.learning_rate, full.zo_eps, full.max_steps) == (1e-6, 1e-3, 20000)
+    assert (lora.learning_rate, lora.zo_eps, lora.lora_target_modules) == (5e-5, 1e-2, ["q_proj", "v_proj"])
+    assert (demo.learning_rate, demo.zo_eps, demo.max_steps, demo.eval_steps) == (3e-4, 1e-2, 300, 100)
+    mine = resolve_presets(TrainConfig(model="facebook/opt-13b", learning_rate=1e-7, zo_eps=1e-4, max_steps=5))
+    assert (mine.learning_rate, mine.zo_eps, mine.max_steps) == (1e-7, 1e-4, 5)

@@ -222,3 +222,23 @@ def test_shipped_accelerate_config_loads():
     config = load_config_from_file(str(SHIPPED / "accelerate_zero3.yaml"))
     assert str(config.distributed_type).endswith("DEEPSPEED")
     assert config.deepspeed_config["zero_stage"] == 3 and config.deepspeed_config["zero3_init_flag"] is True
+
+
+@pytest.mark.parametrize("stage,zero,words", [
+    (1, {}, "Use zero_optimization.stage 3"),
+    (2, {}, "Use zero_optimization.stage 3"),
+    (3, {"zero_hpz_partition_size": 8}, "Remove zero_hpz_partition_size"),
+    (3, {"zero_quantized_weights": True}, "Set zero_quantized_weights to false"),
+])
+def test_a_users_own_engine_is_refused_when_shard_local_edits_cannot_serve_it(stage, zero, words):
+    """Users who build their DeepSpeed engine themselves skip the config mapping: the engine check refuses too."""
+    from types import SimpleNamespace
+
+    from curvzo_ds.ds_compat import check_engine_supported
+
+    stub = SimpleNamespace(zero_optimization_stage=lambda: stage,
+                           zero_optimization=lambda: SimpleNamespace(**zero))
+    with pytest.raises(ValueError, match=words):
+        check_engine_supported(stub)
+    check_engine_supported(SimpleNamespace(zero_optimization_stage=lambda: 3,
+                                           zero_optimization=lambda: SimpleNamespace()))  # plain stage 3 passes

@@ -1,10 +1,12 @@
 """The one-process engine: the paper's statistical properties, training, faults, bad input."""
 
+import logging
 import math
 
 import pytest
 import torch
 
+from curvzo_ds import sampling
 from curvzo_ds.config import ZOConfig
 from curvzo_ds.engine import NonFiniteLossError, ZOEngine
 from curvzo_ds.noise import NoiseSource
@@ -106,19 +108,64 @@ def test_block_score_mixed_moment(chunk):
 
 
 def test_every_block_is_drawn_and_inverse_pi_is_bounded():
-    model = Quadratic((4, 4, 4, 4, 4, 4, 4, 4), seed=1)
-    engine = ZOEngine(model, quad_loss, ZOConfig(method="curvzo", learning_rate=1e-3, zo_eps=1e-3,
-                                                 budget_min=0.125, budget_max=0.5, budget_floor=0.1))
-    drawn = torch.zeros(8, dtype=torch.bool)
-    g = 8
+    """The floor keeps every block reachable. No warm-up and S = 0 at the start, so blocks unscored by the
+    first draws get pi = 0 without the floor (gamma = 0 draws 5 of the 16 blocks here, gamma = 0.1 all)."""
+    g, floor = 16, 0.1
+    model = Quadratic((4,) * g, seed=1)
+    engine = ZOEngine(model, quad_loss, ZOConfig(method="curvzo", learning_rate=1e-5, zo_eps=1e-3,
+                                                 budget_min=0.125, budget_max=0.25, budget_floor=floor,
+                                                 score_init=0.0, score_warmup_steps=0))
+    drawn = torch.zeros(g, dtype=torch.bool)
     for _ in range(300):
         pi, b, _, _ = engine.probabilities()
-        assert (1 / pi).max().item() <= g / (0.1 * b) * (1 + 1e-9)
+        assert (1 / pi).max().item() <= g / (floor * b) * (1 + 1e-9)
         drawn |= engine.noise.mask_uniforms(engine.step_count, g) < pi
         r = engine.step(None)
         assert all(math.isfinite(x) for x in engine.scores.tolist())
-        assert r.max_inv_pi <= g / (0.1 * b) * (1 + 1e-9)
-    assert drawn.all()
+        assert r.max_inv_pi <= g / (floor * b) * (1 + 1e-9)
+    assert drawn.all(), f"{int(drawn.sum())} of {g} blocks drawn"
+
+
+@pytest.mark.parametrize("skip", ["empty_mask", "non_finite_loss"])
+def test_warmup_mean_is_applied_when_the_last_warmup_step_is_skipped(skip):
+    """S := mean observed score after the warm-up, even if its last step is skipped. Seed 0, B = G/8:
+    warm-up step 5 draws no block; with B = G every block is drawn and step 5 gets a NaN loss instead."""
+    warm, budget = 5, (0.125 if skip == "empty_mask" else 1.0)
+    cfg = ZOConfig(method="curvzo", seed=0, learning_rate=1e-5, zo_eps=1e-3, budget_min=budget,
+                   budget_max=budget, score_warmup_steps=warm)
+
+    def loss(model, batch):
+        return model() * (math.nan if batch == "nan" else 1.0)
+
+    engine = ZOEngine(Quadratic((4,) * 8, seed=1), loss, cfg)
+    for _ in range(warm - 1):
+        assert engine.step(None).skipped is None
+    state = engine.state_dict()
+    weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    assert engine.step("nan").skipped == skip
+    assert (engine.warmup_sum > 0).sum() >= 2
+    assert torch.equal(engine.scores, engine.warmup_sum / warm)
+    # Resumed just before that step, it ends the same way.
+    model = Quadratic((4,) * 8, seed=1)
+    model.load_state_dict(weights)
+    resumed = ZOEngine(model, loss, cfg)
+    resumed.load_state_dict(state)
+    assert resumed.step("nan").skipped == skip
+    assert torch.equal(resumed.scores, engine.scores)
+
+
+def test_us_ab_samples_uniformly_with_the_adaptive_budget():
+    g = 8
+    engine = ZOEngine(Quadratic((4,) * g, seed=1), quad_loss,
+                      ZOConfig(method="us_ab", learning_rate=1e-5, zo_eps=1e-3, budget_min=0.125, budget_max=0.75))
+    engine.scores = torch.tensor([9.0, 1.0, 0.0, 0.0, 4.0, 0.01, 0.0, 0.0], dtype=torch.float64)
+    b, _, _ = sampling.adaptive_budget(engine.scores, 0.125 * g, 0.75 * g, 0.5)
+    assert 0.125 * g < b < 0.75 * g - 1  # non-uniform scores move B well off both ends
+    pi, budget, _, _ = engine.probabilities()
+    assert budget == pytest.approx(b, rel=1e-12)
+    assert torch.allclose(pi, torch.full((g,), b / g, dtype=torch.float64), rtol=1e-12, atol=0)
+    r = engine.step(None)
+    assert r.budget == pytest.approx(b, rel=1e-12) and r.max_inv_pi == pytest.approx(g / b, rel=1e-12)
 
 
 def test_budget_of_one_block_never_gives_nan():
@@ -215,7 +262,7 @@ def test_fp32_master_copy_makes_bf16_restore_exact():
         assert same == exact
 
 
-def test_non_finite_loss_restores_weights_and_stops_after_a_streak():
+def test_non_finite_loss_restores_weights_and_stops_after_a_streak(caplog):
     torch.manual_seed(0)
     net = TinyNet()
     x, y = _task(32)
@@ -230,8 +277,10 @@ def test_non_finite_loss_restores_weights_and_stops_after_a_streak():
                                            max_consecutive_skips=3))
     engine.step((x, y))  # forwards 1 and 2 are finite
     before = [p.detach().clone() for p in net.parameters()]
-    r = engine.step((x, y))
+    with caplog.at_level(logging.WARNING, logger="curvzo_ds"):
+        r = engine.step((x, y))
     assert r.skipped == "non_finite_loss" and engine.skipped_total == 1
+    assert "step 2: non-finite loss (L+=nan, L-=nan); weights restored, step skipped (1 in a row)" in caplog.text
     for a, p in zip(before, net.parameters()):
         assert torch.allclose(a, p.detach(), atol=1e-6, rtol=0)
     engine.step((x, y))
@@ -239,16 +288,20 @@ def test_non_finite_loss_restores_weights_and_stops_after_a_streak():
         engine.step((x, y))
 
 
-@pytest.mark.parametrize("key,value,words", [
-    ("zo_eps", 0.0, "zo_eps=0.0"), ("zo_eps", -1e-3, "zo_eps"), ("learning_rate", -1.0, "learning_rate"),
-    ("score_beta", 0.0, "(0, 1]"), ("score_beta", 1.5, "score_beta"), ("budget_alpha", -0.1, "[0, 1]"),
-    ("budget_alpha", 2.0, "budget_alpha"), ("budget_min", 0.0, "(0, 1]"), ("budget_max", 1.5, "budget_max"),
-    ("budget", 0.0, "budget"), ("method", "adam", "method"), ("budget_floor", -0.1, "budget_floor"),
+FRACTION = "a fraction of the number of blocks G in (0, 1]"
+
+
+@pytest.mark.parametrize("key,value,valid", [
+    ("zo_eps", 0.0, "a number > 0"), ("zo_eps", -1e-3, "a number > 0"), ("learning_rate", -1.0, "a number >= 0"),
+    ("weight_decay", -0.1, "a number >= 0"), ("score_beta", 0.0, "in (0, 1]"), ("score_beta", 1.5, "in (0, 1]"),
+    ("budget_alpha", -0.1, "in [0, 1]"), ("budget_alpha", 2.0, "in [0, 1]"), ("budget_min", 0.0, FRACTION),
+    ("budget_max", 1.5, FRACTION), ("budget", 0.0, FRACTION), ("method", "adam", "one of curvzo, mezo, us_ab, fixed"),
+    ("budget_floor", -0.1, "in [0, 1]"), ("score_warmup_steps", -1, "an integer >= 0"),
 ])
-def test_bad_hyper_parameters_are_refused_by_name(key, value, words):
-    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("[", r"\[").replace(")", r"\)")
-                       .replace("]", r"\]")):
+def test_bad_hyper_parameters_are_refused_with_value_and_range(key, value, valid):
+    with pytest.raises(ValueError) as err:
         ZOEngine(TinyNet(), ce_loss, ZOConfig(**{key: value}))
+    assert f"{key}={value!r}" in str(err.value) and valid in str(err.value), str(err.value)
 
 
 def test_budget_min_above_max_and_no_trainable_parameters():
@@ -269,6 +322,47 @@ def test_noise_generated_three_times_per_selected_tensor(monkeypatch):
     engine.step((x, y))
     assert sorted(set(calls)) == sorted(e.name for e in engine.entries)
     assert all(calls.count(name) == 3 for name in set(calls))
+
+
+def test_weight_decay_scales_selected_tensors_by_one_minus_lr_wd_over_pi():
+    """A constant loss gives Delta = 0, so a step is only the decay: w <- (1 - lr wd / pi_i) w for selected
+    matrices, nothing for unselected blocks, and never anything for biases and norm weights (MeZO)."""
+    torch.manual_seed(0)
+    net = TinyNet().double()
+    lr, wd = 0.1, 0.5
+    engine = ZOEngine(net, lambda m, b: torch.tensor(1.0), ZOConfig(
+        method="fixed", budget=0.5, budget_floor=0.2, score_init=1.0, score_warmup_steps=0, learning_rate=lr,
+        zo_eps=1e-2, weight_decay=wd))
+    engine.scores = torch.tensor([4.0, 1.0, 0.25, 0.5, 2.0, 0.1], dtype=torch.float64)
+    seen = set()
+    for _ in range(10):
+        pi, _, _, _ = engine.probabilities()
+        mask = engine.noise.mask_uniforms(engine.step_count, engine.num_blocks) < pi
+        before = [e.param.detach().clone() for e in engine.entries]
+        assert engine.step(None).projected_grad == 0.0
+        for b, (e, w0) in enumerate(zip(engine.entries, before)):
+            w1 = e.param.detach()
+            if mask[b] and e.decay:
+                assert pi[b] < 0.9  # so that 1/pi matters
+                w1 = w1 / (1 - lr * wd / pi[b].item())
+            # float64, weights below 2 and eps |z| below 0.1: the +eps, -2 eps, +eps round-trip rounds by < 1e-14.
+            assert (w1 - w0).abs().max() <= (1e-14 if mask[b] else 0.0), (e.name, bool(mask[b]))
+            seen.add((bool(mask[b]), e.decay))
+    assert seen == {(True, True), (True, False), (False, True), (False, False)}
+
+
+def test_loss_runs_without_autograd():
+    modes = []
+
+    def loss(model, batch):
+        modes.append(torch.is_grad_enabled())
+        return model()
+
+    engine = ZOEngine(Quadratic(), loss, ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-3))
+    assert torch.is_grad_enabled()
+    engine.step(None)
+    engine.loss(None)
+    assert modes == [False, False, False]
 
 
 def test_state_dict_round_trip_continues_the_same_trajectory():

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from curvzo_ds.config import TrainConfig
 from curvzo_ds.tasks import (
     BUILTIN,
     TASK_NAMES,
@@ -82,6 +83,10 @@ def test_cb_default_dev_is_100_and_others_500(tmp_path):
     (tmp_path / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:56]))
     splits = load_splits("cb", seed=1, num_train=32, data_dir=tmp_path)
     assert [len(splits[s]) for s in ("train", "dev", "test")] == [32, 100, 56]
+    # The CLI's defaults (num_train 1000, num_dev None) give MeZO's CB split: 100 dev, the other 150 to train.
+    cfg = TrainConfig(task="cb", data_dir=str(tmp_path))
+    splits = load_splits("cb", cfg.seed, cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.data_dir)
+    assert [len(splits[s]) for s in ("train", "dev", "test")] == [150, 100, 56]
 
 
 def test_unknown_task_names_the_choices():
@@ -126,7 +131,10 @@ def test_num_eval_none_takes_whole_validation_in_order(tmp_path):
 def test_small_train_pool_is_cut_without_overlap(tmp_path):
     write_sst2(tmp_path, 20, 5)
     splits = load_splits("sst2", seed=0, num_train=1000, num_dev=500, data_dir=tmp_path)
-    assert len(splits["dev"]) == 4 and len(splits["train"]) == 16  # held-out splits cut to a fifth
+    assert len(splits["dev"]) == 4 and len(splits["train"]) == 16  # dev would take all: cut to a fifth
+    assert not {key(e) for e in splits["train"]} & {key(e) for e in splits["dev"]}
+    splits = load_splits("sst2", seed=0, num_train=1000, num_dev=15, data_dir=tmp_path)
+    assert len(splits["dev"]) == 15 and len(splits["train"]) == 5  # dev kept whole, train takes the rest
     assert not {key(e) for e in splits["train"]} & {key(e) for e in splits["dev"]}
 
 

@@ -92,6 +92,13 @@ def test_stage0_equals_stage3(runs):
 
 
 @pytest.mark.multirank
+def test_cpu_parameter_offload_equals_no_offload(runs):
+    """The offload scenario is the curvzo one with offload_param cpu, for 15 steps: the same trajectory."""
+    for w in (1, 2, 3):
+        assert runs[w]["offload"]["traj"] == runs[w]["curvzo"]["traj"][:15]
+
+
+@pytest.mark.multirank
 def test_one_collective_of_g_plus_3k_values_per_step(runs):
     for w in (1, 2, 3):
         res = runs[w]["curvzo"]

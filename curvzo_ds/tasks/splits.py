@@ -5,8 +5,10 @@ hub's fields, or the Hugging Face hub itself (`data_dir="hub"`).
 
 The split rule (MeZO, large_models/run.py): the train pool is permuted with
 `numpy.random.RandomState(seed)`; train is the first `num_train` of that order and dev
-the next `num_dev`. A test split drawn from train (a task directory without test.jsonl)
-takes the `num_eval` after those. A split given as its own file is subsampled with the
+the next `num_dev`; a test split drawn from train (a task directory without test.jsonl)
+takes the `num_eval` after those. A pool smaller than that keeps the held-out splits whole and
+gives train the rest (CB: 250 examples, 150 train and 100 dev); one too small to leave any
+train cuts each held-out split to a fifth of the pool. A split given as its own file is subsampled with the
 same permutation rule (test: the whole file, in order, when `num_eval` is None). The
 result is a pure function of the inputs, so every rank of any world size sees the same.
 """
@@ -57,13 +59,14 @@ def split(pools: dict[str, list], seed: int, num_train: int | None, num_dev: int
     if "test" not in pools:
         held["test"] = num_dev if num_eval is None else num_eval
     n = len(train)
-    if (num_train or 1) + sum(held.values()) > n:
+    if sum(held.values()) >= n:  # a small sample: held-out splits would leave no train
         cut = {k: min(v, n // 5) for k, v in held.items()}
-        log.warning("train holds %d examples, fewer than num_train=%s plus %s; drawing %s from it",
-                    n, num_train, held, cut)
+        log.warning("train holds %d examples, not more than %s; drawing %s from it", n, held, cut)
         held = cut
     rest = n - sum(held.values())
     n_train = rest if num_train is None else min(num_train, rest)
+    if num_train is not None and n_train < num_train:  # MeZO: held-out splits first, train takes the rest
+        log.info("train holds %d examples: %s held out, %d for train (num_train=%d)", n, held, n_train, num_train)
     order = _permutation(seed, n)
     out = {"train": [dict(train[i]) for i in order[:n_train]]}
     start = n_train

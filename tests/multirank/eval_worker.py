@@ -12,12 +12,14 @@
   1..W-1 (whose rank 0 is global rank 1); each rank records when its body ran.
 """
 
+import faulthandler
 import json
 import os
 import sys
 import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+faulthandler.enable()  # a native crash (abort, segfault) prints the Python stacks of every thread
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -13,11 +13,13 @@
 Rank 0 writes OUT (JSON): losses, digests, what was allocated.
 """
 
+import faulthandler
 import json
 import os
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+faulthandler.enable()  # a native crash (abort, segfault) prints the Python stacks of every thread
 
 import torch  # noqa: E402
 

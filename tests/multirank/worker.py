@@ -8,12 +8,14 @@ independent stream of micro-batches, and records the trajectory bit for bit (flo
 Python floats, scores as hashes of their bytes) and the final params_digest.
 """
 
+import faulthandler
 import hashlib
 import json
 import os
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+faulthandler.enable()  # a native crash (abort, segfault) prints the Python stacks of every thread
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
