@@ -107,6 +107,23 @@ def test_block_score_mixed_moment(chunk):
     assert ((mean - expected).abs() <= 4.5 * se).all(), (mean, expected, se)
 
 
+def test_unbiased_block_score_has_mean_the_squared_block_gradient():
+    """Appendix B's s'_i in block form: E[(Delta^2 ||v_Gi||^2 - pi_i n_i Delta^2) / (pi_i (n_i + 2 - pi_i n_i))]
+    = ||g_i||^2, for non-uniform pi (the raw score's mean, by contrast, mixes in the other blocks)."""
+    sizes = (2, 3, 1, 2)
+    model = Quadratic(sizes, seed=3)
+    engine = _frozen_pi_engine(model, [1.0, 0.2, 4.0, 0.5], score_estimator="unbiased", score_beta=1.0)
+    pi, _, _, _ = engine.probabilities()
+    g_sq = torch.stack([x.square().sum() for x in model.grad()])
+    n_i = torch.tensor(sizes, dtype=torch.float64)
+    raw_mean = pi * n_i * ((pi * g_sq).sum() - pi * g_sq) + pi * (n_i + 2) * g_sq
+    n = 12000
+    _, scores = _run_frozen(engine, model, n)
+    mean, se = scores.mean(0), scores.std(0) / math.sqrt(n)
+    assert ((mean - g_sq).abs() <= 4.5 * se).all(), (mean, g_sq, se)
+    assert ((mean - raw_mean).abs() > 4.5 * se).all()  # precise enough to tell the two apart
+
+
 def test_every_block_is_drawn_and_inverse_pi_is_bounded():
     """The floor keeps every block reachable. No warm-up and S = 0 at the start, so blocks unscored by the
     first draws get pi = 0 without the floor (gamma = 0 draws 5 of the 16 blocks here, gamma = 0.1 all)."""
