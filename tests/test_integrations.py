@@ -90,6 +90,9 @@ def test_zotrainer_one_process_trains_logs_saves_and_resumes(tmp_path):
     resumed = {s: {k: v for k, v in row.items() if k not in drop}
                for s, row in train_rows(r["log_history_resumed"]).items()}
     assert resumed == straight
+    # The seed comes from TrainingArguments and decides the trajectory.
+    assert (r["zo_seed_seed11"], r["zo_seed_seed12"]) == (11, 12)
+    assert r["digest_seed11"] == r["digest_seed11_again"] != r["digest_seed12"]
 
 
 @pytest.mark.multirank

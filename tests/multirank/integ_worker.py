@@ -138,10 +138,10 @@ def trainer_scenario(out_dir: str) -> dict:
     data = examples(tiny_model().config.vocab_size)
     train_set, eval_set = Examples(data[:48]), Examples(data[48:])
 
-    def make(output_dir: str, max_steps: int):
+    def make(output_dir: str, max_steps: int, seed: int = 11):
         args = TrainingArguments(
             output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=4, per_device_eval_batch_size=4,
-            learning_rate=1e-3, lr_scheduler_type="constant", weight_decay=0.0, seed=11,
+            learning_rate=1e-3, lr_scheduler_type="constant", weight_decay=0.0, seed=seed,
             logging_steps=5, eval_strategy="steps", eval_steps=10, save_strategy="steps", save_steps=10,
             save_total_limit=2, eval_on_start=True, report_to=["tensorboard"], use_cpu=True, disable_tqdm=True,
             deepspeed=os.path.join(ROOT, "tests", "ds_configs", "hf_zero3_auto.json") if distributed else None,
@@ -172,6 +172,12 @@ def trainer_scenario(out_dir: str) -> dict:
         resumed.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-20"))
         result["digest_resumed"] = params_digest(resumed.zo_engine.entries, resumed.zo_engine.comm)
         result["log_history_resumed"] = resumed.state.log_history
+        # TrainingArguments.seed is the ZO seed (zo_config has none here): the same seed, the same weights.
+        for name, seed in (("seed11", 11), ("seed11_again", 11), ("seed12", 12)):
+            short = make(f"{out_dir}-{name}", 4, seed=seed)
+            short.train()
+            result[f"digest_{name}"] = params_digest(short.zo_engine.entries, short.zo_engine.comm)
+            result[f"zo_seed_{name}"] = short.zo_engine.cfg.seed
     return result
 
 
