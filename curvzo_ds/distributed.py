@@ -93,8 +93,8 @@ def _unlink_shm_buffer() -> None:
     """
     import torch.distributed as dist
 
-    if dist.get_world_size() == 1:
-        return
+    if dist.get_world_size() == 1 or os.environ.get("LOCAL_SIZE") != str(dist.get_world_size()):
+        return  # DeepSpeed creates the buffers only when LOCAL_SIZE equals the world size
     dist.barrier()
     name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
             f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")

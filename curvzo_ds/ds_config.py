@@ -215,11 +215,11 @@ def _map_zero(zero: Any, cfg: TrainConfig, hidden_size: int | None, warnings: li
                               f"the engine's small in-place perturbations; set {key} to false")
     if zero.pop("zero_quantized_gradients", False):
         warnings.append("zero_optimization.zero_quantized_gradients: ignored; CurvZO communicates no gradients")
-    opt = zero.pop("offload_optimizer", None)  # {"device": "none"} (Accelerate always writes it) asks for nothing
-    if (opt is not None and not (isinstance(opt, dict) and opt.get("device") in ("none", None))) \
-            or zero.get("cpu_offload"):
+    opt, legacy = zero.pop("offload_optimizer", None), zero.pop("cpu_offload", None)
+    # {"device": "none"} asks for nothing (Accelerate always writes it).
+    asked = not (opt is None or (isinstance(opt, dict) and opt.get("device") in ("none", None)))
+    if asked or legacy:
         warnings.append("zero_optimization.offload_optimizer: ignored; CurvZO keeps no optimizer state")
-    zero.pop("cpu_offload", None)
 
     offload = zero.pop("offload_param", None)
     if zero.pop("cpu_offload_param", False):  # DeepSpeed's deprecated spelling

@@ -70,8 +70,8 @@ def build_model(cfg: TrainConfig, ds_config: dict):
 
             keep_alive = HfDeepSpeedConfig(ds_config)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
-        whole = [n for n, p in model.named_parameters() if not hasattr(p, "ds_id")]
-        if keep_alive is not None and whole:  # zero.Init did not take: every rank would hold the full model
+        whole = [n for n, p in model.named_parameters() if not hasattr(p, "ds_id")] if keep_alive is not None else []
+        if whole:  # zero.Init did not take: every rank would hold the full model
             raise RuntimeError(f"{cfg.model} loaded without zero.Init partitioning ({len(whole)} tensors whole, "
                                f"e.g. {whole[0]}); is the transformers/deepspeed pair supported?")
     if cfg.lora:

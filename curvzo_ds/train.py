@@ -81,11 +81,9 @@ class Run:
             enc = lambda ex, cls: D.encode(self.task, self.tokenizer, ex, cfg.max_length, cls, cfg.max_new_tokens)
             self.train_data = [enc(ex, cfg.train_as_classification) for ex in splits["train"]]
             self.eval_data = {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]}
+            step_indices(0, len(self.train_data), cfg.global_batch_size, cfg.seed)  # refuses a batch > the data
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if cfg.global_batch_size > len(self.train_data):
-            raise ConfigError(f"global_batch_size={cfg.global_batch_size} is larger than the {len(self.train_data)} "
-                              "training examples: lower global_batch_size or raise num_train")
         model, self._keep_alive = build_model(cfg, self.ds_config)
         self.is_lora = cfg.lora
         self.ds_engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)

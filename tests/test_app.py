@@ -25,6 +25,8 @@ COMMON = ["--set", "max_steps=12", "--set", "eval_steps=3", "--set", "save_steps
           "--set", "save_total_limit=2", "--deepspeed", str(ROOT / "ds_configs" / "zero3.json")]
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 CLI = [sys.executable, "-m", "curvzo_ds.cli", "train"]
+# For the scripts in launch/: their `python` is this interpreter.
+SCRIPT_PATH = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{ENV.get('PATH', '')}"
 
 
 def launcher_cmd(kind: str, n: int, port: int) -> list[str]:
@@ -49,10 +51,9 @@ def launcher_cmd(kind: str, n: int, port: int) -> list[str]:
 def train(kind: str, n: int, out: pathlib.Path, *extra: str, port: int = 29610) -> dict:
     """A run of COMMON's settings; `kind` is a launcher, or one of the scripts in launch/ ("torchrun.sh", ...)."""
     env = {**ENV, "MASTER_PORT": str(port)}
-    if kind.endswith(".sh"):  # as a user runs it; `python` in the scripts is this interpreter
+    if kind.endswith(".sh"):  # as a user runs it
         cmd = ["bash", str(ROOT / "launch" / kind)]
-        env.update(NPROC=str(n), ACCELERATE_ARGS=f"--main_process_port {port}",
-                   PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{ENV.get('PATH', '')}")
+        env.update(NPROC=str(n), ACCELERATE_ARGS=f"--main_process_port {port}", PATH=SCRIPT_PATH)
     else:
         cmd = launcher_cmd(kind, n, port)
     cmd = cmd + COMMON + ["--set", f"output_dir={out}", *extra]
@@ -103,7 +104,7 @@ def test_the_readme_main_job_runs(tmp_path):
     """README command 1, `bash launch/demo.sh`, shortened: the demo at 2 ranks under ZeRO-3, and the contract."""
     cmd = ["bash", str(ROOT / "launch" / "demo.sh"), "--set", "max_steps=6", "--set", "eval_steps=3",
            "--set", f"output_dir={tmp_path}"]
-    env = {**ENV, "MASTER_PORT": "29668", "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{ENV['PATH']}"}
+    env = {**ENV, "MASTER_PORT": "29668", "PATH": SCRIPT_PATH}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

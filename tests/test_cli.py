@@ -28,13 +28,18 @@ def test_docs_config_lists_every_key():
     assert not missing, f"docs/config.md lacks {missing}: regenerate its table"
 
 
+def eval_checkpoint(out: pathlib.Path, step: int) -> dict:
+    """`curvzo-ds eval --resume out/checkpoint-<step>` with the run's settings; its eval.json."""
+    ev_dir = pathlib.Path(f"{out}-eval-{step}")
+    args = [a.replace(str(out), str(ev_dir)) for a in COMMON] + ["--set", f"output_dir={ev_dir}"]
+    assert main(["eval", *args, "--resume", str(out / f"checkpoint-{step}")]) == 0
+    return json.loads((ev_dir / "eval.json").read_text())
+
+
 def test_eval_of_a_checkpoint_equals_the_training_eval(straight):
     """`curvzo-ds eval --resume CKPT` recomputes the dev and test metrics logged at that step."""
     out, _ = straight
-    ev_dir = pathlib.Path(str(out) + "-eval")
-    args = [a.replace(str(out), str(ev_dir)) for a in COMMON] + ["--set", f"output_dir={ev_dir}"]
-    assert main(["eval", *args, "--resume", str(out / "checkpoint-12")]) == 0
-    result = json.loads((ev_dir / "eval.json").read_text())
+    result = eval_checkpoint(out, 12)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = {r["split"]: r for r in rows if r.get("split") and r["step"] == 12}
     assert result["step"] == 12 and set(logged) == {"dev", "test"}
@@ -48,10 +53,7 @@ def test_the_reported_test_metric_is_the_best_dev_checkpoints(straight):
     out, summary = straight
     best = summary["best_dev"]["step"]
     assert best != summary["steps"] and summary["test"] != summary["final"]["test"]  # the two can be told apart
-    ev_dir = pathlib.Path(str(out) + "-eval-best")
-    args = [a.replace(str(out), str(ev_dir)) for a in COMMON] + ["--set", f"output_dir={ev_dir}"]
-    assert main(["eval", *args, "--resume", str(out / f"checkpoint-{best}")]) == 0
-    result = json.loads((ev_dir / "eval.json").read_text())
+    result = eval_checkpoint(out, best)
     assert result["step"] == best
     assert result["test"] == summary["test"]
     assert result["dev"]["accuracy"] == summary["best_dev"]["accuracy"]

@@ -21,13 +21,13 @@ import time
 
 import pytest
 
-from tests.test_app import CHECK, CLI, COMMON, ENV, ROOT
+from tests.test_app import CHECK, CLI, COMMON, ENV, ROOT, SCRIPT_PATH
 
 BIN = pathlib.Path(sys.executable).parent
 # No launcher variables from the calling shell; this interpreter's bin directory first (`python` in launch/).
 BASE_ENV = {k: v for k, v in ENV.items() if not k.startswith("SLURM_")
             and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-BASE_ENV["PATH"] = f"{BIN}{os.pathsep}{ENV.get('PATH', '')}"
+BASE_ENV["PATH"] = SCRIPT_PATH
 TIMEOUT = 400  # seconds for one launch (a warm 2-rank run takes 15-30 s here)
 
 SLURM_CONF = """\
