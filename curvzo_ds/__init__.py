@@ -1,0 +1,35 @@
+"""curvzo_ds: CurvZO zeroth-order fine-tuning of causal language models on DeepSpeed ZeRO-3.
+
+    from curvzo_ds import ZOEngine, ZOConfig, MicroBatches
+    engine = ZOEngine(model_or_deepspeed_engine, loss_fn, ZOConfig(learning_rate=1e-6, zo_eps=1e-3))
+    result = engine.step(MicroBatches([micro_batch_0, micro_batch_1]))
+
+`loss_fn(model, micro_batch) -> (loss_sum, count)`. Checkpoints: `save_checkpoint(engine, dir)` and
+`load_checkpoint(engine, path)`, at any world size. An Accelerate loop: `from_accelerator(...)`;
+a Hugging Face Trainer: `ZOTrainer` (imported on first use, so `import curvzo_ds` stays light).
+"""
+
+from curvzo_ds.checkpoint import CheckpointManager, load_checkpoint, save_checkpoint
+from curvzo_ds.config import ConfigError, ZOConfig
+from curvzo_ds.data.stream import MicroBatches, split_batch
+from curvzo_ds.engine import NonFiniteLossError, StepResult, ZOEngine
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ZOEngine", "ZOConfig", "MicroBatches", "split_batch", "StepResult", "save_checkpoint", "load_checkpoint",
+    "CheckpointManager", "ConfigError", "NonFiniteLossError", "ZOTrainer", "from_accelerator", "__version__",
+]
+
+
+def __getattr__(name: str):
+    # Lazy: ZOTrainer pulls in transformers' Trainer, from_accelerator pulls in accelerate.
+    if name == "ZOTrainer":
+        from curvzo_ds.hf_trainer import ZOTrainer
+
+        return ZOTrainer
+    if name == "from_accelerator":
+        from curvzo_ds.integrations import from_accelerator
+
+        return from_accelerator
+    raise AttributeError(f"module 'curvzo_ds' has no attribute {name!r}")

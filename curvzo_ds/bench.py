@@ -5,18 +5,22 @@ Figures are printed, never asserted: speed and memory targets live in benchmarks
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
 
+from . import data as D
+from .data.stream import MicroBatches
+from .engine import ZOEngine
+from .run import Run
+from .sysinfo import peak_rss_bytes, rss_bytes
+from .tasks import demo_model_config, get_task, load_splits
+from .tasks.demo import load_tokenizer
+
 
 def bench(cfg, steps: int) -> None:
     """Time `steps` engine steps of the configured run (one rank or under a launcher)."""
-    import gc
-
-    from .logs import peak_rss_bytes, rss_bytes
-    from .train import Run
-
     cfg.disable_tqdm = True
     run = Run(cfg)
     gc.collect()
@@ -52,8 +56,6 @@ def plan(model: str, world_size: int, dtype: str, fp32_master: bool) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if model in ("demo", "demo-opt"):
-        from .tasks import demo_model_config
-
         conf = demo_model_config("opt" if model == "demo-opt" else "llama")
     else:
         conf = AutoConfig.from_pretrained(model)
@@ -83,10 +85,6 @@ def drift(steps: int, dtype: str = "bfloat16", seed: int = 0) -> list[dict]:
     """
     from transformers import AutoModelForCausalLM
 
-    from . import data as D
-    from .engine import MicroBatches, ZOEngine
-    from .tasks import demo_model_config, get_task, load_splits
-    from .tasks.demo import load_tokenizer
 
     tok, task = load_tokenizer("llama"), get_task("demo")
     encoded = [D.encode(task, tok, ex, 128, True) for ex in load_splits(task, seed, 512, 8, 8)["train"]]

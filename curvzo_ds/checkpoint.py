@@ -6,7 +6,10 @@ step, world size, the SHA-256 of every file, the tensors' shapes and dtypes, the
 state (step, seed, scores, noise definition) and the trainer's state (data position is the step,
 best dev result). A checkpoint is written under `checkpoint-<step>.tmp` and renamed when complete,
 so a crash never leaves a directory that looks complete. `engine.save_checkpoint` of DeepSpeed
-is not used: it needs an optimizer (DESIGN.md §3).
+is not used: it needs an optimizer (docs/deepspeed.md).
+
+`CheckpointManager` is the run lifecycle around them (save, rotation that keeps the best, resume
+paths, the best evaluation), shared by the CLI, `from_accelerator` and `ZOTrainer`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .engine import ZOEngine, _write
+from .engine import ZOEngine
 from .params import intersect
 
 log = logging.getLogger("curvzo_ds")
@@ -142,6 +145,75 @@ def rotate_checkpoints(output_dir: str, keep: int | None, protect: str | None = 
         shutil.rmtree(path, ignore_errors=True)
 
 
+class CheckpointManager:
+    """One run's checkpoint lifecycle, shared by the CLI, `from_accelerator` and `ZOTrainer`.
+
+    - `save(engine, ...)`: collective; writes `output_dir/checkpoint-<step>` (or `path`), then rank 0
+      rotates to `save_total_limit`, never deleting the best checkpoint, and every rank meets at a barrier;
+    - `track(step, metrics)`: the best evaluation so far by `metric` (higher is better unless
+      `greater_is_better=False`); a new best is protected from rotation once it is saved;
+    - `resume_path(resume)`: `True` is the newest complete checkpoint, a path is checked to exist;
+    - `state_dict()` / `load_state_dict()`: the best result, carried in each checkpoint's trainer state.
+    """
+
+    def __init__(self, output_dir: str, comm, *, save_total_limit: int | None = None, metric: str | None = None,
+                 greater_is_better: bool = True):
+        self.output_dir = output_dir
+        self.comm = comm
+        self.save_total_limit = save_total_limit
+        self.metric = metric
+        self.greater_is_better = greater_is_better
+        self.best: dict | None = None  # {"step", "metrics", "checkpoint"}
+
+    def path_for(self, step: int) -> str:
+        return os.path.join(self.output_dir, f"checkpoint-{step}")
+
+    def is_better(self, metrics: dict) -> bool:
+        value = metrics.get(self.metric) if self.metric else None
+        if value is None:
+            return False
+        if self.best is None:
+            return True
+        best = self.best["metrics"].get(self.metric)
+        if best is None:
+            return True
+        return value > best if self.greater_is_better else value < best
+
+    def track(self, step: int, metrics: dict) -> bool:
+        """Record an evaluation at `step`; True when it is the best so far (its checkpoint is then
+        `path_for(step)`, which the caller should save)."""
+        if not self.is_better(metrics):
+            return False
+        self.best = {"step": step, "metrics": dict(metrics), "checkpoint": self.path_for(step)}
+        return True
+
+    def save(self, engine, trainer_state: dict | None = None, write_extra: Callable[[str], None] | None = None,
+             path: str | None = None) -> str:
+        """Collective: write the checkpoint of the engine's current step, rotate, and meet at a barrier."""
+        path = write_checkpoint(engine, path or self.path_for(engine.step_count), trainer_state, write_extra)
+        if self.comm.rank == 0:
+            rotate_checkpoints(self.output_dir, self.save_total_limit,
+                               protect=self.best["checkpoint"] if self.best else None)
+        self.comm.barrier()
+        return path
+
+    def resume_path(self, resume) -> str | None:
+        """The checkpoint a `--resume` means: None (no resume), the newest complete one, or the given path."""
+        if not resume:
+            return None
+        if resume is True:
+            return latest_checkpoint(self.output_dir)
+        if not os.path.isdir(str(resume)):
+            raise FileNotFoundError(f"--resume {resume}: no such checkpoint directory")
+        return str(resume)
+
+    def state_dict(self) -> dict:
+        return {"best": self.best}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best = state.get("best")
+
+
 def read_manifest(path: str) -> dict:
     mpath = os.path.join(path, "manifest.json")
     if not os.path.isfile(mpath):
@@ -202,9 +274,9 @@ def load_checkpoint(engine: ZOEngine, path: str) -> dict:
             values = read_range(path, manifest, e.name, lo, hi, verified)
             if e.master is not None:
                 e.master.copy_(values.float())
-                _write(e, 0, e.master)
+                e.write(0, e.master)
             else:
-                _write(e, 0, values)
+                e.write(0, values)
     engine.load_state_dict(manifest["engine"])
     engine.comm.barrier()
     return manifest.get("trainer", {})

@@ -1,4 +1,4 @@
-"""`curvzo-ds`: train | eval | export | plot | bench | plan (CONTRACTS.md).
+"""`curvzo-ds`: train | eval | export | plot | bench | plan (docs/contracts.md).
 
 `train` and `eval` run inside the current process: alone it is a one-rank job, under
 deepspeed / torchrun / accelerate launch / mpirun / srun it is one rank of the job.
@@ -10,28 +10,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
-import inspect
 import os
 import re
 import sys
 
-from .config import ConfigError, TrainConfig, build, field_names
-
-
-def _key_docs() -> dict[str, str]:
-    """Each key's one-line doc: the comment beside its field in config.py."""
-    from . import config
-
-    docs = {}
-    for line in inspect.getsource(config).splitlines():
-        m = re.match(r"\s+(\w+): [^=]+= ([^#]+?)\s*(?:#\s*(.*))?$", line)
-        if m and m.group(1) in field_names():
-            docs[m.group(1)] = m.group(3) or ""
-    return docs
+from .config import ConfigError, TrainConfig, build, key_docs
 
 
 def _keys_help() -> str:
-    docs = _key_docs()
+    docs = key_docs()
     lines = ["configuration keys (--set KEY=VALUE or a YAML file; default in brackets):"]
     for f in dataclasses.fields(TrainConfig):
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -110,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("train", "eval"):
             cfg = load_config(args.config, args.set, args.deepspeed)
-            from .train import run_eval, run_train
+            from .run import run_eval, run_train  # deepspeed and transformers load only for these
 
             (run_train if args.command == "train" else run_eval)(cfg, args.resume)
         elif args.command == "export":

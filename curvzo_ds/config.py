@@ -1,4 +1,4 @@
-"""One flat configuration namespace (CONTRACTS.md): the engine's keys and the application's.
+"""One flat configuration namespace (docs/contracts.md): the engine's keys and the application's.
 
 `ZOConfig` holds what the optimizer needs; `TrainConfig` adds what `curvzo-ds train` needs.
 Both are plain dataclasses, so users can build them in Python, and the CLI fills them from a
@@ -15,9 +15,23 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .ds_policy import REFUSAL_BY_KEY
+
 METHODS = ("curvzo", "mezo", "us_ab", "fixed")
 SCORE_ESTIMATORS = ("normalized", "raw", "unbiased")
 GRANULARITIES = ("tensor", "layer", "chunk")
+
+
+def key(default: Any, doc: str):
+    """A configuration key: its default and the one-line doc that `--help` and docs/config.md show."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+def key_docs(cls=None) -> dict[str, str]:
+    """Each key's one-line doc, from the field metadata."""
+    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls or TrainConfig)}
 
 
 class ConfigError(ValueError):
@@ -26,31 +40,32 @@ class ConfigError(ValueError):
 
 @dataclass
 class ZOConfig:
-    """Hyper-parameters of the zeroth-order optimizer (paper Section 3, DESIGN.md §1)."""
+    """Hyper-parameters of the zeroth-order optimizer (paper Section 3, docs/algorithm.md)."""
 
-    method: str = "curvzo"
-    seed: int = 42
-    learning_rate: float | None = None  # preset: demo 3e-4, full 1e-6, LoRA 5e-5
-    zo_eps: float | None = None  # preset: demo 1e-2, full 1e-3, LoRA 1e-2
-    weight_decay: float = 0.0
-    lr_scheduler_type: str = "constant"
-    max_steps: int | None = None  # preset: demo 300, otherwise 20000 (the paper)
+    method: str = key("curvzo", "curvzo (adaptive budget), mezo (every block), us_ab (uniform pi, adaptive "
+                                "budget), fixed (budget B)")
+    seed: int = key(42, "seeds the noise, the block masks, the data order and the demo model")
+    learning_rate: float | None = key(None, "preset: demo 3e-4, full 1e-6, LoRA 5e-5")
+    zo_eps: float | None = key(None, "preset: demo 1e-2, full 1e-3, LoRA 1e-2")
+    weight_decay: float = key(0.0, "MeZO-style decay of matrices (never biases or norms), scaled by 1/pi")
+    lr_scheduler_type: str = key("constant", "constant or linear (decay to 0 at max_steps)")
+    max_steps: int | None = key(None, "preset: demo 300, otherwise 20000 (the paper)")
     # The adaptive budget (Eq. 20): B = B_min + (B_max - B_min)(alpha d_eff/G + (1-alpha) H).
-    budget_min: float = 0.1  # fraction of G
-    budget_max: float = 0.7  # fraction of G
-    budget_alpha: float = 0.5
-    budget: float = 0.5  # the `fixed` method's budget, fraction of G
-    budget_unit: str = "blocks"  # or "params": the budget counts expected perturbed parameters
-    score_beta: float = 0.1  # EMA rate of the scores (Eq. 8)
-    budget_floor: float = 0.1  # gamma: pi = (1-gamma) pi_curv + gamma B/G
-    score_estimator: str = "normalized"  # Eq. 27 (paper default), "raw" (block Eq. 5), "unbiased" (App. B)
-    score_init: Any = "warmup"  # "warmup" or a number: the scores at t = 0
-    score_warmup_steps: int = 20  # uniform sampling before S := mean observed score
-    block_granularity: str = "tensor"  # "tensor" (paper), "layer", "chunk"
-    block_chunk_size: int = 1 << 20  # elements per block when block_granularity = chunk
-    noise_chunk_size: int = 1 << 16  # elements per independently seeded noise chunk
-    max_consecutive_skips: int = 10  # non-finite losses in a row before the run stops
-    fp32_master_weights: bool = False  # keep an fp32 copy of the owned slice of bf16/fp16 weights
+    budget_min: float = key(0.1, "fraction of G")
+    budget_max: float = key(0.7, "fraction of G")
+    budget_alpha: float = key(0.5, "alpha: weight of d_eff/G against the entropy H in the budget rule")
+    budget: float = key(0.5, "the `fixed` method's budget, fraction of G")
+    budget_unit: str = key("blocks", "or 'params': the budget counts expected perturbed parameters")
+    score_beta: float = key(0.1, "EMA rate of the scores (Eq. 8)")
+    budget_floor: float = key(0.1, "gamma: pi = (1-gamma) pi_curv + gamma B/G")
+    score_estimator: str = key("normalized", "Eq. 27 (paper default), 'raw' (block Eq. 5), 'unbiased' (App. B)")
+    score_init: Any = key("warmup", "'warmup' or a number: the scores at t = 0")
+    score_warmup_steps: int = key(20, "uniform sampling before S := mean observed score")
+    block_granularity: str = key("tensor", "'tensor' (paper), 'layer', 'chunk'")
+    block_chunk_size: int = key(1 << 20, "elements per block when block_granularity = chunk")
+    noise_chunk_size: int = key(1 << 16, "elements per independently seeded noise chunk")
+    max_consecutive_skips: int = key(10, "non-finite losses in a row before the run stops")
+    fp32_master_weights: bool = key(False, "keep an fp32 copy of the owned slice of bf16/fp16 weights")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value, its valid range and the fix."""
@@ -95,38 +110,38 @@ class ZOConfig:
 
 @dataclass
 class TrainConfig(ZOConfig):
-    """Everything `curvzo-ds train` reads. Keys and meanings: CONTRACTS.md and docs/config.md."""
+    """Everything `curvzo-ds train` reads. Keys and meanings: docs/config.md."""
 
-    model: str = "demo"  # hub id, local path, or the built-in "demo" (tiny Llama) / "demo-opt"
-    tokenizer: str | None = None  # defaults to the model's
-    task: str = "demo"  # built-in task name or a task directory
-    data_dir: str | None = None  # local JSONL/CSV files for a built-in task (instead of the hub)
-    output_dir: str = "runs/demo"
-    global_batch_size: int = 16  # examples per step over all ranks (MeZO: 16)
-    micro_batch_size: int = 4  # examples per forward on one rank
-    num_train: int = 1000
-    num_dev: int | None = None  # None: the task's own, 500 (CB: 100, as MeZO)
-    num_eval: int = 1000
-    max_length: int = 512  # tokens per sequence; longer prompts are cut from the left
-    max_new_tokens: int = 50  # generation tasks
-    train_as_classification: bool = True  # cross-entropy over candidates; false: label-token LM loss
-    lora: bool = False
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_target_modules: Any = None  # default: q_proj, v_proj (MeZO)
-    dtype: str = "float32"  # float32, bfloat16, float16
-    zero_stage: int = 3  # 0 or 3 (stages 1 and 2 need an optimizer in DeepSpeed)
-    offload_param: str = "none"  # none or cpu
-    deepspeed: str | None = None  # a user's DeepSpeed config (JSON), mapped or refused key by key
-    threads: int | None = None  # torch threads per rank; default 1 on CPU (results depend on it)
-    save_steps: int = 500
-    save_total_limit: int | None = 3
-    eval_steps: int = 500
-    logging_steps: int = 1
-    report_to: str = "auto"  # auto (tensorboard if installed), tensorboard, none
-    disable_tqdm: bool = False
-    progress_interval: float = 30.0  # seconds between progress log lines when stderr is not a terminal
-    log_level: str = "info"
+    model: str = key("demo", "hub id, local path, or the built-in 'demo' (tiny Llama) / 'demo-opt'")
+    tokenizer: str | None = key(None, "defaults to the model's")
+    task: str = key("demo", "built-in task name or a task directory")
+    data_dir: str | None = key(None, "local JSONL/CSV files for a built-in task (instead of the hub)")
+    output_dir: str = key("runs/demo", "where metrics.jsonl, summary.json and checkpoint-<step>/ go")
+    global_batch_size: int = key(16, "examples per step over all ranks (MeZO: 16)")
+    micro_batch_size: int = key(4, "examples per forward on one rank")
+    num_train: int = key(1000, "training examples sampled from the task (MeZO: 1000)")
+    num_dev: int | None = key(None, "None: the task's own, 500 (CB: 100, as MeZO)")
+    num_eval: int = key(1000, "test examples sampled (MeZO: 1000)")
+    max_length: int = key(512, "tokens per sequence; longer prompts are cut from the left")
+    max_new_tokens: int = key(50, "generation tasks")
+    train_as_classification: bool = key(True, "cross-entropy over candidates; false: label-token LM loss")
+    lora: bool = key(False, "train LoRA adapters (peft) instead of every parameter")
+    lora_r: int = key(8, "LoRA rank")
+    lora_alpha: int = key(16, "LoRA scaling alpha")
+    lora_target_modules: Any = key(None, "default: q_proj, v_proj (MeZO)")
+    dtype: str = key("float32", "float32, bfloat16, float16")
+    zero_stage: int = key(3, "0 or 3 (stages 1 and 2 need an optimizer in DeepSpeed)")
+    offload_param: str = key("none", "none or cpu")
+    deepspeed: str | None = key(None, "a user's DeepSpeed config (JSON), mapped or refused key by key")
+    threads: int | None = key(None, "torch threads per rank; default 1 on CPU (results depend on it)")
+    save_steps: int = key(500, "checkpoint every N steps (0: only at the end)")
+    save_total_limit: int | None = key(3, "newest checkpoints kept (the best-dev one is always kept); null keeps all")
+    eval_steps: int = key(500, "evaluate on dev every N steps (0: only at the end)")
+    logging_steps: int = key(1, "write a metrics.jsonl line every N steps")
+    report_to: str = key("auto", "auto (tensorboard if installed), tensorboard, none")
+    disable_tqdm: bool = key(False, "no progress bar or progress lines")
+    progress_interval: float = key(30.0, "seconds between progress log lines when stderr is not a terminal")
+    log_level: str = key("info", "debug, info, warning or error (rank 0; other ranks log warnings)")
 
     def validate(self) -> None:
         super().validate()
@@ -147,8 +162,11 @@ class TrainConfig(ZOConfig):
         if self.threads is not None:
             need(_posint(self.threads), "threads", "an integer >= 1 or null")
         need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "float32, bfloat16 or float16")
-        need(self.zero_stage in (0, 3), "zero_stage",
-             "0 or 3 (ZeRO stages 1 and 2 need an optimizer in DeepSpeed: use 3)")
+        stage_refusal = REFUSAL_BY_KEY["zero_optimization.stage"]
+        if stage_refusal.refuses(self.zero_stage):
+            raise ConfigError(f"zero_stage={self.zero_stage} is not supported: {stage_refusal.reason}; "
+                              "use 3 (or 0 for no ZeRO)")
+        need(self.zero_stage in (0, 3), "zero_stage", "0 or 3")
         need(self.offload_param in ("none", "cpu"), "offload_param", "none or cpu")
         need(self.report_to in ("auto", "tensorboard", "none"), "report_to", "auto, tensorboard or none")
         need(_finite(self.progress_interval) and self.progress_interval >= 0, "progress_interval", "a number >= 0")
@@ -181,7 +199,7 @@ def coerce(cls, key: str, value: Any) -> Any:
     default = f.default if f.default is not dataclasses.MISSING else None
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", value.strip()) \
             and any(t in str(f.type) for t in ("float", "int", "Any")):
-        value = float(value)  # YAML 1.1 reads 1e-6 as a string; CONTRACTS.md promises a number
+        value = float(value)  # YAML 1.1 reads 1e-6 as a string; docs/contracts.md promises a number
     if value is None or default is None or isinstance(default, str) and key in ("score_init",):
         return value
     if isinstance(default, bool):
@@ -212,7 +230,7 @@ DEMO_MODELS = ("demo", "demo-opt")
 
 
 def resolve_presets(cfg: TrainConfig) -> TrainConfig:
-    """Fill the `None` defaults that depend on the kind of run (DESIGN.md §5: MeZO's defaults)."""
+    """Fill the `None` defaults that depend on the kind of run (docs/config.md: MeZO's defaults)."""
     demo = cfg.model in DEMO_MODELS
     if cfg.learning_rate is None:
         cfg.learning_rate = 3e-4 if demo else (5e-5 if cfg.lora else 1e-6)
@@ -240,4 +258,4 @@ def zo_part(cfg: TrainConfig) -> ZOConfig:
     return ZOConfig(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in names})
 
 
-__all__ = ["ZOConfig", "TrainConfig", "ConfigError", "build", "resolve_presets", "zo_part", "field"]
+__all__ = ["ZOConfig", "TrainConfig", "ConfigError", "build", "resolve_presets", "zo_part", "key", "key_docs"]

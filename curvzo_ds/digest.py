@@ -1,4 +1,4 @@
-"""`params_digest` (CONTRACTS.md): a world-size-independent hash of the trainable parameters.
+"""`params_digest` (docs/contracts.md): a world-size-independent hash of the trainable parameters.
 
 For each trainable tensor in sorted canonical-name order: the name in UTF-8 and a zero byte,
 the shape as text, the dtype name and a zero byte, then the full tensor's bytes (contiguous,

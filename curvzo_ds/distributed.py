@@ -1,4 +1,4 @@
-"""Start torch.distributed the same way under every launcher (DESIGN.md §3).
+"""Start torch.distributed the same way under every launcher (docs/deepspeed.md).
 
 - `torchrun`, `deepspeed`, `accelerate launch`: RANK/WORLD_SIZE/MASTER_* are already set.
 - `mpirun`: Open MPI or MPICH variables; DeepSpeed's MPI discovery (needs mpi4py) fills the rest.

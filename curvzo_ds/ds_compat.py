@@ -1,4 +1,4 @@
-"""Every DeepSpeed private attribute this project reads lives here (DESIGN.md §3, §5).
+"""Every DeepSpeed private attribute this project reads lives here (docs/deepspeed.md).
 
 ZeRO-3 facts used (deepspeed 0.19.8, checked by running):
 - a partitioned parameter has `ds_tensor`, a 1-D shard of P = ceil(ds_numel / W) elements;
@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from .ds_policy import REFUSALS, refusal
 
 
 def is_ds_engine(obj) -> bool:
@@ -72,23 +74,35 @@ def gathered(params, modifier_rank=None):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
 
 
-def check_engine_supported(engine) -> None:
-    """Refuse DeepSpeed set-ups a shard-local scheme cannot serve, with the reason and the fix."""
+def engine_settings(engine) -> dict:
+    """The settings of a built DeepSpeed engine that ds_policy.REFUSALS names, as a nested config dict."""
     stage = engine.zero_optimization_stage()
-    if stage in (1, 2):
-        raise ValueError(f"ZeRO stage {stage} is not supported: DeepSpeed 0.19.8 requires an optimizer for "
-                         "stages 1 and 2, and CurvZO has none. Use zero_optimization.stage 3 (or 0).")
+    zero: dict = {"stage": stage}
     zc = engine.zero_optimization() if stage else None
     if zc is not None:
-        if getattr(zc, "zero_hpz_partition_size", 1) > 1:
-            raise ValueError("zero_hpz_partition_size > 1 (hpZ) is not supported: gathers read a secondary "
-                             "copy of the weights that the engine's in-place edits of the primary shard never "
-                             "reach. Remove zero_hpz_partition_size or set it to 1.")
-        if getattr(zc, "zero_quantized_weights", False):
-            raise ValueError("zero_quantized_weights is not supported: the shards are int8 and cannot take "
-                             "a small Gaussian perturbation. Set zero_quantized_weights to false.")
+        for r in REFUSALS:
+            parts = r.key.split(".")
+            if parts[0] != "zero_optimization":
+                continue
+            value = zc
+            for part in parts[1:]:
+                value = getattr(value, part, None)
+            if value is not None:
+                node = zero
+                for part in parts[1:-1]:
+                    node = node.setdefault(part, {})
+                node[parts[-1]] = getattr(value, "value", value)  # enums (offload device) as their value
+    settings = {"zero_optimization": zero}
     if getattr(engine, "pipeline_parallelism", False):
-        raise ValueError("pipeline parallelism is not supported by curvzo_ds; use ZeRO-3 alone")
+        settings["pipeline"] = {"stages": int(getattr(engine, "num_stages", 2))}
+    return settings
+
+
+def check_engine_supported(engine) -> None:
+    """Refuse DeepSpeed set-ups a shard-local scheme cannot serve (ds_policy.REFUSALS), with the reason and fix."""
+    message = refusal(engine_settings(engine))
+    if message:
+        raise ValueError(message)
 
 
 def optimizer_of(engine):

@@ -11,9 +11,10 @@ Policy:
 - batch keys map to `global_batch_size`/`micro_batch_size` ("auto" keeps ours). DeepSpeed's own
   batch fields are then set to `micro`, `1`, `micro * world_size`, which it accepts at any world
   size; the engine does its own batching.
-- `zero_optimization.stage` 3 and 0 are served; 1 and 2 need an optimizer in DeepSpeed. A
-  missing stage takes `cfg.zero_stage`. `offload_param` cpu is served, nvme refused.
-  hpZ and quantized weights are refused (the engine edits each rank's primary shard in place).
+- what cannot be served (ZeRO stages 1/2, hpZ, quantized weights, NVMe offload, pipeline, tensor and
+  sequence parallelism) is refused from the one table in ds_policy.py, which the engine's own check
+  reads too. `zero_optimization.stage` 3 and 0 are served; a missing stage takes `cfg.zero_stage`.
+  `offload_param` cpu is served.
   `offload_optimizer` and `zero_quantized_gradients` are dropped with a warning. The bucket and
   persistence sizes are honoured; their "auto" is resolved as Hugging Face does from the hidden
   size, or left to DeepSpeed's defaults when the hidden size is unknown. Other ZeRO keys pass
@@ -35,31 +36,18 @@ import json
 from typing import Any
 
 from .config import ConfigError, TrainConfig
-
-# The TrainConfig fields a DeepSpeed config can set.
-MAPPED_FIELDS = ("global_batch_size", "micro_batch_size", "dtype", "zero_stage", "offload_param")
-
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-
-# ZeRO-3 sizes we honour; "auto" for the first three is resolved from the hidden size (HF's rule).
-HONOURED_ZERO_SIZES = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-                       "stage3_max_live_parameters", "stage3_max_reuse_distance")
-
-# Keys that only configure gradients, DeepSpeed's optimizer, data loader or checkpoint engine.
-QUIET_DROP = ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "prescale_gradients",
-              "gradient_predivide_factor", "gradient_allreduce_op", "communication_data_type",
-              "seq_parallel_communication_data_type", "sparse_gradients", "data_types", "checkpoint",
-              "dataloader_drop_last", "managed_gradient_accumulation", "elasticity")
-
-# DeepSpeed's own logging and profiling: harmless, handed to DeepSpeed as written.
-QUIET_PASS = ("steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "flops_profiler",
-              "comms_logger", "timers", "log_level", "disable_python_gc", "aio", "compile",
-              "pipeline", "tensor_parallel", "sequence_parallel_size")  # the last three only when not refused
-
-MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet")
-
-FP16_LOSS_SCALING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                     "consecutive_hysteresis", "min_loss_scale", "auto_cast")
+from .ds_policy import (
+    BATCH_KEYS,
+    DROPPED,
+    FP16_LOSS_SCALING,
+    HONOURED_ZERO_SIZES,
+    MAPPED_FIELDS,
+    MONITOR_REASON,
+    MONITORS,
+    QUIET_DROP,
+    QUIET_PASS,
+    refusal,
+)
 
 
 def load_ds_config(path: str) -> dict:
@@ -92,32 +80,24 @@ def resolve_ds_config(user: dict | None, cfg: TrainConfig, world_size: int,
     warnings: list[str] = []
     out: dict[str, Any] = {}
 
-    _check_parallelism(user)
+    refused = refusal(user)
+    if refused:
+        raise ConfigError(f"{refused} (in the deepspeed config)")
     _map_batch(user, staged, world_size, warnings)
     _map_dtype(user, staged, warnings)
     zero = _map_zero(user.pop("zero_optimization", None), staged, hidden_size, warnings)
 
-    for key in ("optimizer", "scheduler"):
+    for key, reason in DROPPED.items():
         if key in user:
             user.pop(key)
-            warnings.append(f"{key}: ignored; a DeepSpeed {key} would cost fp32 master weights and Adam state, "
-                            "and CurvZO takes no gradient step: set learning_rate and lr_scheduler_type instead")
-    if "activation_checkpointing" in user:
-        user.pop("activation_checkpointing")
-        warnings.append("activation_checkpointing: ignored; it only saves memory for a backward pass, and CurvZO "
-                        "runs forwards only")
+            warnings.append(f"{key}: ignored; {reason}")
     clip = user.pop("gradient_clipping", None)
     if clip not in (None, "auto", 0, 0.0):
         warnings.append(f"gradient_clipping={clip}: ignored; CurvZO computes no gradient to clip")
-    for key in ("amp", "torch_autocast"):
-        if key in user:
-            user.pop(key)
-            warnings.append(f"{key}: ignored; the precision is set by dtype (or bf16/fp16.enabled)")
     for key in MONITORS:
         if key in user:
             user.pop(key)
-            warnings.append(f"{key}: ignored; DeepSpeed's monitors log optimizer steps, which CurvZO does not take: "
-                            "metrics go to metrics.jsonl, and to TensorBoard with report_to=tensorboard")
+            warnings.append(f"{key}: ignored; {MONITOR_REASON}")
     for key in QUIET_DROP:
         user.pop(key, None)
     for key, value in user.items():
@@ -197,22 +177,15 @@ def _map_zero(zero: Any, cfg: TrainConfig, hidden_size: int | None, warnings: li
         raise ConfigError("zero_optimization in the deepspeed config must be an object like {\"stage\": 3}")
     stage = zero.pop("stage", cfg.zero_stage)
     stage = stage if _integer(stage) is None else _integer(stage)
-    if stage in (1, 2):
-        raise ConfigError(f"zero_optimization.stage={stage}: ZeRO stage 1 and 2 require an optimizer in "
-                          "DeepSpeed 0.19.8, and CurvZO has none; use stage 3")
     if stage not in (0, 3) or isinstance(stage, bool):
         raise ConfigError(f"zero_optimization.stage={stage!r} is invalid: use 3 (or 0 for no ZeRO)")
     cfg.zero_stage = stage
 
     hpz = zero.pop("zero_hpz_partition_size", 1)
-    if _integer(hpz) is None or hpz > 1:
-        raise ConfigError(f"zero_optimization.zero_hpz_partition_size={hpz!r} (hpZ) is not supported: gathers read a "
-                          "secondary copy that the engine's in-place edits of each rank's shard never reach; "
-                          "remove it or set it to 1")
+    if _integer(hpz) is None:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size={hpz!r} must be an integer (1: no hpZ)")
     for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
-        if zero.pop(key, False):
-            raise ConfigError(f"zero_optimization.{key}=true is not supported: the shards are int8 and cannot take "
-                              f"the engine's small in-place perturbations; set {key} to false")
+        zero.pop(key, False)  # refused above when true
     if zero.pop("zero_quantized_gradients", False):
         warnings.append("zero_optimization.zero_quantized_gradients: ignored; CurvZO communicates no gradients")
     opt, legacy = zero.pop("offload_optimizer", None), zero.pop("cpu_offload", None)
@@ -228,9 +201,6 @@ def _map_zero(zero: Any, cfg: TrainConfig, hidden_size: int | None, warnings: li
         if not isinstance(offload, dict):
             raise ConfigError("zero_optimization.offload_param must be an object like {\"device\": \"cpu\"}")
         device = offload.get("device", "none")
-        if device == "nvme":
-            raise ConfigError("zero_optimization.offload_param.device=nvme is not supported: the engine edits "
-                              "each shard in place; use \"cpu\" or remove offload_param")
         if device not in ("cpu", "none"):
             raise ConfigError(f"zero_optimization.offload_param.device={device!r} is invalid: use \"cpu\" or \"none\"")
         cfg.offload_param = device
@@ -286,23 +256,6 @@ def _check_zero_schema(zero: dict) -> None:
         where = ".".join(str(part) for part in err["loc"])
         raise ConfigError(f"zero_optimization.{where} in the deepspeed config: {err['msg']} (DeepSpeed's "
                           "schema); fix or remove the key") from None
-
-
-def _check_parallelism(user: dict) -> None:
-    pipeline = user.get("pipeline")
-    stages = pipeline.get("stages") if isinstance(pipeline, dict) else None
-    if _integer(stages) is not None and stages > 1:
-        raise ConfigError(f"pipeline.stages={stages} is not supported: curvzo_ds shards with ZeRO-3 only; "
-                          "remove the pipeline section")
-    tensor_parallel = user.get("tensor_parallel")
-    tp_size = tensor_parallel.get("autotp_size") if isinstance(tensor_parallel, dict) else None
-    if _integer(tp_size) is not None and tp_size > 1:
-        raise ConfigError(f"tensor_parallel.autotp_size={tp_size} is not supported: curvzo_ds shards with "
-                          "ZeRO-3 only; remove the tensor_parallel section")
-    sp_size = user.get("sequence_parallel_size")
-    if _integer(sp_size) is not None and sp_size > 1:
-        raise ConfigError(f"sequence_parallel_size={sp_size} is not supported: curvzo_ds shards with ZeRO-3 "
-                          "only; remove the key")
 
 
 def _refuse_auto(node: Any, path: str) -> None:

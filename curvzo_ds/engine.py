@@ -1,12 +1,12 @@
 """ZOEngine: one CurvZO (or baseline) step on a plain module or a DeepSpeed engine.
 
-A step (DESIGN.md §1-2):
-1. pi from the scores after the previous step (sampling.py), the block mask from a shared seed;
-2. each rank adds +eps z to the part of each selected tensor it edits (its ZeRO-3 shard, or the
-   whole tensor where a gathered replica must follow), computing the fixed-point sums of z^2
-   over the part it owns; forwards of its micro-batches; -2 eps z; forwards again;
-3. one all-reduce of int64 values: the block sums and the per-micro-batch loss sums;
-4. every rank computes the same Delta, update and scores. The update also undoes the
+The algorithm's decisions (pi, the budget, the mask, the update coefficients, the scores) are the
+sampler's (sampling.py). The engine does the rest of a step (docs/algorithm.md, docs/deepspeed.md):
+1. each rank adds +eps z to the part of each selected tensor it edits (its ZeRO-3 shard, or the
+   whole tensor where a gathered replica must follow), computing the fixed-point sums of z^2 over
+   the part it owns; forwards of its micro-batches; -2 eps z; forwards again;
+2. one all-reduce of int64 values: the block sums and the per-micro-batch loss sums;
+3. every rank computes the same Delta and applies the same update. The update also undoes the
    perturbation, so each selected element's noise is generated three times, not four.
 No gradient, optimizer state or full parameter is created by the engine.
 """
@@ -23,42 +23,26 @@ from typing import Any
 
 import torch
 
-from . import ds_compat, sampling
+from . import ds_compat
 from .comm import Comm, bits_float64, float64_bits
 from .config import ZOConfig
+from .data.stream import MicroBatches, round_robin_slots
 from .noise import NoiseSource
 from .params import ParamEntry, collect_entries, intersect, make_blocks
+from .sampling import CurvZOSampler, StepPlan, lr_at
 
 log = logging.getLogger("curvzo_ds")
 
 FIXED_POINT_BITS = 24  # z^2 is summed as round(z^2 * 2^24) in int64: exact and order-free
 _MAX_Z2 = 100.0  # float32 Gaussian draws stay far below |z| = 10
 _PIECE = 1 << 22  # elements of noise held at once per tensor piece
-_EXACT = (torch.float32, torch.float64)  # dtypes edited in place; others go through fp32
+
+# The defaults of ZOConfig's preset keys when ZOEngine is used from Python (the CLI fills them from presets).
+ENGINE_DEFAULTS = {"learning_rate": 1e-6, "zo_eps": 1e-3, "max_steps": 0}
 
 
 class NonFiniteLossError(RuntimeError):
     """Raised after `max_consecutive_skips` steps in a row had a non-finite loss."""
-
-
-class MicroBatches:
-    """The global batch of one step cut into micro-batches; micro-batch j runs on rank j mod W.
-
-    Every rank gets the same list (the data stream is world-size independent) and runs its own
-    share, plus zero-weight forwards so that all ranks run the same number (ZeRO-3 gathers are
-    collective). Pass a plain batch to `ZOEngine.step` instead when each rank has its own.
-    """
-
-    def __init__(self, items: list):
-        if not items:
-            raise ValueError("a step needs at least one micro-batch")
-        self.items = list(items)
-
-
-def round_robin_slots(n: int, rank: int, world: int) -> list[int | None]:
-    """The part this rank runs in each of ceil(n / W) rounds: part j on rank j mod W, None where the
-    rank has none (it then runs a zero-weight forward: ZeRO-3's gathers are collective)."""
-    return [j if j < n else None for j in range(rank, -(-n // world) * world, world)]
 
 
 @dataclass
@@ -88,8 +72,9 @@ LossFn = Callable[[Any, Any], Any]
 class ZOEngine:
     """Zeroth-order training of `model` (an nn.Module or a DeepSpeed engine) on `loss_fn`.
 
-    `loss_fn(model, micro_batch)` returns `(loss_sum, count)` (CONTRACTS.md) or a scalar mean
+    `loss_fn(model, micro_batch)` returns `(loss_sum, count)` (docs/contracts.md) or a scalar mean
     loss (count 1). Only parameters with `requires_grad` are perturbed, so LoRA works as is.
+    For an Accelerate loop, `curvzo_ds.from_accelerator` prepares the model and builds the engine.
     """
 
     def __init__(self, model, loss_fn: LossFn, config: ZOConfig | None = None, *, group=None, **overrides):
@@ -99,12 +84,9 @@ class ZOEngine:
             if key not in names:
                 raise ValueError(f"unknown ZOEngine option {key!r}")
             setattr(cfg, key, value)
-        if cfg.learning_rate is None:
-            cfg.learning_rate = 1e-6
-        if cfg.zo_eps is None:
-            cfg.zo_eps = 1e-3
-        if cfg.max_steps is None:
-            cfg.max_steps = 0
+        for key, value in ENGINE_DEFAULTS.items():
+            if getattr(cfg, key) is None:
+                setattr(cfg, key, value)
         cfg.validate()
         if cfg.budget_floor == 0 and cfg.method in ("curvzo", "fixed"):
             log.warning("budget_floor=0 is the paper's literal rule: a block whose pi reaches 0 is never drawn "
@@ -129,77 +111,31 @@ class ZOEngine:
             raise ValueError(f"block {too_big[0]} has too many elements for the int64 score statistics; "
                              "set block_granularity=chunk")
         self.noise = NoiseSource(cfg.seed, cfg.noise_chunk_size)
+        self.sampler = CurvZOSampler(cfg, self.sizes, self.noise.mask_uniforms)
         self.partitioned = any(e.partitioned for e in self.entries)
-        g = len(self.blocks)
         self.step_count = 0
-        init = 0.0 if cfg.score_init == "warmup" else float(cfg.score_init)
-        self.scores = torch.full((g,), init, dtype=torch.float64)
-        self.warmup_sum = torch.zeros(g, dtype=torch.float64)
         self.skips_in_row = 0
         self.skipped_total = 0
         self._check_ranks_agree()
 
-    @classmethod
-    def from_accelerator(cls, accelerator, model, loss_fn: LossFn, config: ZOConfig | None = None, *,
-                         micro_batch_size: int = 1, **overrides) -> ZOEngine:
-        """A ZOEngine for an Accelerate loop: `model` is prepared with no optimizer (integrations.py).
-
-        Under DeepSpeed the Accelerate config is cleaned like `--deepspeed` (optimizer and scheduler
-        dropped, "auto" resolved, `micro_batch_size` as DeepSpeed's micro batch), and
-        `accelerator.save_state()` / `load_state()` write and read this project's checkpoint.
-        """
-        from .integrations import from_accelerator
-
-        return from_accelerator(accelerator, model, loss_fn, config, micro_batch_size=micro_batch_size,
-                                **overrides)
-
-    # ----------------------------------------------------------------- sampling
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
-
-    def in_warmup(self, step: int) -> bool:
-        return (self.cfg.score_init == "warmup" and step < self.cfg.score_warmup_steps
-                and self.cfg.method in ("curvzo", "fixed"))
-
-    def probabilities(self, step: int | None = None) -> tuple[torch.Tensor, float, float | None, float | None]:
-        """(pi, B, d_eff, H) for `step`, from the scores after the previous step."""
-        cfg, g = self.cfg, self.num_blocks
-        step = self.step_count if step is None else step
-        if cfg.method == "mezo":
-            return torch.ones(g, dtype=torch.float64), float(g), None, None
-        d_eff = h = None
-        if cfg.method == "fixed":
-            fraction = cfg.budget
-        else:
-            b, d_eff, h = sampling.adaptive_budget(self.scores, cfg.budget_min * g, cfg.budget_max * g,
-                                                   cfg.budget_alpha)
-            fraction = b / g
-        if cfg.method == "us_ab" or self.in_warmup(step):
-            return torch.full((g,), fraction, dtype=torch.float64), fraction * g, d_eff, h
-        if cfg.budget_unit == "params":
-            b = sampling.budget_for_param_fraction(self.scores, self.sizes, fraction, cfg.budget_floor)
-        else:
-            b = fraction * g
-        return sampling.inclusion_probabilities(self.scores, b, cfg.budget_floor), b, d_eff, h
 
     # ----------------------------------------------------------------- the step
     @torch.no_grad()
     def step(self, batch) -> StepResult:
         cfg = self.cfg
         t = self.step_count
-        lr = sampling.lr_at(t, cfg.learning_rate, cfg.lr_scheduler_type, cfg.max_steps)
-        pi, budget, d_eff, h = self.probabilities(t)
-        mask = self.noise.mask_uniforms(t, self.num_blocks) < pi
-        n_selected = int(mask.sum())
-        base = dict(budget=budget, n_selected=n_selected,
-                    param_fraction=float((pi * self.sizes).sum() / self.num_params),
-                    max_inv_pi=float((1.0 / pi).max()), learning_rate=lr, d_eff=d_eff, score_entropy=h)
-        if n_selected == 0:
-            # No block drawn: no forwards, no score update; the step is counted (DESIGN.md §1).
-            self._count_step(t)
+        lr = lr_at(t, cfg.learning_rate, cfg.lr_scheduler_type, cfg.max_steps)
+        plan = self.sampler.plan(t)
+        base = dict(budget=plan.budget, n_selected=plan.n_selected, param_fraction=plan.param_fraction(self.sizes),
+                    max_inv_pi=plan.max_inv_pi, learning_rate=lr, d_eff=plan.d_eff, score_entropy=plan.entropy)
+        if plan.n_selected == 0:
+            # No block drawn: no forwards, no score update; the step is counted (docs/algorithm.md).
+            self._end_step(plan, None, None)
             return StepResult(t + 1, None, None, None, None, skipped="empty_mask", **base)
-        pieces = self._local_pieces(mask)
+        pieces = self._local_pieces(plan.mask)
         eps = cfg.zo_eps
         was_training = self.module.training
         self.module.eval()  # dropout would give the two forwards different masks
@@ -215,7 +151,7 @@ class ZOEngine:
         loss = 0.5 * (loss_plus + loss_minus)
         if not all(math.isfinite(x) for x in (loss_plus, loss_minus, delta)):
             self._perturb(t, pieces, -eps, 0.0)
-            self._count_step(t)
+            self._end_step(plan, None, None)
             self.skips_in_row += 1
             self.skipped_total += 1
             log.warning("step %d: non-finite loss (L+=%s, L-=%s); weights restored, step skipped (%d in a row)",
@@ -227,21 +163,17 @@ class ZOEngine:
             return StepResult(t + 1, _finite_or_none(loss), _finite_or_none(loss_plus),
                               _finite_or_none(loss_minus), None, skipped="non_finite_loss", **base)
         self.skips_in_row = 0
-        self._update(t, pieces, pi, delta, lr)
-        new = sampling.block_scores(delta, block_sq, mask, pi, self.sizes, cfg.score_estimator)
-        if self.in_warmup(t):
-            self.warmup_sum += new
-        else:
-            self.scores = sampling.ema(self.scores, new, cfg.score_beta)
-        self._count_step(t)
+        steps, keeps = self.sampler.update_coefficients(plan, delta, lr, cfg.weight_decay)
+        self._update(t, pieces, steps.tolist(), keeps.tolist())
+        self._end_step(plan, delta, block_sq)
         return StepResult(t + 1, loss, loss_plus, loss_minus, delta, **base)
 
-    def _count_step(self, t: int) -> None:
-        """Step t is done, skipped or not. The last warm-up step, even a skipped one, ends with
-        S := the mean observed score (warmup_sum / warm-up steps; the sum is of all-reduced values)."""
-        if self.in_warmup(t) and t + 1 == self.cfg.score_warmup_steps:
-            self.scores = self.warmup_sum / self.cfg.score_warmup_steps
-        self.step_count = t + 1
+    def _end_step(self, plan: StepPlan, delta: float | None, block_sq: torch.Tensor | None) -> None:
+        if delta is None:
+            self.sampler.skip(plan)
+        else:
+            self.sampler.observe(plan, delta, block_sq)
+        self.step_count = plan.step + 1
 
     @torch.no_grad()
     def loss(self, batch) -> float:
@@ -282,9 +214,9 @@ class ZOEngine:
             a = lo - e.region[0]
             if e.master is not None:
                 m = e.master[a: a + z.numel()]
-                _write(e, a, m + to * z if to else m)
+                e.write(a, m + to * z if to else m)
             else:
-                _scale_add(e, a, z, 1.0, to - at)
+                e.scale_add(a, z, 1.0, to - at)
             if stats:
                 o_lo, o_hi = intersect((lo, hi), e.owned)
                 if o_hi > o_lo:
@@ -292,26 +224,26 @@ class ZOEngine:
                     block_fixed[b] += zz.mul_(2.0**FIXED_POINT_BITS).round_().to(torch.int64).sum()
         return block_fixed
 
-    def _update(self, t: int, pieces, pi: torch.Tensor, delta: float, lr: float) -> None:
-        """w <- w - lr (Delta/pi_i z + wd/pi_i w) for selected blocks (Eq. 28 with HT weights).
+    def _update(self, t: int, pieces, steps: list[float], keeps: list[float]) -> None:
+        """w <- keep_i w - step_i z for the selected blocks (the sampler's Eq. 28 coefficients).
 
-        The weights are at w - eps z here, so the same pass also adds back eps z.
-        Weight decay is applied to the selected blocks only, scaled by 1/pi (unbiased).
+        The weights are at w - eps z here, so the same pass also adds back eps z. Weight decay
+        (keep_i != 1) applies to matrices only, never to biases or norms (MeZO).
         """
         eps, wd = self.cfg.zo_eps, self.cfg.weight_decay
         for b, e, lo, hi in pieces:
             z = self._noise(t, e, lo, hi)
             a = lo - e.region[0]
-            step = lr * delta / pi[b].item()
-            keep = 1.0 - (lr * wd / pi[b].item() if e.decay and wd else 0.0)
+            step = steps[b]
+            keep = keeps[b] if e.decay and wd else 1.0
             if e.master is not None:
                 m = e.master[a: a + z.numel()]
                 if keep != 1.0:
                     m.mul_(keep)
                 m.add_(z, alpha=-step)
-                _write(e, a, m)
+                e.write(a, m)
             else:
-                _scale_add(e, a, z, keep, keep * eps - step)
+                e.scale_add(a, z, keep, keep * eps - step)
 
     # ----------------------------------------------------------------- forwards and reduction
     def _slot_count(self, batch) -> int:
@@ -356,8 +288,7 @@ class ZOEngine:
         return {
             "step": self.step_count,
             "seed": self.cfg.seed,
-            "scores": self.scores.clone(),
-            "warmup_sum": self.warmup_sum.clone(),
+            **self.sampler.state_dict(),
             "skipped_total": self.skipped_total,
             "skips_in_row": self.skips_in_row,
             "noise": self.noise.describe(),
@@ -375,8 +306,7 @@ class ZOEngine:
         if state["seed"] != self.cfg.seed:
             raise ValueError(f"checkpoint seed {state['seed']} differs from seed={self.cfg.seed}")
         self.step_count = int(state["step"])
-        self.scores = torch.as_tensor(state["scores"], dtype=torch.float64).clone()
-        self.warmup_sum = torch.as_tensor(state["warmup_sum"], dtype=torch.float64).clone()
+        self.sampler.load_state_dict(state)
         self.skipped_total = int(state["skipped_total"])
         self.skips_in_row = int(state["skips_in_row"])
 
@@ -402,34 +332,9 @@ def _finite_or_none(x: float) -> float | None:
 
 
 def _ratio(rows: list[list[float]], col: int, count_col: int) -> float:
-    """sum of loss sums / sum of counts, added in float64 in micro-batch order (CONTRACTS.md)."""
+    """sum of loss sums / sum of counts, added in float64 in micro-batch order (docs/contracts.md)."""
     num = den = 0.0
     for row in rows:
         num += row[col]
         den += row[count_col]
     return num / den if den else math.nan
-
-
-def _pieces_of(e: ParamEntry, a: int, n: int):
-    """(target view, index range in the view, index range in a region piece [a, a+n))."""
-    for view, off in e.targets():
-        lo, hi = max(a, off), min(a + n, off + view.numel())
-        if hi > lo:
-            yield view, slice(lo - off, hi - off), slice(lo - a, hi - a)
-
-
-def _scale_add(e: ParamEntry, a: int, z: torch.Tensor, scale: float, alpha: float) -> None:
-    for view, vs, zs in _pieces_of(e, a, z.numel()):
-        part = view[vs]
-        zp = z[zs].to(part.device)
-        if part.dtype in _EXACT:
-            if scale != 1.0:
-                part.mul_(scale)
-            part.add_(zp.to(part.dtype), alpha=alpha)
-        else:
-            part.copy_(part.float().mul_(scale).add_(zp, alpha=alpha))
-
-
-def _write(e: ParamEntry, a: int, values: torch.Tensor) -> None:
-    for view, vs, zs in _pieces_of(e, a, values.numel()):
-        view[vs].copy_(values[zs])

@@ -10,11 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import data as D
-from .engine import round_robin_slots
-
-
-def chunks(n: int, size: int) -> list[range]:
-    return [range(i, min(i + size, n)) for i in range(0, n, size)]
+from .data.stream import chunks, round_robin_slots
 
 
 @torch.no_grad()

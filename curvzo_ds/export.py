@@ -15,6 +15,8 @@ import shutil
 from safetensors.torch import save_file
 
 from .checkpoint import consolidated_state_dict, read_manifest
+from .config import DEMO_MODELS, TrainConfig, resolve_presets
+from .models import DTYPES, build_model, load_tokenizer
 
 MAX_SHARD_BYTES = 2 << 30
 _COPY = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -69,16 +71,10 @@ def _merge(checkpoint: str, out: str) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from .config import DEMO_MODELS, TrainConfig
-    from .models import DTYPES, load_tokenizer
-
     with open(os.path.join(checkpoint, "run_config.json")) as f:
         run_cfg = json.load(f)
     cfg = TrainConfig(**run_cfg)
     if cfg.model in DEMO_MODELS:
-        from .config import resolve_presets
-        from .models import build_model
-
         cfg = resolve_presets(TrainConfig(**{**run_cfg, "lora": False}))
         base, _ = build_model(cfg, {})
     else:

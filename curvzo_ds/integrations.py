@@ -1,15 +1,16 @@
-"""Users' own training code under Accelerate, with no optimizer (the Trainer is in trainer.py).
+"""Users' own training code under Accelerate, with no optimizer (the Trainer is in hf_trainer.py).
 
-- `ZOEngine.from_accelerator(accelerator, model, loss_fn, ...)` cleans the Accelerate DeepSpeed
-  config the way `--deepspeed` is cleaned (ds_config.py: optimizer and scheduler dropped, stages 1/2
-  refused, "auto" resolved), prepares the model (a DeepSpeedEngine with no optimizer) and returns a
-  ZOEngine whose checkpoints go through `accelerator.save_state()` / `load_state()`.
+- `from_accelerator(accelerator, model, loss_fn, ...)` (exported as `curvzo_ds.from_accelerator`)
+  cleans the Accelerate DeepSpeed config the way `--deepspeed` is cleaned (ds_config.py: optimizer
+  and scheduler dropped, stages 1/2 refused, "auto" resolved), prepares the model (a DeepSpeedEngine
+  with no optimizer) and returns a ZOEngine whose checkpoints go through `accelerator.save_state()`
+  / `load_state()`.
 - DeepSpeed's `engine.save_checkpoint` needs an optimizer: without one, rank 0 waits in a collective
-  the other ranks never enter (DESIGN.md §3). `install_checkpoint_hooks` replaces the engine's
+  the other ranks never enter (docs/deepspeed.md). `install_checkpoint_hooks` replaces the engine's
   `save_checkpoint` / `load_checkpoint` with this project's shard-local checkpoint, so Accelerate,
   the Trainer and users' own calls all work, at any world size.
-- `split_batch` cuts one global batch into `MicroBatches` (micro-batch j on rank j mod W), which
-  makes a loop with an unsharded data loader independent of the number of ranks.
+- `split_batch` (data/stream.py) cuts one global batch into `MicroBatches` (micro-batch j on rank
+  j mod W), which makes a loop with an unsharded data loader independent of the number of ranks.
 """
 
 from __future__ import annotations
@@ -18,38 +19,24 @@ import copy
 import logging
 import os
 
-from . import checkpoint as ckpt
 from . import ds_compat
+from .checkpoint import CheckpointManager, load_checkpoint, write_checkpoint
 from .config import ConfigError, TrainConfig, ZOConfig
-from .engine import MicroBatches, ZOEngine
+from .ds_config import resolve_ds_config
+from .engine import ZOEngine
 
 log = logging.getLogger("curvzo_ds")
 ZO_CHECKPOINT = "zo_checkpoint"  # the sub-directory of an accelerate.save_state() directory (no DeepSpeed)
 
 
-def split_batch(batch, micro_batch_size: int) -> MicroBatches:
-    """One global batch (a dict of tensors or lists, first dimension = examples) as MicroBatches."""
-    if not isinstance(batch, dict) or not batch:
-        raise TypeError("split_batch needs a non-empty dict of tensors or lists (a collated batch)")
-    sizes = {len(v) for v in batch.values()}
-    if len(sizes) != 1:
-        raise ValueError(f"the batch's fields have different lengths {sorted(sizes)}: cannot cut it into examples")
-    n = sizes.pop()
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
-    return MicroBatches([{k: v[i:i + micro_batch_size] for k, v in batch.items()}
-                         for i in range(0, n, micro_batch_size)])
-
-
-def _hidden_size(model) -> int | None:
+def hidden_size(model) -> int | None:
+    """The model's hidden size (for DeepSpeed's "auto" bucket sizes), or None if its config has none."""
     conf = getattr(ds_compat.module_of(model), "config", None)
     return getattr(conf, "hidden_size", None) or getattr(conf, "d_model", None)
 
 
 def clean_deepspeed_config(config: dict, world_size: int, micro_batch_size: int, hidden_size: int | None) -> dict:
     """`config` edited in place to what a ZO run can use (the `--deepspeed` policy); returns it."""
-    from .ds_config import resolve_ds_config
-
     cfg = TrainConfig(micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * world_size)
     cleaned, notes = resolve_ds_config(config, cfg, world_size, hidden_size)
     for note in notes:
@@ -102,31 +89,36 @@ def align_accelerate_state(accelerator=None) -> None:
         obj.num_processes, obj.process_index, obj.local_process_index = world, rank, local
 
 
-def _refuse_optimizer(ds_engine) -> None:
+def refuse_optimizer(ds_engine) -> None:
     opt = ds_compat.optimizer_of(ds_engine)
     if opt is not None:
         raise ValueError(f"this DeepSpeed engine was created with an optimizer ({type(opt).__name__}), which "
                          "holds fp32 master weights and Adam state that CurvZO never uses. Prepare the model alone, "
                          "with no optimizer in the DeepSpeed config, or pass the unprepared model to "
-                         "ZOEngine.from_accelerator.")
+                         "curvzo_ds.from_accelerator.")
 
 
 def from_accelerator(accelerator, model, loss_fn, config: ZOConfig | None = None, *, micro_batch_size: int = 1,
                      **overrides) -> ZOEngine:
-    """A ZOEngine on `model` prepared by `accelerator` (see ZOEngine.from_accelerator)."""
+    """A ZOEngine for an Accelerate loop: `model` (unprepared) is prepared with no optimizer.
+
+    Under DeepSpeed the Accelerate config is cleaned like `--deepspeed` (optimizer and scheduler
+    dropped, "auto" resolved, `micro_batch_size` as DeepSpeed's micro batch), and
+    `accelerator.save_state()` / `load_state()` write and read this project's checkpoint.
+    """
     from accelerate.utils import DistributedType
 
     align_accelerate_state(accelerator)
     plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
     if plugin is not None and not ds_compat.is_ds_engine(model):
         clean_deepspeed_config(plugin.deepspeed_config, accelerator.num_processes, micro_batch_size,
-                               _hidden_size(model))
+                               hidden_size(model))
         model = accelerator.prepare(model)
     elif plugin is None:
         # No DDP wrapper: every rank applies the same update, so replicas stay equal without one.
         model = model.to(accelerator.device)
     if ds_compat.is_ds_engine(model):
-        _refuse_optimizer(model)
+        refuse_optimizer(model)
     engine = ZOEngine(model, loss_fn, config, **overrides)
     if ds_compat.is_ds_engine(model):
         install_checkpoint_hooks(model, engine)
@@ -144,7 +136,8 @@ def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
     """
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **_ignored):
         tag = str(tag) if tag is not None else f"global_step{engine.step_count}"
-        ckpt.write_checkpoint(engine, os.path.join(save_dir, tag), {"client_state": client_state or {}})
+        CheckpointManager(save_dir, engine.comm).save(engine, {"client_state": client_state or {}},
+                                                      path=os.path.join(save_dir, tag))
         if save_latest and engine.comm.rank == 0:
             with open(os.path.join(save_dir, "latest"), "w") as f:
                 f.write(tag)
@@ -159,7 +152,7 @@ def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
             with open(latest) as f:
                 tag = f.read().strip()
         path = os.path.join(load_dir, str(tag))
-        trainer = ckpt.load_checkpoint(engine, path)
+        trainer = load_checkpoint(engine, path)
         return path, trainer.get("client_state", {})
 
     ds_engine.save_checkpoint = save_checkpoint
@@ -169,10 +162,10 @@ def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
 def _register_accelerate_hooks(accelerator, engine: ZOEngine) -> None:
     """Without DeepSpeed, save_state/load_state carry the ZO checkpoint in `<dir>/zo_checkpoint`."""
     def save(models, weights, output_dir):
-        ckpt.write_checkpoint(engine, os.path.join(output_dir, ZO_CHECKPOINT))
+        write_checkpoint(engine, os.path.join(output_dir, ZO_CHECKPOINT))
 
     def load(models, input_dir):
-        ckpt.load_checkpoint(engine, os.path.join(input_dir, ZO_CHECKPOINT))
+        load_checkpoint(engine, os.path.join(input_dir, ZO_CHECKPOINT))
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)

@@ -1,70 +1,21 @@
-"""Run outputs: `metrics.jsonl` (one strict-JSON object per line), TensorBoard, `summary.json`.
+"""`metrics.jsonl` (one strict-JSON object per line, docs/outputs.md) and its TensorBoard mirror.
 
-JSON has no NaN or Infinity, so every value that is not finite is written as `null`
-(CONTRACTS.md), in nested lists and mappings too. numpy and torch scalars become Python numbers.
 Only rank 0 writes: other ranks build a `MetricsWriter(..., enabled=False)`, whose calls do nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
+import logging
 import os
-import platform
-import resource
 import sys
-import tempfile
-from importlib import metadata
-from typing import Any
+import time
 
 from .config import ConfigError
+from .jsonio import dumps, replace_atomic
 
 METRICS_FILE = "metrics.jsonl"
-
-
-def to_jsonable(value: Any) -> Any:
-    """`value` with non-finite floats as None and numpy/torch scalars and arrays as Python values."""
-    if value is None or isinstance(value, bool | str | int):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [to_jsonable(v) for v in value]
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    if hasattr(value, "tolist") and callable(value.tolist):  # numpy scalars and arrays, torch tensors
-        return to_jsonable(value.tolist())
-    raise TypeError(f"{type(value).__name__} value {value!r} cannot be written as JSON")
-
-
-def dumps(value: Any, **kwargs) -> str:
-    return json.dumps(to_jsonable(value), allow_nan=False, **kwargs)
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    """Write strict JSON (nulls for non-finite numbers) to a temp file, then rename it over `path`."""
-    _replace_atomic(path, dumps(obj, indent=2) + "\n")
-
-
-def _replace_atomic(path: str, text: str) -> None:
-    """A reader sees the old file or the new one, never a half-written one (os.replace is atomic)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be read by others
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+log = logging.getLogger("curvzo_ds")
 
 
 class MetricsWriter:
@@ -149,7 +100,7 @@ class MetricsWriter:
                 else:
                     kept.append(line if line.endswith("\n") else line + "\n")
         if dropped:
-            _replace_atomic(self.path, "".join(kept))
+            replace_atomic(self.path, "".join(kept))
         return dropped
 
     def close(self) -> None:
@@ -183,44 +134,46 @@ def read_metrics(path: str) -> list[dict]:
     return rows
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size in bytes (Linux reports ru_maxrss in KiB, macOS in bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+def setup_logging(rank: int, level: str) -> None:
+    lvl = getattr(logging, level.upper()) if rank == 0 else logging.WARNING
+    logging.basicConfig(level=lvl, format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", force=True)
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def rss_bytes(trim: bool = False) -> int | None:
-    """This process's resident set size now (Linux /proc; None elsewhere).
+class LogProgress:
+    """The progress bar's figures as a log line every `interval` seconds, for logs that are files (cluster jobs):
+    a tqdm bar there is one endless line of carriage returns."""
 
-    trim: first return freed heap memory to the system (glibc malloc_trim), so the figure counts
-    live memory rather than what the allocator keeps for reuse.
-    """
-    if trim:
-        try:
-            import ctypes
+    def __init__(self, total: int, start: int, interval: float):
+        self.total, self.n, self.start, self.interval = total, start, start, interval
+        self.t0 = self.last = time.time()
+        self.postfix = {}
 
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
+    def update(self, n: int) -> None:
+        self.n += n
+        now = time.time()
+        if now - self.last >= self.interval or self.n == self.total:
+            self.last = now
+            rate = (self.n - self.start) / max(now - self.t0, 1e-9)
+            eta = (self.total - self.n) / rate if rate > 0 else float("inf")
+            extra = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+            log.info("step %d/%d (%.0f%%) %s, %.2f steps/s, ETA %s", self.n, self.total, 100 * self.n / self.total,
+                     extra, rate, time.strftime("%H:%M:%S", time.gmtime(eta)) if eta < 8.64e4 else f"{eta:.0f}s")
+
+    def set_postfix(self, refresh: bool = True, **kw) -> None:
+        self.postfix = kw
+
+    def close(self) -> None:
+        pass
+
+
+def make_progress(cfg, rank: int, start: int):
+    """A tqdm bar on rank 0 when stderr is a terminal, else log lines (every `progress_interval` seconds)."""
+    if rank != 0 or cfg.disable_tqdm:
         return None
+    if not sys.stderr.isatty():
+        return LogProgress(cfg.max_steps, start, cfg.progress_interval)
+    from tqdm.auto import tqdm
 
-
-def versions() -> dict[str, str | None]:
-    """Versions of Python and of the packages a run's numbers depend on (None: not installed)."""
-    found: dict[str, str | None] = {"python": platform.python_version()}
-    for name in ("curvzo_ds", "torch", "deepspeed", "transformers", "accelerate", "peft"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    if found["curvzo_ds"] is None:
-        found["curvzo_ds"] = getattr(sys.modules.get(__package__), "__version__", None)
-    return found
-
-
-__all__ = ["MetricsWriter", "write_json_atomic", "read_metrics", "peak_rss_bytes", "versions", "to_jsonable",
-           "dumps", "METRICS_FILE"]
+    return tqdm(total=cfg.max_steps, initial=start, desc="curvzo", unit="step", dynamic_ncols=True)

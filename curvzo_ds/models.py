@@ -1,7 +1,7 @@
 """Models and tokenizers: the built-in tiny demo models, or any causal LM by hub id or path.
 
 Under ZeRO-3 a hub model is built inside `zero.Init` by `from_pretrained` while a live
-`HfDeepSpeedConfig` exists (DESIGN.md §3), so no rank ever holds the full model; keep the
+`HfDeepSpeedConfig` exists (docs/deepspeed.md), so no rank ever holds the full model; keep the
 returned `keep_alive` object for the whole run (dropping it makes `generate()` hang).
 The demo models are tiny and built whole on every rank from a config and a fixed seed;
 `deepspeed.initialize` partitions them.
@@ -14,6 +14,8 @@ import logging
 import torch
 
 from .config import DEMO_MODELS, ConfigError, TrainConfig
+from .tasks import demo_model_config
+from .tasks import load_tokenizer as load_demo_tokenizer
 
 log = logging.getLogger("curvzo_ds")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,8 +28,6 @@ def demo_kind(model: str) -> str:
 def model_hidden_size(cfg: TrainConfig) -> int | None:
     """The hidden size, for DeepSpeed's "auto" bucket sizes (read from the config only)."""
     if cfg.model in DEMO_MODELS:
-        from .tasks import demo_model_config
-
         return demo_model_config(demo_kind(cfg.model)).hidden_size
     from transformers import AutoConfig
 
@@ -43,9 +43,7 @@ def load_tokenizer(cfg: TrainConfig):
     from transformers import AutoTokenizer
 
     if cfg.tokenizer is None and cfg.model in DEMO_MODELS:
-        from .tasks import load_tokenizer as load_demo
-
-        tok = load_demo(demo_kind(cfg.model))
+        tok = load_demo_tokenizer(demo_kind(cfg.model))
     else:
         tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
     if tok.pad_token_id is None:
@@ -60,8 +58,6 @@ def build_model(cfg: TrainConfig, ds_config: dict):
     dtype = DTYPES[cfg.dtype]
     keep_alive = None
     if cfg.model in DEMO_MODELS:
-        from .tasks import demo_model_config
-
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(demo_model_config(demo_kind(cfg.model))).to(dtype)
     else:
@@ -78,7 +74,7 @@ def build_model(cfg: TrainConfig, ds_config: dict):
         from peft import LoraConfig, get_peft_model
 
         model.requires_grad_(False)
-        torch.manual_seed(cfg.seed + 1)  # every rank must create the same adapters (DESIGN.md §3)
+        torch.manual_seed(cfg.seed + 1)  # every rank must create the same adapters (docs/deepspeed.md)
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.lora_target_modules),
                           lora_dropout=0.0, task_type="CAUSAL_LM")
         try:

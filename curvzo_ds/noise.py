@@ -1,4 +1,4 @@
-"""World-size-independent Gaussian noise, defined in fixed-size chunks (DESIGN.md §3).
+"""World-size-independent Gaussian noise, defined in fixed-size chunks (docs/deepspeed.md).
 
 The noise z of a parameter with n elements at a step is the concatenation of chunks
 c = 0, 1, ..., each of length min(chunk, n - c*chunk), chunk c drawn from its own generator

@@ -1,7 +1,7 @@
 """The trainable parameters as this rank sees them, and their grouping into blocks.
 
 Each trainable tensor is a `ParamEntry`: its canonical name (what `save_pretrained` writes,
-CONTRACTS.md), its full size, and two global flat ranges:
+docs/contracts.md), its full size, and two global flat ranges:
 - `owned`: the elements this rank stores and is responsible for (its ZeRO-3 shard; all of it
   on rank 0 and none elsewhere for a replicated parameter). Score statistics and checkpoints
   count exactly these, so each element is counted once over the job.
@@ -20,6 +20,7 @@ import torch
 
 from . import ds_compat
 
+_EXACT = (torch.float32, torch.float64)  # dtypes edited in place; others go through fp32
 _LAYER = re.compile(r"^(.*?\.(?:layers|h|layer|blocks|decoder\.layers)\.\d+)\.")
 
 
@@ -49,6 +50,33 @@ class ParamEntry:
             if full.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr():
                 out.append((full, 0))
         return out
+
+    def _pieces(self, a: int, n: int):
+        """(target view, index range in the view, index range in a region piece [a, a+n))."""
+        for view, off in self.targets():
+            lo, hi = max(a, off), min(a + n, off + view.numel())
+            if hi > lo:
+                yield view, slice(lo - off, hi - off), slice(lo - a, hi - a)
+
+    def scale_add(self, a: int, z: torch.Tensor, scale: float, alpha: float) -> None:
+        """region[a: a + len(z)] <- scale * region + alpha * z, in every copy (shard and gathered replica).
+
+        fp32/fp64 storage is edited in place; bf16/fp16 goes through fp32 and is rounded once.
+        """
+        for view, vs, zs in self._pieces(a, z.numel()):
+            part = view[vs]
+            zp = z[zs].to(part.device)
+            if part.dtype in _EXACT:
+                if scale != 1.0:
+                    part.mul_(scale)
+                part.add_(zp.to(part.dtype), alpha=alpha)
+            else:
+                part.copy_(part.float().mul_(scale).add_(zp, alpha=alpha))
+
+    def write(self, a: int, values: torch.Tensor) -> None:
+        """region[a: a + len(values)] <- values, in every copy."""
+        for view, vs, zs in self._pieces(a, values.numel()):
+            view[vs].copy_(values[zs])
 
     def region_values(self) -> torch.Tensor:
         """The current values of the region, fp32 (from the master copy when there is one)."""

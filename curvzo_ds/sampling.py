@@ -1,14 +1,18 @@
-"""CurvZO's sampling math, as pure tensor functions (paper Section 3; DESIGN.md §1).
+"""CurvZO's algorithm in one module: the pure math, then the stateful sampler (paper Section 3).
 
-Nothing here knows about ranks, models or DeepSpeed: every function takes and returns
-float64 tensors of length G (the number of blocks), so it can be read against the paper and
-tested on its own. Equation, proposition and appendix numbers are those of the typeset paper
-(../shared/paper/curvzo_paper.tex: equations numbered in one sequence, propositions per section).
+Nothing here knows about ranks, models or DeepSpeed: every function takes and returns float64
+tensors of length G (the number of blocks), so it can be read against the paper and tested on its
+own. `CurvZOSampler` holds the state (scores, warm-up) and makes each step's decisions: pi, the
+budget, the mask, the update coefficients of Eq. 28, and the score update. Equation, proposition
+and appendix numbers are those of the typeset paper (numbered in one sequence); docs/algorithm.md
+restates each rule with its number.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -35,7 +39,7 @@ def effective_support(scores: torch.Tensor) -> float:
 def normalized_entropy(scores: torch.Tensor) -> float:
     """H = -(1/log G) sum p log p in [0, 1] with p from `score_distribution` (Eq. 19).
 
-    G = 1 or all-zero scores give H = 1 (a flat distribution), DESIGN.md §1.
+    G = 1 or all-zero scores give H = 1 (a flat distribution), docs/algorithm.md.
     """
     g = scores.numel()
     if g == 1 or not (scores.clamp(min=0).sum() > 0):
@@ -98,7 +102,7 @@ def water_filling(weights: torch.Tensor, budget: float) -> torch.Tensor:
 
 
 def mix_floor(pi: torch.Tensor, budget: float, gamma: float) -> torch.Tensor:
-    """pi = (1 - gamma) pi_curv + gamma B/G (DESIGN.md §5): keeps sum pi = B and pi >= gamma B/G.
+    """pi = (1 - gamma) pi_curv + gamma B/G (docs/algorithm.md): keeps sum pi = B and pi >= gamma B/G.
 
     The floor keeps every block reachable, bounds the Horvitz-Thompson weight 1/pi by
     G/(gamma B), and lets a block whose score decayed be found again.
@@ -169,3 +173,119 @@ def lr_at(step: int, base_lr: float, schedule: str, max_steps: int) -> float:
     if schedule == "linear":
         return base_lr * max(0.0, 1.0 - step / max_steps)
     raise ValueError(f"lr_scheduler_type={schedule!r}: use constant or linear")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The stateful sampler: everything CurvZO decides between two forwards, in one place.
+
+
+@dataclass
+class StepPlan:
+    """What step t perturbs (docs/algorithm.md, steps 1-3)."""
+
+    step: int  # 0-based update number
+    pi: torch.Tensor  # [G] float64 inclusion probabilities
+    budget: float  # B, in blocks
+    d_eff: float | None  # the adaptive budget rule's inputs (None for MeZO and fixed)
+    entropy: float | None
+    mask: torch.Tensor  # [G] bool: the blocks drawn this step, the same on every rank
+    warmup: bool  # a score warm-up step (uniform pi, scores summed rather than averaged)
+
+    @property
+    def n_selected(self) -> int:
+        return int(self.mask.sum())
+
+    def param_fraction(self, sizes: torch.Tensor) -> float:
+        """The expected fraction of parameters perturbed: sum_i pi_i n_i / sum_i n_i."""
+        return float((self.pi * sizes).sum() / sizes.sum())
+
+    @property
+    def max_inv_pi(self) -> float:
+        """The largest Horvitz-Thompson weight 1/pi_i."""
+        return float((1.0 / self.pi).max())
+
+
+class CurvZOSampler:
+    """The scores S, the score warm-up, the EMA, the method and the budget rule (paper Sec. 3).
+
+    - `plan(step)`: pi from the scores after step - 1 (causal), the budget B and its inputs, and the
+      block mask from uniforms that are the same on every rank;
+    - `update_coefficients(plan, delta, lr, weight_decay)`: Eq. 28's Horvitz-Thompson step per block;
+    - `observe(plan, delta, block_sq)`: the block scores of a finished step into S (warm-up sum or EMA);
+    - `skip(plan)`: a step that ended without a score (empty mask, non-finite loss).
+    Methods: "curvzo" (adaptive B), "fixed" (B = budget G), "us_ab" (uniform pi, adaptive B), "mezo"
+    (pi = 1). Nothing here knows about ranks or models: all state is G floats, replicated.
+    """
+
+    def __init__(self, cfg, sizes: torch.Tensor, mask_uniforms: Callable[[int, int], torch.Tensor]):
+        self.cfg = cfg
+        self.sizes = sizes.to(torch.float64)
+        self.num_blocks = self.sizes.numel()
+        self.mask_uniforms = mask_uniforms
+        init = 0.0 if cfg.score_init == "warmup" else float(cfg.score_init)
+        self.scores = torch.full((self.num_blocks,), init, dtype=torch.float64)
+        self.warmup_sum = torch.zeros(self.num_blocks, dtype=torch.float64)
+
+    def in_warmup(self, step: int) -> bool:
+        cfg = self.cfg
+        return cfg.score_init == "warmup" and step < cfg.score_warmup_steps and cfg.method in ("curvzo", "fixed")
+
+    def probabilities(self, step: int) -> tuple[torch.Tensor, float, float | None, float | None]:
+        """(pi, B, d_eff, H) for `step` from the current scores."""
+        cfg, g = self.cfg, self.num_blocks
+        if cfg.method == "mezo":
+            return torch.ones(g, dtype=torch.float64), float(g), None, None
+        d_eff = h = None
+        if cfg.method == "fixed":
+            fraction = cfg.budget
+        else:
+            b, d_eff, h = adaptive_budget(self.scores, cfg.budget_min * g, cfg.budget_max * g, cfg.budget_alpha)
+            fraction = b / g
+        if cfg.method == "us_ab" or self.in_warmup(step):
+            return torch.full((g,), fraction, dtype=torch.float64), fraction * g, d_eff, h
+        if cfg.budget_unit == "params":
+            b = budget_for_param_fraction(self.scores, self.sizes, fraction, cfg.budget_floor)
+        else:
+            b = fraction * g
+        return inclusion_probabilities(self.scores, b, cfg.budget_floor), b, d_eff, h
+
+    def plan(self, step: int) -> StepPlan:
+        pi, budget, d_eff, h = self.probabilities(step)
+        mask = self.mask_uniforms(step, self.num_blocks) < pi
+        return StepPlan(step, pi, budget, d_eff, h, mask, self.in_warmup(step))
+
+    def update_coefficients(self, plan: StepPlan, delta: float, lr: float,
+                            weight_decay: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eq. 28 with Horvitz-Thompson weights: w_i <- keep_i w_i - step_i z_i for a selected block i.
+
+        step_i = lr Delta / pi_i; keep_i = 1 - lr wd / pi_i (MeZO-style decay, unbiased for the same
+        reason as the step). Both are 0 and 1 for unselected blocks. float64 [G] each.
+        """
+        step = torch.where(plan.mask, lr * delta / plan.pi, torch.zeros_like(plan.pi))
+        keep = torch.where(plan.mask, 1.0 - lr * weight_decay / plan.pi, torch.ones_like(plan.pi))
+        return step, keep
+
+    def observe(self, plan: StepPlan, delta: float, block_sq: torch.Tensor) -> None:
+        """Fold the step's block scores (Eq. 27 by default) into S: summed during warm-up, else EMA (Eq. 8)."""
+        new = block_scores(delta, block_sq, plan.mask, plan.pi, self.sizes, self.cfg.score_estimator)
+        if plan.warmup:
+            self.warmup_sum += new
+        else:
+            self.scores = ema(self.scores, new, self.cfg.score_beta)
+        self._end(plan)
+
+    def skip(self, plan: StepPlan) -> None:
+        """A step that gave no score (empty mask or non-finite loss): S is unchanged, but a warm-up still ends."""
+        self._end(plan)
+
+    def _end(self, plan: StepPlan) -> None:
+        """The last warm-up step, even a skipped one, ends with S := the mean observed score."""
+        if plan.warmup and plan.step + 1 == self.cfg.score_warmup_steps:
+            self.scores = self.warmup_sum / self.cfg.score_warmup_steps
+
+    def state_dict(self) -> dict:
+        return {"scores": self.scores.clone(), "warmup_sum": self.warmup_sum.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scores = torch.as_tensor(state["scores"], dtype=torch.float64).clone()
+        self.warmup_sum = torch.as_tensor(state["warmup_sum"], dtype=torch.float64).clone()

@@ -6,7 +6,6 @@ equal the straight run: same digest and the same metrics lines (wall-clock field
 """
 
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -15,58 +14,7 @@ import sys
 import pytest
 
 from curvzo_ds.cli import main
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-# The project's outside contract check (../shared); a clean clone elsewhere uses the copy kept in tests/.
-CHECK = next(p for p in (ROOT.parent / "shared" / "check_run.py", ROOT / "tests" / "check_run.py") if p.exists())
-COMMON = ["--set", "max_steps=12", "--set", "eval_steps=3", "--set", "save_steps=3", "--set", "num_train=200",
-          "--set", "num_dev=16", "--set", "num_eval=16", "--set", "global_batch_size=8",
-          "--set", "micro_batch_size=2", "--set", "disable_tqdm=true", "--set", "report_to=none",
-          "--set", "save_total_limit=2", "--deepspeed", str(ROOT / "ds_configs" / "zero3.json")]
-ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-CLI = [sys.executable, "-m", "curvzo_ds.cli", "train"]
-# For the scripts in launch/: their `python` is this interpreter.
-SCRIPT_PATH = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{ENV.get('PATH', '')}"
-
-
-def launcher_cmd(kind: str, n: int, port: int) -> list[str]:
-    if kind == "python":
-        return CLI
-    if kind == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
-                str(port), "-m", "curvzo_ds.cli", "train"]
-    if kind == "deepspeed":
-        return [shutil.which("deepspeed"), "--num_gpus", str(n), "--master_port", str(port), "--module",
-                "curvzo_ds.cli", "train"]
-    if kind == "accelerate":
-        cfg = str(ROOT / "ds_configs" / "accelerate_zero3.yaml")
-        return [shutil.which("accelerate"), "launch", "--config_file", cfg,
-                "--num_processes", str(n), "--main_process_port", str(port), "-m", "curvzo_ds.cli", "train"]
-    if kind == "mpirun":
-        return [shutil.which("mpirun"), "-np", str(n), "--allow-run-as-root", "--oversubscribe", "-x", "PYTHONPATH",
-                "-x", "DS_ACCELERATOR", "-x", "MASTER_PORT", sys.executable, "-m", "curvzo_ds.cli", "train"]
-    raise ValueError(kind)
-
-
-def train(kind: str, n: int, out: pathlib.Path, *extra: str, port: int = 29610) -> dict:
-    """A run of COMMON's settings; `kind` is a launcher, or one of the scripts in launch/ ("torchrun.sh", ...)."""
-    env = {**ENV, "MASTER_PORT": str(port)}
-    if kind.endswith(".sh"):  # as a user runs it
-        cmd = ["bash", str(ROOT / "launch" / kind)]
-        env.update(NPROC=str(n), ACCELERATE_ARGS=f"--main_process_port {port}", PATH=SCRIPT_PATH)
-    else:
-        cmd = launcher_cmd(kind, n, port)
-    cmd = cmd + COMMON + ["--set", f"output_dir={out}", *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
-    assert proc.returncode == 0, f"{kind}: " + proc.stdout[-3000:] + proc.stderr[-5000:]
-    check = subprocess.run([sys.executable, str(CHECK), str(out)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout
-    return json.loads((out / "summary.json").read_text())
-
-
-def metrics_lines(out: pathlib.Path) -> list[dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows if not r.get("final")]
+from tests.helpers import CHECK, CLI, COMMON, ENV, ROOT, SCRIPT_PATH, free_port, metrics_lines, train
 
 
 def test_straight_run_trains_and_writes_the_contract(straight):
@@ -90,7 +38,7 @@ def test_every_launcher_gives_the_one_process_result(straight, tmp_path, kind):
     """Each launcher through its script in launch/, as the README tells users to start them."""
     if kind == "mpirun.sh" and shutil.which("mpirun") is None:
         pytest.fail("mpirun is not installed (apt-get install openmpi-bin; .ci/run does it)")
-    port = 29620 + len(kind)
+    port = free_port()
     summary = train(kind, 2, tmp_path / kind, port=port)
     assert summary["world_size"] == 2
     # DeepSpeed's CPU shared-memory all-reduce buffers (deepspeed and mpirun launches) are not left in /dev/shm.
@@ -104,7 +52,7 @@ def test_the_readme_main_job_runs(tmp_path):
     """README command 1, `bash launch/demo.sh`, shortened: the demo at 2 ranks under ZeRO-3, and the contract."""
     cmd = ["bash", str(ROOT / "launch" / "demo.sh"), "--set", "max_steps=6", "--set", "eval_steps=3",
            "--set", f"output_dir={tmp_path}"]
-    env = {**ENV, "MASTER_PORT": "29668", "PATH": SCRIPT_PATH}
+    env = {**ENV, "MASTER_PORT": str(free_port()), "PATH": SCRIPT_PATH}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -120,20 +68,22 @@ def test_the_accelerate_config_is_mapped_like_a_deepspeed_file(tmp_path):
 
     base = yaml.safe_load((ROOT / "ds_configs" / "accelerate_zero3.yaml").read_text())
 
+    port = free_port()
+
     def launch(name: str, processes: int, **settings) -> subprocess.CompletedProcess:
         conf = {**base, "num_processes": processes, **settings.pop("top", {})}
         conf["deepspeed_config"] = {**base["deepspeed_config"], **settings}
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(conf))
         cmd = [shutil.which("accelerate"), "launch", "--config_file", str(tmp_path / f"{name}.yaml"),
-               "--main_process_port", "29667", "-m", "curvzo_ds.cli", "train", "--set", "max_steps=2",
+               "--main_process_port", str(port), "-m", "curvzo_ds.cli", "train", "--set", "max_steps=2",
                "--set", "disable_tqdm=true", "--set", "report_to=none", "--set", f"output_dir={tmp_path / name}"]
-        return subprocess.run(cmd, env={**ENV, "MASTER_PORT": "29667"}, capture_output=True, text=True, timeout=400,
+        return subprocess.run(cmd, env={**ENV, "MASTER_PORT": str(port)}, capture_output=True, text=True, timeout=400,
                               cwd=str(ROOT))
 
     refused = launch("stage2", 2, zero_stage=2)
     assert refused.returncode != 0 and not (tmp_path / "stage2" / "summary.json").exists()
     errors = [line for line in refused.stderr.splitlines() if line.startswith("curvzo-ds train: error: ")]
-    assert len(errors) == 2 and all("use stage 3" in line for line in errors), refused.stderr[-3000:]
+    assert len(errors) == 2 and all("Use zero_optimization.stage 3" in line for line in errors), refused.stderr[-3000:]
 
     mapped = launch("offload_bf16", 1, offload_param_device="cpu", top={"mixed_precision": "bf16"})
     assert mapped.returncode == 0, mapped.stderr[-3000:]
@@ -146,9 +96,9 @@ def test_the_accelerate_config_is_mapped_like_a_deepspeed_file(tmp_path):
 def test_resume_equals_the_straight_run(straight, tmp_path, first, second):
     out = tmp_path / "resumed"
     kind = "python" if first == 1 else "torchrun"
-    train(kind, first, out, "--set", "max_steps=6", port=29640 + first)
+    train(kind, first, out, "--set", "max_steps=6")
     kind = "python" if second == 1 else "torchrun"
-    summary = train(kind, second, out, "--resume", port=29650 + second)
+    summary = train(kind, second, out, "--resume")
     assert summary["params_digest"] == straight[1]["params_digest"]
     assert metrics_lines(out) == metrics_lines(straight[0])
     assert summary["best_dev"] == straight[1]["best_dev"] and summary["test"] == straight[1]["test"]
@@ -208,8 +158,8 @@ def test_a_log_file_gets_progress_lines_not_a_bar(tmp_path):
     saves."""
     args = ["disable_tqdm=false" if a == "disable_tqdm=true" else a for a in COMMON]
     cmd = CLI + args + ["--set", "max_steps=6", "--set", "progress_interval=0", "--set", f"output_dir={tmp_path}"]
-    proc = subprocess.run(cmd, env={**ENV, "MASTER_PORT": "29660"}, capture_output=True, text=True, timeout=400,
-                          cwd=str(ROOT))
+    env = {**ENV, "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "\r" not in proc.stderr
     steps = [line.split("step ")[1].split(" ")[0] for line in proc.stderr.splitlines() if "INFO step " in line

@@ -8,7 +8,7 @@ import pytest
 
 from curvzo_ds.cli import main
 from curvzo_ds.config import TrainConfig, resolve_presets
-from tests.test_app import COMMON, ROOT
+from tests.helpers import COMMON, ROOT
 
 KEYS = [f.name for f in dataclasses.fields(TrainConfig)]
 

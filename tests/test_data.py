@@ -8,7 +8,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from curvzo_ds.data import (
-    _newline_ids,
     accuracy,
     classification_eval,
     classification_loss,
@@ -19,6 +18,7 @@ from curvzo_ds.data import (
     generate_answers,
     lm_loss,
     loss_fn_for,
+    newline_ids,
     predict_classification,
 )
 from curvzo_ds.tasks import TASK_NAMES, Task, demo_model_config, get_task, load_splits, load_tokenizer
@@ -196,7 +196,7 @@ def test_losses_match_unpadded_reference(kind):
 # ---- generation ----
 
 def test_newline_tokens_found(tokenizer):
-    ids = _newline_ids(tokenizer)
+    ids = newline_ids(tokenizer)
     expected = "<0x0A>" if tokenizer.kind == "llama" else "Ċ"
     assert tokenizer.convert_tokens_to_ids(expected) in ids
     assert all("\n" in tokenizer.decode([i]) for i in ids)
@@ -208,7 +208,7 @@ def test_generate_answers_is_greedy_and_cut_at_newline(kind):
     task = get_task("squad")
     examples = load_splits(task, seed=0, num_train=2, num_dev=1, num_eval=1)["train"]
     prompts = [encode(task, tokenizer, ex, max_length=128, max_new_tokens=6)["prompt_ids"] for ex in examples]
-    stops = set(_newline_ids(tokenizer)) | {tokenizer.eos_token_id}
+    stops = set(newline_ids(tokenizer)) | {tokenizer.eos_token_id}
     expected = []
     with torch.no_grad():
         for ids in prompts:  # greedy decoding by hand, no cache

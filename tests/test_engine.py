@@ -10,27 +10,7 @@ from curvzo_ds import sampling
 from curvzo_ds.config import ZOConfig
 from curvzo_ds.engine import NonFiniteLossError, ZOEngine
 from curvzo_ds.noise import NoiseSource
-
-
-class Quadratic(torch.nn.Module):
-    """f(w) = sum_k 0.5 a_k ||w_k - c_k||^2 in float64: the SPSA difference is exactly g . v."""
-
-    def __init__(self, sizes=(3, 5, 2, 6), seed=0):
-        super().__init__()
-        gen = torch.Generator().manual_seed(seed)
-        self.ws = torch.nn.ParameterList(
-            [torch.nn.Parameter(torch.randn(n, generator=gen, dtype=torch.float64)) for n in sizes])
-        self.curv = [float(k + 1) ** 2 for k in range(len(sizes))]
-
-    def forward(self):
-        return sum(0.5 * a * (w**2).sum() for a, w in zip(self.curv, self.ws))
-
-    def grad(self):
-        return [a * w.detach().clone() for a, w in zip(self.curv, self.ws)]
-
-
-def quad_loss(model, batch):
-    return model(), 1
+from tests.toys import Quadratic, TinyNet, ce_loss, quad_loss, toy_task
 
 
 def _frozen_pi_engine(model, pi_scores, **cfg):
@@ -38,23 +18,23 @@ def _frozen_pi_engine(model, pi_scores, **cfg):
                 learning_rate=1.0, zo_eps=1e-3)
     base.update(cfg)
     engine = ZOEngine(model, quad_loss, ZOConfig(**base))
-    engine.scores = torch.tensor(pi_scores, dtype=torch.float64)
+    engine.sampler.scores = torch.tensor(pi_scores, dtype=torch.float64)
     return engine
 
 
 def _run_frozen(engine, model, n):
     """n steps from the same weights and scores: returns the estimates -delta_w and the raw scores."""
     w0 = [w.detach().clone() for w in model.ws]
-    s0 = engine.scores.clone()
+    s0 = engine.sampler.scores.clone()
     estimates, scores = [], []
     for _ in range(n):
         engine.step(None)
         estimates.append(torch.cat([(a - w.detach()) for a, w in zip(w0, model.ws)]))
-        scores.append(engine.scores.clone())
+        scores.append(engine.sampler.scores.clone())
         with torch.no_grad():
             for w, a in zip(model.ws, w0):
                 w.copy_(a)
-        engine.scores = s0.clone()
+        engine.sampler.scores = s0.clone()
     return torch.stack(estimates), torch.stack(scores)
 
 
@@ -63,7 +43,7 @@ def test_horvitz_thompson_estimate_is_unbiased():
     for floor in (0.0, 0.2):
         model = Quadratic()
         engine = _frozen_pi_engine(model, [1.0, 0.05, 9.0, 0.3], budget_floor=floor)
-        pi, _, _, _ = engine.probabilities()
+        pi, _, _, _ = engine.sampler.probabilities(engine.step_count)
         assert pi.max() - pi.min() > 0.3  # really non-uniform
         g = torch.cat(model.grad())
         n = 6000
@@ -90,7 +70,7 @@ def test_block_score_mixed_moment(chunk):
     else:
         start = [1.0, 0.2, 4.0, 0.5]
     engine = _frozen_pi_engine(model, start, **extra)
-    pi, _, _, _ = engine.probabilities()
+    pi, _, _, _ = engine.sampler.probabilities(engine.step_count)
     g = model.grad()
     if chunk:
         g_sq = torch.cat(g) ** 2
@@ -113,7 +93,7 @@ def test_unbiased_block_score_has_mean_the_squared_block_gradient():
     sizes = (2, 3, 1, 2)
     model = Quadratic(sizes, seed=3)
     engine = _frozen_pi_engine(model, [1.0, 0.2, 4.0, 0.5], score_estimator="unbiased", score_beta=1.0)
-    pi, _, _, _ = engine.probabilities()
+    pi, _, _, _ = engine.sampler.probabilities(engine.step_count)
     g_sq = torch.stack([x.square().sum() for x in model.grad()])
     n_i = torch.tensor(sizes, dtype=torch.float64)
     raw_mean = pi * n_i * ((pi * g_sq).sum() - pi * g_sq) + pi * (n_i + 2) * g_sq
@@ -134,11 +114,11 @@ def test_every_block_is_drawn_and_inverse_pi_is_bounded():
                                                  score_init=0.0, score_warmup_steps=0))
     drawn = torch.zeros(g, dtype=torch.bool)
     for _ in range(300):
-        pi, b, _, _ = engine.probabilities()
+        pi, b, _, _ = engine.sampler.probabilities(engine.step_count)
         assert (1 / pi).max().item() <= g / (floor * b) * (1 + 1e-9)
         drawn |= engine.noise.mask_uniforms(engine.step_count, g) < pi
         r = engine.step(None)
-        assert all(math.isfinite(x) for x in engine.scores.tolist())
+        assert all(math.isfinite(x) for x in engine.sampler.scores.tolist())
         assert r.max_inv_pi <= g / (floor * b) * (1 + 1e-9)
     assert drawn.all(), f"{int(drawn.sum())} of {g} blocks drawn"
 
@@ -160,25 +140,25 @@ def test_warmup_mean_is_applied_when_the_last_warmup_step_is_skipped(skip):
     state = engine.state_dict()
     weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
     assert engine.step("nan").skipped == skip
-    assert (engine.warmup_sum > 0).sum() >= 2
-    assert torch.equal(engine.scores, engine.warmup_sum / warm)
+    assert (engine.sampler.warmup_sum > 0).sum() >= 2
+    assert torch.equal(engine.sampler.scores, engine.sampler.warmup_sum / warm)
     # Resumed just before that step, it ends the same way.
     model = Quadratic((4,) * 8, seed=1)
     model.load_state_dict(weights)
     resumed = ZOEngine(model, loss, cfg)
     resumed.load_state_dict(state)
     assert resumed.step("nan").skipped == skip
-    assert torch.equal(resumed.scores, engine.scores)
+    assert torch.equal(resumed.sampler.scores, engine.sampler.scores)
 
 
 def test_us_ab_samples_uniformly_with_the_adaptive_budget():
     g = 8
     engine = ZOEngine(Quadratic((4,) * g, seed=1), quad_loss,
                       ZOConfig(method="us_ab", learning_rate=1e-5, zo_eps=1e-3, budget_min=0.125, budget_max=0.75))
-    engine.scores = torch.tensor([9.0, 1.0, 0.0, 0.0, 4.0, 0.01, 0.0, 0.0], dtype=torch.float64)
-    b, _, _ = sampling.adaptive_budget(engine.scores, 0.125 * g, 0.75 * g, 0.5)
+    engine.sampler.scores = torch.tensor([9.0, 1.0, 0.0, 0.0, 4.0, 0.01, 0.0, 0.0], dtype=torch.float64)
+    b, _, _ = sampling.adaptive_budget(engine.sampler.scores, 0.125 * g, 0.75 * g, 0.5)
     assert 0.125 * g < b < 0.75 * g - 1  # non-uniform scores move B well off both ends
-    pi, budget, _, _ = engine.probabilities()
+    pi, budget, _, _ = engine.sampler.probabilities(engine.step_count)
     assert budget == pytest.approx(b, rel=1e-12)
     assert torch.allclose(pi, torch.full((g,), b / g, dtype=torch.float64), rtol=1e-12, atol=0)
     r = engine.step(None)
@@ -193,40 +173,17 @@ def test_budget_of_one_block_never_gives_nan():
     for _ in range(200):
         r = engine.step(None)
         empty += r.skipped == "empty_mask"
-        assert torch.isfinite(engine.scores).all()
+        assert torch.isfinite(engine.sampler.scores).all()
         assert r.skipped in (None, "empty_mask")
     assert empty > 0  # B = 1 block leaves some masks empty; they must be harmless
     assert engine.step_count == 200
-
-
-class TinyNet(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1 = torch.nn.Linear(8, 16)
-        self.l2 = torch.nn.Linear(16, 2)
-        self.norm = torch.nn.LayerNorm(16)
-
-    def forward(self, x):
-        return self.l2(self.norm(torch.tanh(self.l1(x))))
-
-
-def _task(n=256):
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(n, 8, generator=gen)
-    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
-    return x, y
-
-
-def ce_loss(model, batch):
-    x, y = batch
-    return torch.nn.functional.cross_entropy(model(x), y, reduction="sum"), len(y)
 
 
 @pytest.mark.parametrize("method", ["mezo", "curvzo"])
 def test_engine_lowers_the_loss(method):
     torch.manual_seed(0)
     net = TinyNet()
-    x, y = _task()
+    x, y = toy_task()
     engine = ZOEngine(net, ce_loss, ZOConfig(method=method, learning_rate=2e-2, zo_eps=1e-3, seed=3))
     with torch.no_grad():
         before = ce_loss(net, (x, y))[0].item() / len(y)
@@ -247,7 +204,7 @@ def _drift_bound(w, z, eps):
 def test_lr_zero_step_restores_fp32_weights_within_drift():
     torch.manual_seed(0)
     net = TinyNet()
-    x, y = _task(32)
+    x, y = toy_task(32)
     eps = 1e-2
     engine = ZOEngine(net, ce_loss, ZOConfig(method="mezo", learning_rate=0.0, zo_eps=eps, seed=11,
                                              noise_chunk_size=100))
@@ -266,7 +223,7 @@ def test_lr_zero_step_restores_fp32_weights_within_drift():
 
 def test_fp32_master_copy_makes_bf16_restore_exact():
     torch.manual_seed(0)
-    x, y = _task(32)
+    x, y = toy_task(32)
     for master, exact in ((False, False), (True, True)):
         net = TinyNet().to(torch.bfloat16)
         batch = (x.to(torch.bfloat16), y)
@@ -282,7 +239,7 @@ def test_fp32_master_copy_makes_bf16_restore_exact():
 def test_non_finite_loss_restores_weights_and_stops_after_a_streak(caplog):
     torch.manual_seed(0)
     net = TinyNet()
-    x, y = _task(32)
+    x, y = toy_task(32)
     calls = {"n": 0}
 
     def flaky(model, batch):
@@ -331,7 +288,7 @@ def test_budget_min_above_max_and_no_trainable_parameters():
 
 def test_noise_generated_three_times_per_selected_tensor(monkeypatch):
     net = TinyNet()
-    x, y = _task(16)
+    x, y = toy_task(16)
     engine = ZOEngine(net, ce_loss, ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-3))
     calls = []
     real = engine.noise.slice
@@ -350,10 +307,10 @@ def test_weight_decay_scales_selected_tensors_by_one_minus_lr_wd_over_pi():
     engine = ZOEngine(net, lambda m, b: torch.tensor(1.0), ZOConfig(
         method="fixed", budget=0.5, budget_floor=0.2, score_init=1.0, score_warmup_steps=0, learning_rate=lr,
         zo_eps=1e-2, weight_decay=wd))
-    engine.scores = torch.tensor([4.0, 1.0, 0.25, 0.5, 2.0, 0.1], dtype=torch.float64)
+    engine.sampler.scores = torch.tensor([4.0, 1.0, 0.25, 0.5, 2.0, 0.1], dtype=torch.float64)
     seen = set()
     for _ in range(10):
-        pi, _, _, _ = engine.probabilities()
+        pi, _, _, _ = engine.sampler.probabilities(engine.step_count)
         mask = engine.noise.mask_uniforms(engine.step_count, engine.num_blocks) < pi
         before = [e.param.detach().clone() for e in engine.entries]
         assert engine.step(None).projected_grad == 0.0
@@ -383,7 +340,7 @@ def test_loss_runs_without_autograd():
 
 
 def test_state_dict_round_trip_continues_the_same_trajectory():
-    x, y = _task(64)
+    x, y = toy_task(64)
 
     def run(split):
         torch.manual_seed(0)
@@ -399,7 +356,7 @@ def test_state_dict_round_trip_continues_the_same_trajectory():
                 engine = ZOEngine(net, ce_loss, cfg)
                 engine.load_state_dict(state)
             engine.step((x[i * 4: i * 4 + 16], y[i * 4: i * 4 + 16]))
-        return net.state_dict(), engine.scores
+        return net.state_dict(), engine.sampler.scores
 
     a, sa = run(-1)
     b, sb = run(6)

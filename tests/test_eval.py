@@ -3,28 +3,18 @@
 One torchrun launch per world size runs every scenario (tests/multirank/eval_worker.py).
 """
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
-from curvzo_ds.engine import round_robin_slots
+from curvzo_ds.data.stream import round_robin_slots
+from tests.helpers import ROOT, run_worker
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multirank" / "eval_worker.py"
 
 
 def launch(world: int, tmp: pathlib.Path) -> dict:
-    out = tmp / f"out{world}.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-           "--master_port", str(29760 + world), str(WORKER), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())["results"]
+    return run_worker(world, WORKER, tmp / f"out{world}.json", timeout=180)["results"]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +103,7 @@ def test_ranks_with_different_tokenized_data_are_refused():
     """Every rank hashes its tokenized data; a rank that differs stops the run on every rank with the fix."""
     from types import SimpleNamespace
 
-    from curvzo_ds.train import Run
+    from curvzo_ds.run import Run
 
     def fake_run(other_hash: str | None):
         data = {"train_data": [{"input_ids": [1, 2]}], "eval_data": {"dev": [{"input_ids": [3]}]}}

@@ -1,4 +1,4 @@
-"""Users' own code: an Accelerate loop (`ZOEngine.from_accelerator`) and `ZOTrainer`, at 1 and 2 ranks.
+"""Users' own code: an Accelerate loop (`curvzo_ds.from_accelerator`) and `ZOTrainer`, at 1 and 2 ranks.
 
 Each test launches tests/multirank/integ_worker.py in real processes and reads what rank 0 wrote.
 Thresholds were fixed before these runs, from one-process runs of the same data (the worker's
@@ -9,21 +9,18 @@ eval loss in the 30-step Trainer run (the one-process runs fell by 0.15-0.24 and
 import json
 import pathlib
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from tests.test_app import ENV, ROOT
+from tests.helpers import ENV, ROOT, free_port, run_checked
 
 WORKER = str(ROOT / "tests" / "multirank" / "integ_worker.py")
 ACCELERATE_CFG = str(ROOT / "ds_configs" / "accelerate_zero3.yaml")
 
 
 def launch(cmd: list[str], out: pathlib.Path, port: int, **env_extra: str) -> dict:
-    env = {**ENV, "MASTER_PORT": str(port), **env_extra}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_checked(cmd, {**ENV, "MASTER_PORT": str(port), **env_extra})
     return json.loads(out.read_text())
 
 
@@ -43,7 +40,7 @@ def train_rows(history: list[dict]) -> dict[int, dict]:
 
 @pytest.mark.multirank
 def test_accelerate_loop_two_ranks_saves_loads_and_matches_one_rank(tmp_path):
-    two = accelerate_loop(2, tmp_path / "two.json", 29701)
+    two = accelerate_loop(2, tmp_path / "two.json", free_port())
     assert two["world_size"] == 2 and two["ds_engine"] == "DeepSpeedEngine"
     assert two["optimizer"] == "NoneType" and two["no_grads"]
     assert two["accelerator_optimizers"] in ([], ["DeepSpeedZeRoOffload"])
@@ -57,7 +54,7 @@ def test_accelerate_loop_two_ranks_saves_loads_and_matches_one_rank(tmp_path):
     assert two["digest_after_load"] == two["digests"]["20"]
     assert two["digest_replayed"] == two["digests"]["40"]
     # split_batch deals the global batch out by micro-batch: one rank gives the same trajectory.
-    one = accelerate_loop(1, tmp_path / "one.json", 29702)
+    one = accelerate_loop(1, tmp_path / "one.json", free_port())
     assert one["world_size"] == 1
     assert one["digests"] == two["digests"] and one["losses"] == two["losses"]
 
@@ -79,7 +76,7 @@ def check_trainer_run(r: dict, out_dir: pathlib.Path, world: int) -> None:
 
 def test_zotrainer_one_process_trains_logs_saves_and_resumes(tmp_path):
     out = tmp_path / "t.json"
-    r = launch([sys.executable, WORKER, "trainer", str(out)], out, 29703)
+    r = launch([sys.executable, WORKER, "trainer", str(out)], out, free_port())
     check_trainer_run(r, tmp_path / "t.json.d", 1)
     assert r["ds_engine"] == "LlamaForCausalLM"  # no DeepSpeed in this run
     # Resumed from checkpoint-20: the same weights and the same training log (rows up to step 20 come from the
@@ -102,13 +99,13 @@ def test_zotrainer_under_deepspeed_two_ranks_with_the_hf_auto_config_and_resume(
         cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(port), WORKER, "trainer", str(out)]
         return launch(cmd, out, port, **env)
 
-    r = run("t.json", 29704)
+    r = run("t.json", free_port())
     check_trainer_run(r, tmp_path / "t.json.d", 2)
     assert r["ds_engine"] == "DeepSpeedEngine"
     assert r["world_process_zero"] == [True, False]
     # A second launch resumed from checkpoint-20: the same weights and training log rows; rank 1 stays
     # non-zero although trainer_state.json was written by rank 0.
-    resumed = run("r.json", 29705, ZO_RESUME=str(tmp_path / "t.json.d" / "checkpoint-20"))
+    resumed = run("r.json", free_port(), ZO_RESUME=str(tmp_path / "t.json.d" / "checkpoint-20"))
     assert resumed["world_process_zero"] == [True, False]
     assert resumed["digest"] == r["digest"]
     assert train_rows(resumed["log_history"]) == train_rows(r["log_history"])

@@ -21,20 +21,19 @@ import time
 
 import pytest
 
-from tests.test_app import CHECK, CLI, COMMON, ENV, ROOT, SCRIPT_PATH
+from tests.helpers import CLI, COMMON, ENV, LAUNCH_TIMEOUT, ROOT, SCRIPT_PATH, check_contract, free_port, run_checked
 
 BIN = pathlib.Path(sys.executable).parent
 # No launcher variables from the calling shell; this interpreter's bin directory first (`python` in launch/).
 BASE_ENV = {k: v for k, v in ENV.items() if not k.startswith("SLURM_")
             and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
 BASE_ENV["PATH"] = SCRIPT_PATH
-TIMEOUT = 400  # seconds for one launch (a warm 2-rank run takes 15-30 s here)
 
 SLURM_CONF = """\
 ClusterName=curvzo-test
 SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort=29846
-SlurmdPort=29847
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
 SlurmUser=root
 AuthType=auth/munge
 ProctrackType=proctrack/linuxproc
@@ -61,17 +60,13 @@ PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 
 
 def summary_of(out: pathlib.Path) -> dict:
-    check = subprocess.run([sys.executable, str(CHECK), str(out)], capture_output=True, text=True, timeout=120)
-    assert check.returncode == 0, check.stdout + check.stderr
+    check_contract(out)
     return json.loads((out / "summary.json").read_text())
 
 
 def launch(cmd: list[str], out: pathlib.Path, env: dict, log: pathlib.Path | None = None) -> dict:
     """Run one launcher command with the COMMON settings; return the checked summary."""
-    proc = subprocess.run(cmd + COMMON + ["--set", f"output_dir={out}"], env=env, cwd=str(ROOT),
-                          capture_output=True, text=True, timeout=TIMEOUT)
-    text = proc.stdout[-3000:] + proc.stderr[-5000:] + (log.read_text()[-5000:] if log and log.exists() else "")
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{text}"
+    run_checked(cmd + COMMON + ["--set", f"output_dir={out}"], env, log=log)
     return summary_of(out)
 
 
@@ -83,7 +78,7 @@ def launch_nodes(cmds: list[list[str]], out: pathlib.Path, env: dict) -> dict:
         with open(log, "w") as f:
             procs.append(subprocess.Popen(cmd + COMMON + ["--set", f"output_dir={out}"], env=env, cwd=str(ROOT),
                                           stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
-    deadline = time.monotonic() + TIMEOUT
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
     try:
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -106,7 +101,8 @@ def assert_two_ranks_match(summary: dict, digest: str) -> None:
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> str:
     """params_digest of a plain one-process run (test_app shows every launcher at 2 ranks equals it)."""
-    summary = launch(CLI, tmp_path_factory.mktemp("launchers") / "python-1", {**BASE_ENV, "MASTER_PORT": "29800"})
+    env = {**BASE_ENV, "MASTER_PORT": str(free_port())}
+    summary = launch(CLI, tmp_path_factory.mktemp("launchers") / "python-1", env)
     assert summary["world_size"] == 1
     return summary["params_digest"]
 
@@ -139,7 +135,8 @@ def slurm(tmp_path_factory):
     for sub in ("state", "spool"):
         (d / sub).mkdir()
     conf = d / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(host=socket.gethostname().split(".")[0], dir=d))
+    conf.write_text(SLURM_CONF.format(host=socket.gethostname().split(".")[0], dir=d, ctld_port=free_port(),
+                                      slurmd_port=free_port()))
     env = {**BASE_ENV, "SLURM_CONF": str(conf)}
     munge_pid = None
     try:
@@ -176,7 +173,7 @@ def slurm(tmp_path_factory):
 def test_srun_two_tasks_give_the_one_process_result(slurm, one_rank, tmp_path):
     # launch/srun.sh is `srun --ntasks $NPROC python -m curvzo_ds.cli train "$@"`; MASTER_ADDR comes from
     # `scontrol show hostnames` inside curvzo_ds.distributed.
-    env = {**slurm, "NPROC": "2", "MASTER_PORT": "29801"}
+    env = {**slurm, "NPROC": "2", "MASTER_PORT": str(free_port())}
     summary = launch(["bash", str(ROOT / "launch" / "srun.sh")], tmp_path / "srun", env)
     assert_two_ranks_match(summary, one_rank)
 
@@ -192,7 +189,7 @@ def test_sbatch_script_gives_the_one_process_result(slurm, one_rank, tmp_path):
     log = tmp_path / "job.out"
     cmd = ["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0",
            "--time=10", f"--output={log}", f"--chdir={ROOT}", str(script)]
-    summary = launch(cmd, tmp_path / "sbatch", {**slurm, "MASTER_PORT": "29802"}, log=log)
+    summary = launch(cmd, tmp_path / "sbatch", {**slurm, "MASTER_PORT": str(free_port())}, log=log)
     assert_two_ranks_match(summary, one_rank)
 
 
@@ -214,7 +211,7 @@ def test_a_batch_script_is_one_rank_and_its_srun_tasks_are_ranks(slurm, tmp_path
 def test_deepspeed_hostfile_launchers(request, one_rank, tmp_path, launcher):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    port = "29803" if launcher == "openmpi" else "29804"
+    port = str(free_port())
     # Neither launcher passes --master_port on to the ranks: the ranks read MASTER_PORT from the environment.
     env = {**(request.getfixturevalue("slurm") if launcher == "slurm" else BASE_ENV), "MASTER_PORT": port}
     # One host in the hostfile: --force_multi makes DeepSpeed use the multi-node launcher anyway, and
@@ -234,7 +231,7 @@ def test_deepspeed_hostfile_launchers(request, one_rank, tmp_path, launcher):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_two_torchrun_nodes_give_the_one_process_result(one_rank, tmp_path, rdzv):
-    port = "29805" if rdzv == "static" else "29806"
+    port = str(free_port())
     if rdzv == "static":
         where = ["--master_addr", "127.0.0.1", "--master_port", port]
     else:
@@ -251,7 +248,7 @@ def test_two_accelerate_machines_give_the_one_process_result(one_rank, tmp_path)
     # launcher is pdsh from machine 0 alone; `standard` (torchrun on every machine) is the per-machine form.
     cmds = [[str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "ds_configs" / "accelerate_zero3.yaml"),
              "--num_processes", "2", "--num_machines", "2", "--machine_rank", str(k), "--main_process_ip",
-             "127.0.0.1", "--main_process_port", "29807", "--deepspeed_multinode_launcher", "standard",
+             "127.0.0.1", "--main_process_port", str(free_port()), "--deepspeed_multinode_launcher", "standard",
              "-m", "curvzo_ds.cli", "train"] for k in (0, 1)]
     assert_two_ranks_match(launch_nodes(cmds, tmp_path / "accelerate", BASE_ENV), one_rank)
 
@@ -265,11 +262,12 @@ def test_mpirun_ranks_take_rank_0s_master_port():
         pytest.fail("mpirun is not installed (apt-get install openmpi-bin; .ci/run does it)")
     probe = ("import os, torch.distributed as dist; from curvzo_ds.distributed import init_distributed; "
              "init_distributed(); print(dist.get_world_size(), os.environ['MASTER_PORT'])")
-    rank0_port = 'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then export MASTER_PORT=29808; fi; exec "$0" -c "$1"'
+    port = free_port()
+    rank0_port = f'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then export MASTER_PORT={port}; fi; exec "$0" -c "$1"'
     cmd = [shutil.which("mpirun"), "-np", "2", "--oversubscribe", "-x", "PYTHONPATH", "-x", "DS_ACCELERATOR",
            "bash", "-c", rank0_port, sys.executable, probe]
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
     proc = subprocess.run(cmd, env=BASE_ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert [line for line in proc.stdout.splitlines() if line.startswith("2 ")] == ["2 29808", "2 29808"], proc.stdout
+    assert [line for line in proc.stdout.splitlines() if line.startswith("2 ")] == [f"2 {port}"] * 2, proc.stdout

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from curvzo_ds.logs import MetricsWriter, peak_rss_bytes, read_metrics, to_jsonable, versions, write_json_atomic
+from curvzo_ds.jsonio import to_jsonable, write_json_atomic
+from curvzo_ds.logs import MetricsWriter, read_metrics
+from curvzo_ds.sysinfo import peak_rss_bytes, versions
 
 
 def lines(path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from curvzo_ds.cli import main
-from tests.test_app import train
+from tests.helpers import train
 
 LORA = ["--set", "lora=true", "--set", "learning_rate=1e-2", "--set", "max_steps=8"]
 
@@ -34,7 +34,7 @@ def test_lora_trains_only_the_adapters(lora_run):
 
 @pytest.mark.multirank
 def test_lora_two_ranks_equal_one(lora_run, tmp_path):
-    summary = train("torchrun", 2, tmp_path / "run-2", *LORA, port=29860)
+    summary = train("torchrun", 2, tmp_path / "run-2", *LORA)
     assert summary["params_digest"] == lora_run[1]["params_digest"]
 
 

@@ -2,7 +2,7 @@
 
 import json
 
-from tests.test_app import ROOT
+from tests.helpers import ROOT
 
 
 def test_every_output_field_is_documented(straight):

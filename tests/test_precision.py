@@ -13,7 +13,7 @@ import torch
 
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.noise import NoiseSource
-from tests.test_engine import TinyNet, _task, ce_loss
+from tests.toys import TinyNet, ce_loss, toy_task
 
 EPS, SEED, CHUNK = 1e-2, 5, 64
 
@@ -21,7 +21,7 @@ EPS, SEED, CHUNK = 1e-2, 5, 64
 def _seen(master: bool):
     torch.manual_seed(0)
     net = TinyNet().to(torch.bfloat16)
-    x, y = _task(32)
+    x, y = toy_task(32)
     seen = []
 
     def loss(model, batch):

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from curvzo_ds import train
+from curvzo_ds.data import stream
 
 
 def epoch_batches(epoch, n, batch, seed):
     per_epoch = n // batch
-    return [train.step_indices(epoch * per_epoch + k, n, batch, seed) for k in range(per_epoch)]
+    return [stream.step_indices(epoch * per_epoch + k, n, batch, seed) for k in range(per_epoch)]
 
 
 def test_batches_of_an_epoch_are_full_disjoint_and_drop_the_remainder():
@@ -20,7 +20,7 @@ def test_batches_of_an_epoch_are_full_disjoint_and_drop_the_remainder():
         assert len(set(seen)) == len(seen) == 20 and set(seen) <= set(range(n))
     # The step after an epoch's last batch starts the next epoch: the left-over examples are not served first.
     first, second = epoch_batches(0, n, batch, 7), epoch_batches(1, n, batch, 7)
-    assert train.step_indices(4, n, batch, 7) == second[0]
+    assert stream.step_indices(4, n, batch, 7) == second[0]
     assert second != first
 
 
@@ -40,14 +40,14 @@ def test_each_epoch_is_a_permutation_fixed_by_seed_and_epoch():
 def test_depends_only_on_its_arguments():
     torch.manual_seed(0)
     state = torch.get_rng_state()
-    a = [train.step_indices(s, 50, 8, 11) for s in range(20)]
+    a = [stream.step_indices(s, 50, 8, 11) for s in range(20)]
     assert torch.equal(torch.get_rng_state(), state)  # the global generator is neither read nor advanced
     torch.manual_seed(12345)
     torch.rand(100)
-    b = [train.step_indices(s, 50, 8, 11) for s in reversed(range(20))][::-1]  # any order of calls
+    b = [stream.step_indices(s, 50, 8, 11) for s in reversed(range(20))][::-1]  # any order of calls
     assert a == b
 
 
 def test_batch_larger_than_the_data_is_refused():
     with pytest.raises(ValueError, match="global_batch_size=9 is larger than the 8 training examples"):
-        train.step_indices(0, 8, 9, 0)
+        stream.step_indices(0, 8, 9, 0)

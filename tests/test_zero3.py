@@ -4,14 +4,12 @@ One torchrun launch per world size runs every scenario (tests/multirank/worker.p
 """
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, run_worker
+
 WORKER = ROOT / "tests" / "multirank" / "worker.py"
 
 ZO = {"learning_rate": 1e-3, "zo_eps": 1e-3, "noise_chunk_size": 997, "score_warmup_steps": 5}
@@ -39,13 +37,7 @@ SCENARIOS = [
 def launch(world: int, tmp: pathlib.Path) -> dict:
     spec = tmp / "spec.json"
     spec.write_text(json.dumps(SCENARIOS))
-    out = tmp / f"out{world}.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-           "--master_port", str(29400 + world), str(WORKER), str(spec), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())["results"]
+    return run_worker(world, WORKER, spec, tmp / f"out{world}.json")["results"]
 
 
 @pytest.fixture(scope="module")

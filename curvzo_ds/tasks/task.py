@@ -22,7 +22,7 @@ TASK_DIR_METRICS = ("accuracy",)
 class Task:
     name: str
     kind: str  # CLASSIFICATION or GENERATION
-    metrics: tuple[str, ...]  # names from CONTRACTS.md: accuracy, f1, exact_match
+    metrics: tuple[str, ...]  # names from docs/contracts.md: accuracy, f1, exact_match
     prompt: Callable[[dict], str]
     fields: tuple[str, ...]  # fields every example must hold
     label_words: tuple[str, ...] = ()  # classification: the continuation of each class

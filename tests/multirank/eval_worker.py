@@ -12,25 +12,19 @@
   1..W-1 (whose rank 0 is global rank 1); each rank records when its body ran.
 """
 
-import faulthandler
-import json
-import os
-import sys
 import time
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-faulthandler.enable()  # a native crash (abort, segfault) prints the Python stacks of every thread
+import torch
+import torch.distributed as dist
+from common import main
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import curvzo_ds.models  # noqa: E402
-import curvzo_ds.tasks  # noqa: E402
-from curvzo_ds import data as D  # noqa: E402
-from curvzo_ds.comm import Comm, main_process_first  # noqa: E402
-from curvzo_ds.config import TrainConfig  # noqa: E402
-from curvzo_ds.distributed import init_distributed  # noqa: E402
-from curvzo_ds.evaluate import evaluate  # noqa: E402
+import curvzo_ds.models
+import curvzo_ds.tasks
+from curvzo_ds import data as D
+from curvzo_ds.comm import Comm, main_process_first
+from curvzo_ds.config import TrainConfig
+from curvzo_ds.distributed import init_distributed
+from curvzo_ds.evaluate import evaluate
 
 MAX_NEW_TOKENS = 16
 
@@ -88,7 +82,7 @@ def zero_init_scenario(world: int) -> dict:
 
 
 def run_scenario(task: str, rank: int) -> dict:
-    from curvzo_ds.train import Run
+    from curvzo_ds.run import Run
 
     times = []
     real_tok, real_splits = curvzo_ds.models.load_tokenizer, curvzo_ds.tasks.load_splits
@@ -132,10 +126,8 @@ def first_scenario(comm: Comm) -> tuple[float, float]:
     return start, end
 
 
-def main():
-    out_path = sys.argv[1]
+def run_all(args: list[str], out_path: str) -> dict:
     rank, world, _ = init_distributed()
-    torch.set_num_threads(1)
     comm = Comm()
     results = {"first": comm.all_gather_object(first_scenario(comm))}
     if world > 1:
@@ -146,12 +138,8 @@ def main():
     results["zero_init"] = zero_init_scenario(world)
     results["sst2"] = run_scenario("sst2", rank)
     results["squad"] = run_scenario("squad", rank)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump({"world_size": world, "results": results}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"world_size": world, "results": results}
 
 
 if __name__ == "__main__":
-    main()
+    main(run_all)

@@ -4,7 +4,7 @@
     deepspeed --num_gpus 2 tests/multirank/integ_worker.py trainer OUT   (ZO_RESUME=CKPT: resume from CKPT)
     python tests/multirank/integ_worker.py trainer OUT            (one process, no DeepSpeed)
 
-- "loop": an Accelerate loop with `ZOEngine.from_accelerator`: an unsharded data loader whose
+- "loop": an Accelerate loop with `curvzo_ds.from_accelerator`: an unsharded data loader whose
   global batches are cut by `split_batch` (so the trajectory is world-size independent), a
   mid-run `accelerator.save_state()`, then `load_state()` and the same steps again.
 - "trainer": `ZOTrainer` with the Hugging Face ZeRO-3 config full of "auto" values (optimizer and
@@ -13,19 +13,14 @@
 Rank 0 writes OUT (JSON): losses, digests, what was allocated.
 """
 
-import faulthandler
-import json
 import os
-import sys
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-faulthandler.enable()  # a native crash (abort, segfault) prints the Python stacks of every thread
+import torch
+from common import main
 
-import torch  # noqa: E402
-
-from curvzo_ds.config import ZOConfig  # noqa: E402
-from curvzo_ds.digest import params_digest  # noqa: E402
-from curvzo_ds.ds_compat import optimizer_of  # noqa: E402
+from curvzo_ds.config import ZOConfig
+from curvzo_ds.digest import params_digest
+from curvzo_ds.ds_compat import optimizer_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ, N_EXAMPLES, GLOBAL, MICRO = 16, 64, 8, 2
@@ -72,8 +67,7 @@ def loop_scenario(out_dir: str) -> dict:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, default_collate
 
-    from curvzo_ds.engine import ZOEngine
-    from curvzo_ds.integrations import split_batch
+    from curvzo_ds import from_accelerator, split_batch
 
     accelerator = Accelerator()
     model = tiny_model()
@@ -81,7 +75,7 @@ def loop_scenario(out_dir: str) -> dict:
     # Not prepared by accelerate: every rank reads the same global batches; split_batch deals them out.
     loader = DataLoader(data, batch_size=GLOBAL, shuffle=True, generator=torch.Generator().manual_seed(3),
                         collate_fn=default_collate)
-    engine = ZOEngine.from_accelerator(accelerator, model, lm_loss, ZOConfig(**ZO), micro_batch_size=MICRO)
+    engine = from_accelerator(accelerator, model, lm_loss, ZOConfig(**ZO), micro_batch_size=MICRO)
     device = accelerator.device
     fixed = split_batch({k: v.to(device) for k, v in default_collate(data[:GLOBAL]).items()}, MICRO)
     result = {"world_size": accelerator.num_processes, "loss_before": engine.loss(fixed),
@@ -115,7 +109,7 @@ def trainer_scenario(out_dir: str) -> dict:
     from torch.utils.data import Dataset
     from transformers import TrainingArguments
 
-    from curvzo_ds.trainer import ZOTrainer
+    from curvzo_ds import ZOTrainer
 
     class Examples(Dataset):
         def __init__(self, rows):
@@ -181,20 +175,11 @@ def trainer_scenario(out_dir: str) -> dict:
     return result
 
 
-def main():
-    scenario, out_path = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # deepspeed adds it
-    torch.set_num_threads(1)
+def run_scenario(args: list[str], out_path: str) -> dict:
+    (scenario,) = args
     work = out_path + ".d"
-    result = loop_scenario(work) if scenario == "loop" else trainer_scenario(work)
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f, default=str)
-    if dist.is_initialized():
-        dist.barrier()
+    return loop_scenario(work) if scenario == "loop" else trainer_scenario(work)
 
 
 if __name__ == "__main__":
-    main()
+    main(run_scenario)

@@ -8,22 +8,16 @@ independent stream of micro-batches, and records the trajectory bit for bit (flo
 Python floats, scores as hashes of their bytes) and the final params_digest.
 """
 
-import faulthandler
 import hashlib
 import json
-import os
-import sys
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-faulthandler.enable()  # a native crash (abort, segfault) prints the Python stacks of every thread
+import torch
+import torch.distributed as dist
+from common import main
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from curvzo_ds.config import ZOConfig  # noqa: E402
-from curvzo_ds.digest import params_digest  # noqa: E402
-from curvzo_ds.distributed import init_distributed  # noqa: E402
-from curvzo_ds.engine import MicroBatches, ZOEngine  # noqa: E402
+from curvzo_ds import MicroBatches, ZOConfig, ZOEngine
+from curvzo_ds.digest import params_digest
+from curvzo_ds.distributed import init_distributed
 
 
 def tiny_llama(seed: int, tie: bool):
@@ -97,8 +91,8 @@ def run(spec: dict, rank: int, world: int) -> dict:
         for t in range(spec["steps"]):
             r = zo.step(MicroBatches(micro_batches(t, spec["n_micro"], spec.get("rows", 2))))
             row = r.as_dict()
-            row["scores"] = hashlib.sha256(zo.scores.numpy().tobytes()).hexdigest()[:16]
-            pi = zo.probabilities()[0]
+            row["scores"] = hashlib.sha256(zo.sampler.scores.numpy().tobytes()).hexdigest()[:16]
+            pi = zo.sampler.probabilities(zo.step_count)[0]
             row["pi"] = hashlib.sha256(pi.numpy().tobytes()).hexdigest()[:16]
             traj.append(row)
     finally:
@@ -120,23 +114,17 @@ def run(spec: dict, rank: int, world: int) -> dict:
     }
 
 
-def main():
-    spec_path, out_path = sys.argv[1], sys.argv[2]
+def run_all(args: list[str], out_path: str) -> dict:
     rank, world, _ = init_distributed()
-    torch.set_num_threads(1)
     results = {}
-    for spec in json.load(open(spec_path)):
+    for spec in json.load(open(args[0])):
         if spec.get("min_world", 1) > world:
             continue
         if rank == 0:
             print(f"scenario {spec['name']} at world size {world}", flush=True)  # for the log of a failure
         results[spec["name"]] = run(spec, rank, world)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump({"world_size": world, "results": results}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"world_size": world, "results": results}
 
 
 if __name__ == "__main__":
-    main()
+    main(run_all)

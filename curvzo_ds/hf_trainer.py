@@ -3,7 +3,8 @@
 `train()` is replaced by a loop that steps a ZOEngine; the rest is the Trainer's own: the data
 loaders, callbacks (logging, report_to), `evaluate()`, the seed and TrainerState. Under DeepSpeed
 the model is prepared alone (no optimizer) after the config is cleaned like `--deepspeed`, and the
-engine's checkpoint calls go to this project's shard-local checkpoint (integrations.py).
+engine's checkpoint calls go to this project's shard-local checkpoint (integrations.py), through
+the same CheckpointManager as the CLI.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import TrainOutput, set_seed
 
-from . import checkpoint as ckpt
 from . import ds_compat
+from .checkpoint import CheckpointManager, load_checkpoint
 from .config import ZOConfig
 from .engine import StepResult, ZOEngine
 from .integrations import (
-    _hidden_size,
-    _refuse_optimizer,
     align_accelerate_state,
     clean_deepspeed_config,
+    hidden_size,
     install_checkpoint_hooks,
+    refuse_optimizer,
 )
 
 log = logging.getLogger("curvzo_ds")
@@ -60,6 +61,11 @@ class ZOTrainer(Trainer):
         self.zo_config = zo_config
         self.zo_loss_fn = loss_fn
         self.zo_engine: ZOEngine | None = None
+        metric = self.args.metric_for_best_model
+        self.zo_checkpoints = CheckpointManager(
+            self.args.output_dir, None, save_total_limit=self.args.save_total_limit,
+            metric=(metric if metric.startswith("eval_") else f"eval_{metric}") if metric else None,
+            greater_is_better=self.args.greater_is_better is not False)
 
     def create_optimizer(self, model=None):
         raise RuntimeError("ZOTrainer has no optimizer: CurvZO updates the weights in place in ZOTrainer.train")
@@ -93,13 +99,14 @@ class ZOTrainer(Trainer):
             hf = self.accelerator.state.deepspeed_plugin.hf_ds_config
             hf.trainer_config_finalize(self.args, self.model, max_steps)
             clean_deepspeed_config(hf.config, self.args.world_size, self.args.per_device_train_batch_size,
-                                   _hidden_size(self.model))
+                                   hidden_size(self.model))
             model = self.accelerator.prepare(self.model)
-            _refuse_optimizer(model)
+            refuse_optimizer(model)
             self.model_wrapped = self.deepspeed = model
         else:
             model = self.model.to(self.args.device)
         self.zo_engine = ZOEngine(model, self.zo_loss_fn or self._zo_loss, self.zo_config, **overrides)
+        self.zo_checkpoints.comm = self.zo_engine.comm
         if self.is_deepspeed_enabled:
             install_checkpoint_hooks(model, self.zo_engine)
         return self.zo_engine
@@ -139,8 +146,10 @@ class ZOTrainer(Trainer):
         self.state = TrainerState(stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
                                                       if isinstance(cb, ExportableState)])
         if resume_from_checkpoint:
-            path = self._zo_resume_path(resume_from_checkpoint)
-            ckpt.load_checkpoint(engine, path)
+            path = self.zo_checkpoints.resume_path(resume_from_checkpoint)
+            if path is None:
+                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {args.output_dir}")
+            load_checkpoint(engine, path)
             self.state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
             self._load_callback_state()
             log.info("resumed from %s at step %d", path, engine.step_count)
@@ -206,10 +215,9 @@ class ZOTrainer(Trainer):
 
     # ---------------------------------------------------------------- checkpoints
     def _zo_save(self) -> str:
-        args, engine = self.args, self.zo_engine
-        path = os.path.join(args.output_dir, f"checkpoint-{self.state.global_step}")
+        engine, manager = self.zo_engine, self.zo_checkpoints
         if self.state.best_global_step == self.state.global_step:  # the weights evaluated best are these
-            self.state.best_model_checkpoint = path
+            self.state.best_model_checkpoint = manager.path_for(self.state.global_step)
 
         def extra(directory: str) -> None:  # rank 0, before the rename
             self.state.save_to_json(os.path.join(directory, "trainer_state.json"))
@@ -219,29 +227,20 @@ class ZOTrainer(Trainer):
             if hasattr(self.processing_class, "save_pretrained"):
                 self.processing_class.save_pretrained(directory)
 
-        ckpt.write_checkpoint(engine, path, {"global_step": self.state.global_step}, extra)
-        if engine.comm.rank == 0:
-            ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, protect=self.state.best_model_checkpoint)
-        engine.comm.barrier()
-        return path
+        manager.best = ({"step": self.state.best_global_step, "metrics": {manager.metric: self.state.best_metric},
+                         "checkpoint": self.state.best_model_checkpoint} if self.state.best_model_checkpoint else None)
+        return manager.save(engine, {"global_step": self.state.global_step}, extra)
 
     def _zo_track_best(self, metrics: dict) -> None:
         """The best `metric_for_best_model` so far and its step, updated after every evaluation."""
-        name = self.args.metric_for_best_model
-        if not name:
+        manager = self.zo_checkpoints
+        if not manager.metric:
             return
-        key = name if name.startswith("eval_") else f"eval_{name}"
-        if key not in metrics:
-            raise KeyError(f"metric_for_best_model={name!r}: the evaluation gave no {key!r} "
-                           f"(it gave {sorted(metrics)})")
-        best, value = self.state.best_metric, metrics[key]
-        if best is None or (value > best if self.args.greater_is_better else value < best):
-            self.state.best_metric, self.state.best_global_step = value, self.state.global_step
-
-    def _zo_resume_path(self, resume) -> str:
-        if resume is True:
-            path = ckpt.latest_checkpoint(self.args.output_dir)
-            if path is None:
-                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}")
-            return path
-        return str(resume)
+        if manager.metric not in metrics:
+            raise KeyError(f"metric_for_best_model={self.args.metric_for_best_model!r}: the evaluation gave no "
+                           f"{manager.metric!r} (it gave {sorted(metrics)})")
+        if self.state.best_metric is not None:
+            manager.best = {"step": self.state.best_global_step, "metrics": {manager.metric: self.state.best_metric},
+                            "checkpoint": self.state.best_model_checkpoint}
+        if manager.track(self.state.global_step, metrics):
+            self.state.best_metric, self.state.best_global_step = metrics[manager.metric], self.state.global_step

@@ -1,0 +1,78 @@
+"""The training losses, `loss_fn(model, micro_batch) -> (loss_sum, count)` (docs/contracts.md), and the
+classification scores that evaluation shares with them (MeZO's candidate log-likelihood)."""
+
+import torch
+
+from curvzo_ds.tasks import Task
+
+
+def _token_logprobs(model, batch: dict) -> torch.Tensor:
+    """[rows, T-1] float32: log p(token t+1 | tokens <= t) at label tokens, 0 elsewhere."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    mask = batch["label_mask"][:, 1:] > 0
+    targets = batch["input_ids"][:, 1:][mask]
+    picked = torch.log_softmax(logits[:, :-1][mask].float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+    out[mask] = picked  # unique positions: deterministic, unlike index_add on a GPU
+    return out
+
+
+def _scores(token_logprobs: torch.Tensor, batch: dict) -> torch.Tensor:
+    return token_logprobs.sum(1) / batch["label_mask"][:, 1:].sum(1)
+
+
+def candidate_scores(model, batch: dict) -> torch.Tensor:
+    """[rows]: the average log-likelihood of each candidate's label tokens (MeZO's score)."""
+    return _scores(_token_logprobs(model, batch), batch)
+
+
+def _cross_entropy(scores: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    losses, scores = [], scores.double()
+    for e in range(batch["num_examples"]):
+        rows = batch["row_example"] == e
+        example_scores = scores[rows]
+        gold = (batch["row_candidate"][rows] == batch["labels"][e]).nonzero()[0, 0]
+        losses.append(torch.logsumexp(example_scores, 0) - example_scores[gold])
+    loss_sum = torch.stack(losses).sum()
+    return loss_sum, torch.tensor(float(batch["num_examples"]), dtype=torch.float64, device=scores.device)
+
+
+def classification_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """MeZO's train_as_classification: cross-entropy over the candidates of each example, the
+    logit of a candidate being the mean log-likelihood of its label tokens. Summed over
+    examples; count = number of examples."""
+    return _cross_entropy(candidate_scores(model, batch), batch)
+
+
+def lm_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Negative log-likelihood of the gold row's label tokens, summed; count = number of those tokens."""
+    gold_rows = batch["row_candidate"] == batch["labels"][batch["row_example"]]
+    mask = batch["label_mask"][:, 1:] * gold_rows[:, None]
+    token_logprobs = _token_logprobs(model, batch)
+    return -(token_logprobs.double() * mask).sum(), mask.double().sum()
+
+
+def loss_fn_for(task: Task, train_as_classification: bool = True):
+    """The training loss of a task: classification_loss, or lm_loss (generation, or when asked)."""
+    return classification_loss if task.is_classification and train_as_classification else lm_loss
+
+
+def _argmax_per_example(scores: torch.Tensor, batch: dict) -> torch.Tensor:
+    chosen = []
+    for e in range(batch["num_examples"]):
+        rows = batch["row_example"] == e
+        chosen.append(batch["row_candidate"][rows][torch.argmax(scores[rows])])
+    return torch.stack(chosen)
+
+
+@torch.no_grad()
+def predict_classification(model, batch: dict) -> torch.Tensor:
+    """[examples] long: the candidate with the highest average log-likelihood (first on ties)."""
+    return _argmax_per_example(candidate_scores(model, batch), batch)
+
+
+@torch.no_grad()
+def classification_eval(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward for evaluation: (loss_sum, count) of classification_loss, and the predictions."""
+    scores = candidate_scores(model, batch)
+    return *_cross_entropy(scores, batch), _argmax_per_example(scores, batch)

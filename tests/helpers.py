@@ -1,0 +1,107 @@
+"""What the tests share: paths, the CLI's common settings, launch commands, and free ports.
+
+Every multi-rank test takes its ports from `free_port()` (no port is hard-coded), and every launch
+goes through `launcher_cmd` / `train`, so the launchers are started the same way in every file.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The project's outside contract check (../shared); a clean clone elsewhere uses the copy kept in tests/.
+CHECK = next(p for p in (ROOT.parent / "shared" / "check_run.py", ROOT / "tests" / "check_run.py") if p.exists())
+COMMON = ["--set", "max_steps=12", "--set", "eval_steps=3", "--set", "save_steps=3", "--set", "num_train=200",
+          "--set", "num_dev=16", "--set", "num_eval=16", "--set", "global_batch_size=8",
+          "--set", "micro_batch_size=2", "--set", "disable_tqdm=true", "--set", "report_to=none",
+          "--set", "save_total_limit=2", "--deepspeed", str(ROOT / "ds_configs" / "zero3.json")]
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+CLI = [sys.executable, "-m", "curvzo_ds.cli", "train"]
+# For the scripts in launch/: their `python` is this interpreter.
+SCRIPT_PATH = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{ENV.get('PATH', '')}"
+LAUNCH_TIMEOUT = 400  # seconds for one launch (a warm 2-rank run takes 15-30 s here)
+
+_given: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback TCP port that is free now and not handed out before in this test session."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        # DeepSpeed's and torchrun's stores also use port + 1 on some paths: keep both unused.
+        if port not in _given and port + 1 not in _given and port < 65000:
+            _given.update((port, port + 1))
+            return port
+
+
+def launcher_cmd(kind: str, n: int, port: int) -> list[str]:
+    """The command that starts `curvzo-ds train` (or, with a script path after it, any module) under `kind`."""
+    if kind == "python":
+        return CLI
+    if kind == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
+                str(port), "-m", "curvzo_ds.cli", "train"]
+    if kind == "deepspeed":
+        return [shutil.which("deepspeed"), "--num_gpus", str(n), "--master_port", str(port), "--module",
+                "curvzo_ds.cli", "train"]
+    if kind == "accelerate":
+        cfg = str(ROOT / "ds_configs" / "accelerate_zero3.yaml")
+        return [shutil.which("accelerate"), "launch", "--config_file", cfg,
+                "--num_processes", str(n), "--main_process_port", str(port), "-m", "curvzo_ds.cli", "train"]
+    if kind == "mpirun":
+        return [shutil.which("mpirun"), "-np", str(n), "--allow-run-as-root", "--oversubscribe", "-x", "PYTHONPATH",
+                "-x", "DS_ACCELERATOR", "-x", "MASTER_PORT", sys.executable, "-m", "curvzo_ds.cli", "train"]
+    raise ValueError(kind)
+
+
+def torchrun(n: int, port: int, script: str, *args: str) -> list[str]:
+    """torchrun of a test worker script with `n` ranks on one machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", str(port),
+            script, *args]
+
+
+def run_checked(cmd: list[str], env: dict | None = None, timeout: int = LAUNCH_TIMEOUT,
+                log: pathlib.Path | None = None) -> subprocess.CompletedProcess:
+    """Run `cmd` from the repository root; fail with the end of its output (and of `log`) unless it exits 0."""
+    proc = subprocess.run(cmd, env=env or ENV, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+    text = proc.stdout[-3000:] + proc.stderr[-6000:] + (log.read_text()[-5000:] if log and log.exists() else "")
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{text}"
+    return proc
+
+
+def run_worker(world: int, script: pathlib.Path, *args, timeout: int = LAUNCH_TIMEOUT) -> dict:
+    """A test worker (tests/multirank/) under torchrun with `world` ranks; returns the JSON it wrote to args[-1]."""
+    run_checked(torchrun(world, free_port(), str(script), *map(str, args)), timeout=timeout)
+    return json.loads(pathlib.Path(args[-1]).read_text())
+
+
+def check_contract(out: pathlib.Path, *extra: str) -> None:
+    check = subprocess.run([sys.executable, str(CHECK), str(out), *extra], capture_output=True, text=True,
+                           timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def train(kind: str, n: int, out: pathlib.Path, *extra: str, port: int | None = None) -> dict:
+    """A run of COMMON's settings; `kind` is a launcher, or one of the scripts in launch/ ("torchrun.sh", ...)."""
+    port = port or free_port()
+    env = {**ENV, "MASTER_PORT": str(port)}
+    if kind.endswith(".sh"):  # as a user runs it
+        cmd = ["bash", str(ROOT / "launch" / kind)]
+        env.update(NPROC=str(n), ACCELERATE_ARGS=f"--main_process_port {port}", PATH=SCRIPT_PATH)
+    else:
+        cmd = launcher_cmd(kind, n, port)
+    run_checked(cmd + COMMON + ["--set", f"output_dir={out}", *extra], env)
+    check_contract(out)
+    return json.loads((out / "summary.json").read_text())
+
+
+def metrics_lines(out: pathlib.Path) -> list[dict]:
+    """metrics.jsonl without wall-clock fields and end-of-run evaluations (for comparing runs)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows if not r.get("final")]
