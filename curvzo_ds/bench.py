@@ -9,6 +9,7 @@ import gc
 import time
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from . import data as D
 from .data.stream import MicroBatches
@@ -53,8 +54,6 @@ def bench(cfg, steps: int) -> None:
 
 def plan(model: str, world_size: int, dtype: str, fp32_master: bool) -> None:
     """Per-rank bytes for the weights and CurvZO's extra state, from the model config alone."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if model in ("demo", "demo-opt"):
         conf = demo_model_config("opt" if model == "demo-opt" else "llama")
     else:
@@ -83,9 +82,6 @@ def drift(steps: int, dtype: str = "bfloat16", seed: int = 0) -> list[dict]:
     so everything that moves is drift. lr > 0: the distance to an fp32 run of the same seed, as a
     fraction of how far the fp32 run moved.
     """
-    from transformers import AutoModelForCausalLM
-
-
     tok, task = load_tokenizer("llama"), get_task("demo")
     encoded = [D.encode(task, tok, ex, 128, True) for ex in load_splits(task, seed, 512, 8, 8)["train"]]
     batches = [MicroBatches([D.collate(encoded[(16 * t + i) % len(encoded):][:4], tok.pad_token_id)

@@ -11,10 +11,14 @@ Rank and world size are always read back from torch.distributed, never from Acce
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import socket
 import subprocess
+
+import torch
+import torch.distributed as dist
 
 log = logging.getLogger("curvzo_ds")
 
@@ -54,10 +58,6 @@ def _slurm_env(env) -> None:
 
 def init_distributed(timeout_minutes: int = 30):
     """Initialise the default process group if needed; returns (rank, world_size, local_rank)."""
-    import datetime
-
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         kind = launcher_kind()
         env = os.environ
@@ -91,8 +91,6 @@ def _unlink_shm_buffer() -> None:
     leave its buffers behind. Each rank maps every other rank's buffer inside init_distributed; after
     a barrier the names can go, and the memory is freed when the processes exit, even on a kill.
     """
-    import torch.distributed as dist
-
     if dist.get_world_size() == 1 or os.environ.get("LOCAL_SIZE") != str(dist.get_world_size()):
         return  # DeepSpeed creates the buffers only when LOCAL_SIZE equals the world size
     dist.barrier()
@@ -104,7 +102,6 @@ def _unlink_shm_buffer() -> None:
 
 def pin_threads(threads: int | None) -> int:
     """Pin torch's CPU threads (CPU matmul results depend on the count); returns the count used."""
-    import torch
     from deepspeed.accelerator import get_accelerator
 
     if threads is None:

@@ -12,7 +12,10 @@ import json
 import os
 import shutil
 
+import torch
+from peft import PeftModel
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
 
 from .checkpoint import consolidated_state_dict, read_manifest
 from .config import DEMO_MODELS, TrainConfig, resolve_presets
@@ -67,10 +70,6 @@ def _save_sharded(tensors: dict, out: str) -> None:
 
 def _merge(checkpoint: str, out: str) -> None:
     """Base model + adapter, merged, saved under out/merged (needs the base model's weights)."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     with open(os.path.join(checkpoint, "run_config.json")) as f:
         run_cfg = json.load(f)
     cfg = TrainConfig(**run_cfg)

@@ -14,6 +14,7 @@ import math
 import os
 import time
 
+from accelerate import skip_first_batches
 from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import TrainOutput, set_seed
@@ -167,8 +168,6 @@ class ZOTrainer(Trainer):
                 loader.set_epoch(epoch)
             batches = loader
             if skip:  # resume mid-epoch: the same batches as the uninterrupted run
-                from accelerate import skip_first_batches
-
                 batches, skip = skip_first_batches(loader, skip), 0
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
             for batch in batches:

@@ -19,6 +19,10 @@ import copy
 import logging
 import os
 
+import torch.distributed as dist
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DeepSpeedPlugin, DistributedType
+
 from . import ds_compat
 from .checkpoint import CheckpointManager, load_checkpoint, write_checkpoint
 from .config import ConfigError, TrainConfig, ZOConfig
@@ -53,8 +57,6 @@ def accelerate_ds_config() -> dict | None:
     `--deepspeed` file."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return None
-    from accelerate.utils import DeepSpeedPlugin
-
     plugin = DeepSpeedPlugin()
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if precision in ("bf16", "fp16"):
@@ -72,9 +74,6 @@ def align_accelerate_state(accelerator=None) -> None:
     has all ranks: every rank would then act as the main process (all writing the same
     `save_state` files) and data loaders would not be sharded. The launcher's ranks win.
     """
-    import torch.distributed as dist
-    from accelerate.state import AcceleratorState, PartialState
-
     if not (dist.is_available() and dist.is_initialized()):
         return
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -106,8 +105,6 @@ def from_accelerator(accelerator, model, loss_fn, config: ZOConfig | None = None
     dropped, "auto" resolved, `micro_batch_size` as DeepSpeed's micro batch), and
     `accelerator.save_state()` / `load_state()` write and read this project's checkpoint.
     """
-    from accelerate.utils import DistributedType
-
     align_accelerate_state(accelerator)
     plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
     if plugin is not None and not ds_compat.is_ds_engine(model):

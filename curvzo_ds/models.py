@@ -12,6 +12,9 @@ from __future__ import annotations
 import logging
 
 import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations import HfDeepSpeedConfig
 
 from .config import DEMO_MODELS, ConfigError, TrainConfig
 from .tasks import demo_model_config
@@ -29,8 +32,6 @@ def model_hidden_size(cfg: TrainConfig) -> int | None:
     """The hidden size, for DeepSpeed's "auto" bucket sizes (read from the config only)."""
     if cfg.model in DEMO_MODELS:
         return demo_model_config(demo_kind(cfg.model)).hidden_size
-    from transformers import AutoConfig
-
     try:
         conf = AutoConfig.from_pretrained(cfg.model)
     except OSError as e:
@@ -40,8 +41,6 @@ def model_hidden_size(cfg: TrainConfig) -> int | None:
 
 
 def load_tokenizer(cfg: TrainConfig):
-    from transformers import AutoTokenizer
-
     if cfg.tokenizer is None and cfg.model in DEMO_MODELS:
         tok = load_demo_tokenizer(demo_kind(cfg.model))
     else:
@@ -53,8 +52,6 @@ def load_tokenizer(cfg: TrainConfig):
 
 def build_model(cfg: TrainConfig, ds_config: dict):
     """(model, keep_alive): the causal LM, LoRA-wrapped when asked, ready for deepspeed.initialize."""
-    from transformers import AutoModelForCausalLM
-
     dtype = DTYPES[cfg.dtype]
     keep_alive = None
     if cfg.model in DEMO_MODELS:
@@ -62,8 +59,6 @@ def build_model(cfg: TrainConfig, ds_config: dict):
         model = AutoModelForCausalLM.from_config(demo_model_config(demo_kind(cfg.model))).to(dtype)
     else:
         if ds_config.get("zero_optimization", {}).get("stage") == 3:
-            from transformers.integrations import HfDeepSpeedConfig
-
             keep_alive = HfDeepSpeedConfig(ds_config)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
         whole = [n for n, p in model.named_parameters() if not hasattr(p, "ds_id")] if keep_alive is not None else []
@@ -71,8 +66,6 @@ def build_model(cfg: TrainConfig, ds_config: dict):
             raise RuntimeError(f"{cfg.model} loaded without zero.Init partitioning ({len(whole)} tensors whole, "
                                f"e.g. {whole[0]}); is the transformers/deepspeed pair supported?")
     if cfg.lora:
-        from peft import LoraConfig, get_peft_model
-
         model.requires_grad_(False)
         torch.manual_seed(cfg.seed + 1)  # every rank must create the same adapters (docs/deepspeed.md)
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.lora_target_modules),

@@ -142,15 +142,14 @@ def block_scores(delta: float, block_sq: torch.Tensor, mask: torch.Tensor, pi: t
     - "raw": s_i = Delta^2 ||v_Gi||^2 (the block form of Eq. 5, whose mean is Eq. 6);
     - "unbiased": (Delta^2 ||v_Gi||^2 - pi_i n_i Delta^2) / (pi_i (n_i + 2 - pi_i n_i)), the block
       form of Appendix B's s'_i, whose mean is ||g_i||^2. It can be negative (clamped later).
-    An empty mask gives all zeros.
+    An empty mask gives all zeros. Leading dimensions are steps: [N, G] inputs with [N, 1] deltas
+    give N steps' scores at once (the statistical tests use that); one step is [G] and a float.
     """
     d2 = delta * delta
     v_sq = torch.where(mask, block_sq, torch.zeros_like(block_sq))
     if estimator == "normalized":
-        total = v_sq.sum()
-        if total <= 0:
-            return torch.zeros_like(v_sq)
-        return v_sq / total * d2
+        total = v_sq.sum(-1, keepdim=True)
+        return torch.where(total > 0, v_sq / total * d2, torch.zeros_like(v_sq))
     if estimator == "raw":
         return v_sq * d2
     if estimator == "unbiased":

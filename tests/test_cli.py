@@ -3,6 +3,8 @@
 import dataclasses
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -26,6 +28,13 @@ def test_docs_config_lists_every_key():
     text = (ROOT / "docs" / "config.md").read_text()
     missing = [k for k in KEYS if f"| `{k}` |" not in text]
     assert not missing, f"docs/config.md lacks {missing}: regenerate its table"
+
+
+def test_generated_doc_tables_are_current():
+    """docs/config.md's key table and docs/deepspeed.md's refusal table are the code's (tools/make_docs.py)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "make_docs.py"), "--check"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def eval_checkpoint(out: pathlib.Path, step: int) -> dict:

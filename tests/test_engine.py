@@ -38,6 +38,7 @@ def _run_frozen(engine, model, n):
     return torch.stack(estimates), torch.stack(scores)
 
 
+@pytest.mark.slow  # end to end through the engine; the vectorised version is in test_sampler.py
 def test_horvitz_thompson_estimate_is_unbiased():
     """Prop. 3.2 (the issue's 'Prop. 3.1'): E[g~] = g for non-uniform pi, with and without the floor."""
     for floor in (0.0, 0.2):
@@ -54,6 +55,7 @@ def test_horvitz_thompson_estimate_is_unbiased():
         assert ((mean - g).abs() <= 4.5 * se + 1e-9).all(), (mean, g, se)
 
 
+@pytest.mark.slow  # end to end through the engine; the vectorised version is in test_sampler.py
 @pytest.mark.parametrize("chunk", [1, None])
 def test_block_score_mixed_moment(chunk):
     """E[Delta^2 ||v_Gi||^2] = pi_i n_i sum_{k!=i} pi_k ||g_k||^2 + pi_i (n_i + 2) ||g_i||^2.
@@ -87,6 +89,7 @@ def test_block_score_mixed_moment(chunk):
     assert ((mean - expected).abs() <= 4.5 * se).all(), (mean, expected, se)
 
 
+@pytest.mark.slow  # end to end through the engine; the vectorised version is in test_sampler.py
 def test_unbiased_block_score_has_mean_the_squared_block_gradient():
     """Appendix B's s'_i in block form: E[(Delta^2 ||v_Gi||^2 - pi_i n_i Delta^2) / (pi_i (n_i + 2 - pi_i n_i))]
     = ||g_i||^2, for non-uniform pi (the raw score's mean, by contrast, mixes in the other blocks)."""

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The test command (README.md): install what the tests need, then run them. Arguments go to pytest:
+#   bash tools/test.sh                  # the full suite (what CI runs)
+#   bash tools/test.sh -m "not slow"    # the unit tier, under 2 minutes
+# The suite starts real mpirun and SLURM jobs: Open MPI, SLURM and munge come from apt (as root). The tests that
+# need them fail, never skip, when they are missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore DEBIAN_FRONTEND=noninteractive
+
+if ! command -v mpirun >/dev/null || ! command -v slurmd >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq
+        apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev slurmctld slurmd slurm-client munge >/dev/null
+    else
+        echo "tools/test.sh: Open MPI and SLURM are missing and cannot be installed here (needs root and apt);" \
+             "the mpirun and SLURM tests will fail. Install openmpi-bin slurmctld slurmd slurm-client munge." >&2
+    fi
+fi
+
+# torch first, pinned: this is the CPU wheel; an unpinned torch pulls several GB of CUDA packages.
+python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
+python -c "from importlib.metadata import version; version('curvzo_ds'); import pytest_timeout, mpi4py, ruff" \
+    2>/dev/null || python -m pip install -q -e ".[test]"
+
+exec python -m pytest "$@"
