@@ -23,8 +23,9 @@ import torch.distributed as dist
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 
+from . import checkpoint as ckpt
 from . import ds_compat
-from .checkpoint import CheckpointManager, load_checkpoint, write_checkpoint
+from .checkpoint import CheckpointManager
 from .config import ConfigError, TrainConfig, ZOConfig
 from .ds_config import resolve_ds_config
 from .engine import ZOEngine
@@ -149,7 +150,7 @@ def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
             with open(latest) as f:
                 tag = f.read().strip()
         path = os.path.join(load_dir, str(tag))
-        trainer = load_checkpoint(engine, path)
+        trainer = ckpt.load_checkpoint(engine, path)
         return path, trainer.get("client_state", {})
 
     ds_engine.save_checkpoint = save_checkpoint
@@ -159,10 +160,10 @@ def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
 def _register_accelerate_hooks(accelerator, engine: ZOEngine) -> None:
     """Without DeepSpeed, save_state/load_state carry the ZO checkpoint in `<dir>/zo_checkpoint`."""
     def save(models, weights, output_dir):
-        write_checkpoint(engine, os.path.join(output_dir, ZO_CHECKPOINT))
+        ckpt.write_checkpoint(engine, os.path.join(output_dir, ZO_CHECKPOINT))
 
     def load(models, input_dir):
-        load_checkpoint(engine, os.path.join(input_dir, ZO_CHECKPOINT))
+        ckpt.load_checkpoint(engine, os.path.join(input_dir, ZO_CHECKPOINT))
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)

@@ -246,9 +246,10 @@ def test_two_torchrun_nodes_give_the_one_process_result(one_rank, tmp_path, rdzv
 def test_two_accelerate_machines_give_the_one_process_result(one_rank, tmp_path):
     # --num_processes is the total over all machines. Under DeepSpeed, Accelerate's default multi-node
     # launcher is pdsh from machine 0 alone; `standard` (torchrun on every machine) is the per-machine form.
+    port = free_port()  # one rendezvous port for both machines
     cmds = [[str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "ds_configs" / "accelerate_zero3.yaml"),
              "--num_processes", "2", "--num_machines", "2", "--machine_rank", str(k), "--main_process_ip",
-             "127.0.0.1", "--main_process_port", str(free_port()), "--deepspeed_multinode_launcher", "standard",
+             "127.0.0.1", "--main_process_port", str(port), "--deepspeed_multinode_launcher", "standard",
              "-m", "curvzo_ds.cli", "train"] for k in (0, 1)]
     assert_two_ranks_match(launch_nodes(cmds, tmp_path / "accelerate", BASE_ENV), one_rank)
 
@@ -260,8 +261,9 @@ def test_mpirun_ranks_take_rank_0s_master_port():
     # every rank must use it (DeepSpeed's MPI discovery alone would use 29500 on all of them).
     if shutil.which("mpirun") is None:
         pytest.fail("mpirun is not installed (apt-get install openmpi-bin; .ci/run does it)")
+    # flush=True: the line and its newline leave in one write, so the two ranks' lines cannot interleave.
     probe = ("import os, torch.distributed as dist; from curvzo_ds.distributed import init_distributed; "
-             "init_distributed(); print(dist.get_world_size(), os.environ['MASTER_PORT'])")
+             "init_distributed(); print(dist.get_world_size(), os.environ['MASTER_PORT'], flush=True)")
     port = free_port()
     rank0_port = f'if [ "$OMPI_COMM_WORLD_RANK" = 0 ]; then export MASTER_PORT={port}; fi; exec "$0" -c "$1"'
     cmd = [shutil.which("mpirun"), "-np", "2", "--oversubscribe", "-x", "PYTHONPATH", "-x", "DS_ACCELERATOR",
