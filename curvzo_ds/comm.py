@@ -23,7 +23,9 @@ class Comm:
         self.rank = dist.get_rank(group) if self.active else 0
         self.stats: Counter = Counter()
 
-    def _device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:
+        """Where collectives run: the current GPU under NCCL, else the CPU."""
         if self.active and dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -33,8 +35,8 @@ class Comm:
         self.stats["all_reduce"] += 1
         self.stats["all_reduce_elements"] += values.numel()
         if not self.active or self.world_size == 1:
-            return values
-        buf = values.to(self._device())
+            return values.cpu()
+        buf = values.to(self.device)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
         return buf.cpu()
 
@@ -43,7 +45,7 @@ class Comm:
         self.stats["all_gather"] += 1
         if not self.active or self.world_size == 1:
             return values.unsqueeze(0)
-        buf = values.to(self._device())
+        buf = values.to(self.device)
         out = [torch.empty_like(buf) for _ in range(self.world_size)]
         dist.all_gather(out, buf, group=self.group)
         return torch.stack([o.cpu() for o in out])

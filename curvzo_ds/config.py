@@ -63,7 +63,6 @@ class ZOConfig:
     score_warmup_steps: int = key(20, "uniform sampling before S := mean observed score")
     block_granularity: str = key("tensor", "'tensor' (paper), 'layer', 'chunk'")
     block_chunk_size: int = key(1 << 20, "elements per block when block_granularity = chunk")
-    noise_chunk_size: int = key(1 << 16, "elements per independently seeded noise chunk")
     max_consecutive_skips: int = key(10, "non-finite losses in a row before the run stops")
     fp32_master_weights: bool = key(False, "keep an fp32 copy of the owned slice of bf16/fp16 weights")
 
@@ -101,8 +100,6 @@ class ZOConfig:
              "an integer >= 0")
         need(self.block_granularity in GRANULARITIES, "block_granularity", f"one of {', '.join(GRANULARITIES)}")
         need(isinstance(self.block_chunk_size, int) and self.block_chunk_size >= 1, "block_chunk_size",
-             "an integer >= 1")
-        need(isinstance(self.noise_chunk_size, int) and self.noise_chunk_size >= 1, "noise_chunk_size",
              "an integer >= 1")
         need(isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1,
              "max_consecutive_skips", "an integer >= 1")

@@ -49,6 +49,11 @@ def owned_range(p: torch.nn.Parameter) -> tuple[int, int]:
     return lo, min(lo + part, numel)
 
 
+def storage_device(p: torch.nn.Parameter) -> torch.device:
+    """Where the parameter's values live between forwards: its shard's device under ZeRO-3."""
+    return p.ds_tensor.device if is_partitioned(p) else p.device
+
+
 def shard_view(p: torch.nn.Parameter, length: int) -> torch.Tensor:
     """The first `length` elements of this rank's shard (the rest is padding)."""
     return p.ds_tensor.data.view(-1)[:length]

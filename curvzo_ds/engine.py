@@ -27,14 +27,12 @@ from . import ds_compat
 from .comm import Comm, bits_float64, float64_bits
 from .config import ZOConfig
 from .data.stream import MicroBatches, round_robin_slots
-from .noise import NoiseSource
+from .noise import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
 from .params import ParamEntry, collect_entries, intersect, make_blocks
 from .sampling import CurvZOSampler, StepPlan, lr_at
 
 log = logging.getLogger("curvzo_ds")
 
-FIXED_POINT_BITS = 24  # z^2 is summed as round(z^2 * 2^24) in int64: exact and order-free
-_MAX_Z2 = 100.0  # float32 Gaussian draws stay far below |z| = 10
 _PIECE = 1 << 22  # elements of noise held at once per tensor piece
 
 # The defaults of ZOConfig's preset keys when ZOEngine is used from Python (the CLI fills them from presets).
@@ -106,11 +104,15 @@ class ZOEngine:
         self.blocks = make_blocks(self.entries, cfg.block_granularity, cfg.block_chunk_size)
         self.sizes = torch.tensor([b.size for b in self.blocks], dtype=torch.float64)
         self.num_params = int(self.sizes.sum().item())
-        too_big = [b.name for b in self.blocks if b.size * _MAX_Z2 * 2**FIXED_POINT_BITS >= 2**62]
+        too_big = [b.name for b in self.blocks if b.size * MAX_ABS_Z**2 * 2**FIXED_POINT_BITS >= 2**62]
         if too_big:
             raise ValueError(f"block {too_big[0]} has too many elements for the int64 score statistics; "
                              "set block_granularity=chunk")
-        self.noise = NoiseSource(cfg.seed, cfg.noise_chunk_size)
+        self.noise = NoiseSource(cfg.seed)
+        # Where the step's statistics and losses are gathered: the collectives' device, or with one rank the
+        # device of the weights (a single GPU needs no process group).
+        first = self.entries[0]
+        self.device = self.comm.device if self.comm.world_size > 1 else ds_compat.storage_device(first.param)
         self.sampler = CurvZOSampler(cfg, self.sizes, self.noise.mask_uniforms)
         self.partitioned = any(e.partitioned for e in self.entries)
         self.step_count = 0
@@ -185,9 +187,9 @@ class ZOEngine:
         finally:
             self.module.train(was_training)
         total = self._slot_count(batch)
-        vec = torch.zeros(2 * total, dtype=torch.int64)
-        for slot, loss_sum, count in local:
-            vec[2 * slot: 2 * slot + 2] = float64_bits(torch.tensor([loss_sum, count]))
+        vec = torch.zeros(2 * total, dtype=torch.int64, device=self.device)
+        for slot, row in local:
+            vec[2 * slot: 2 * slot + 2] = float64_bits(row)
         vals = bits_float64(self.comm.all_reduce_sum_int64(vec)).view(total, 2).tolist()
         return _ratio(vals, 0, 1)
 
@@ -203,26 +205,40 @@ class ZOEngine:
                     out.append((b, e, p_lo, min(p_lo + _PIECE, r_hi)))
         return out
 
-    def _noise(self, t: int, e: ParamEntry, lo: int, hi: int) -> torch.Tensor:
-        return self.noise.slice(t, e.name, e.numel, lo, hi - lo)
+    def _axpy(self, t: int, e: ParamEntry, buf: torch.Tensor, start: int, scale: float, alpha: float,
+              sums: torch.Tensor | None = None, block: int = 0) -> None:
+        """buf (global elements [start, start + len)) <- scale * buf + alpha * z, fused on buf's device.
+
+        With `sums`, the fixed-point sum of z^2 over the part this rank owns is added to sums[block], from
+        the same pass: each owned element is counted once over the job (exact, order-free).
+        """
+        end = start + buf.numel()
+        o_lo, o_hi = intersect((start, end), e.owned) if sums is not None else (start, start)
+        if o_hi <= o_lo:
+            self.noise.axpy_(buf, t, e.name, start, scale, alpha)
+            return
+        for lo, hi, count in ((start, o_lo, False), (o_lo, o_hi, True), (o_hi, end, False)):
+            if hi > lo:
+                total = self.noise.axpy_(buf[lo - start: hi - start], t, e.name, lo, scale, alpha, want_sq=count)
+                if count:
+                    sums[block] += total
 
     def _perturb(self, t: int, pieces, at: float, to: float, stats: bool = False):
-        """Move the selected weights from w + at z to w + to z (the fp32 master copy, when kept, is w)."""
-        block_fixed = torch.zeros(self.num_blocks, dtype=torch.int64) if stats else None
+        """Move the selected weights from w + at z to w + to z (the fp32 master copy, when kept, is w).
+        With `stats`, also return the fixed-point sums of z^2 over the owned elements of each block."""
+        sums = torch.zeros(self.num_blocks, dtype=torch.int64, device=self.device) if stats else None
         for b, e, lo, hi in pieces:
-            z = self._noise(t, e, lo, hi)
             a = lo - e.region[0]
             if e.master is not None:
-                m = e.master[a: a + z.numel()]
-                e.write(a, m + to * z if to else m)
-            else:
-                e.scale_add(a, z, 1.0, to - at)
-            if stats:
-                o_lo, o_hi = intersect((lo, hi), e.owned)
-                if o_hi > o_lo:
-                    zz = z[o_lo - lo: o_hi - lo].double().square_()
-                    block_fixed[b] += zz.mul_(2.0**FIXED_POINT_BITS).round_().to(torch.int64).sum()
-        return block_fixed
+                m = e.master[a: a + hi - lo]
+                buf = m.clone()
+                if to or stats:
+                    self._axpy(t, e, buf, lo, 1.0, to, sums, b)
+                e.write(a, buf)
+                continue
+            for i, (view, start) in enumerate(e.copies(a, hi - lo)):
+                self._axpy(t, e, view, start, 1.0, to - at, sums if i == 0 else None, b)
+        return sums
 
     def _update(self, t: int, pieces, steps: list[float], keeps: list[float]) -> None:
         """w <- keep_i w - step_i z for the selected blocks (the sampler's Eq. 28 coefficients).
@@ -232,52 +248,50 @@ class ZOEngine:
         """
         eps, wd = self.cfg.zo_eps, self.cfg.weight_decay
         for b, e, lo, hi in pieces:
-            z = self._noise(t, e, lo, hi)
             a = lo - e.region[0]
-            step = steps[b]
             keep = keeps[b] if e.decay and wd else 1.0
             if e.master is not None:
-                m = e.master[a: a + z.numel()]
-                if keep != 1.0:
-                    m.mul_(keep)
-                m.add_(z, alpha=-step)
+                m = e.master[a: a + hi - lo]
+                self._axpy(t, e, m, lo, keep, -steps[b])
                 e.write(a, m)
-            else:
-                e.scale_add(a, z, keep, keep * eps - step)
+                continue
+            for view, start in e.copies(a, hi - lo):
+                self._axpy(t, e, view, start, keep, keep * eps - steps[b])
 
     # ----------------------------------------------------------------- forwards and reduction
     def _slot_count(self, batch) -> int:
         return len(batch.items) if isinstance(batch, MicroBatches) else self.comm.world_size
 
-    def _forwards(self, batch) -> list[tuple[int, float, float]]:
-        """This rank's (slot, loss_sum, count), plus zero-weight forwards to match the others."""
+    def _forwards(self, batch) -> list[tuple[int, torch.Tensor]]:
+        """This rank's (slot, [loss_sum, count] float64 on the reduction device), plus zero-weight forwards
+        to match the other ranks. Nothing is read back to the host here."""
         w, r = self.comm.world_size, self.comm.rank
         if isinstance(batch, MicroBatches):
             items, out = batch.items, []
             for j in round_robin_slots(len(items), r, w):
                 if j is not None:
-                    out.append((j, *self._call_loss(items[j])))
+                    out.append((j, self._call_loss(items[j])))
                 elif self.partitioned:
                     self._call_loss(items[0])  # zero weight: keeps ZeRO-3's collective gathers in step
             return out
-        return [(r, *self._call_loss(batch))]
+        return [(r, self._call_loss(batch))]
 
-    def _call_loss(self, micro_batch) -> tuple[float, float]:
+    def _call_loss(self, micro_batch) -> torch.Tensor:
         out = self.loss_fn(self.model, micro_batch)
-        if isinstance(out, tuple | list):
-            loss_sum, count = out
-        else:
-            loss_sum, count = out, 1.0
-        loss_sum = loss_sum.detach().double().item() if torch.is_tensor(loss_sum) else float(loss_sum)
-        count = count.detach().double().item() if torch.is_tensor(count) else float(count)
-        return loss_sum, count
+        loss_sum, count = out if isinstance(out, tuple | list) else (out, 1.0)
+        parts = [x.detach().to(self.device, torch.float64).reshape(()) if torch.is_tensor(x)
+                 else torch.tensor(float(x), dtype=torch.float64, device=self.device) for x in (loss_sum, count)]
+        return torch.stack(parts)
 
     def _reduce(self, block_fixed, plus, minus, total: int) -> tuple[float, float, torch.Tensor]:
+        """One all-reduce of int64: the G block sums, then (L+, L-, count) of every micro-batch slot as float64
+        bit patterns (each slot is written by one rank, zero elsewhere, so the integer sum returns it exactly).
+        The all-reduce's result is the step's only read back to the host."""
         g = self.num_blocks
-        vec = torch.zeros(g + 3 * total, dtype=torch.int64)
+        vec = torch.zeros(g + 3 * total, dtype=torch.int64, device=self.device)
         vec[:g] = block_fixed
-        for (slot, lp, count), (_, lm, _) in zip(plus, minus):
-            vec[g + 3 * slot: g + 3 * slot + 3] = float64_bits(torch.tensor([lp, lm, count]))
+        for (slot, lp), (_, lm) in zip(plus, minus):
+            vec[g + 3 * slot: g + 3 * slot + 3] = float64_bits(torch.stack([lp[0], lm[0], lp[1]]))
         vec = self.comm.all_reduce_sum_int64(vec)
         vals = bits_float64(vec[g:]).view(total, 3).tolist()
         block_sq = vec[:g].to(torch.float64) / 2.0**FIXED_POINT_BITS
@@ -299,7 +313,8 @@ class ZOEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["noise"] != self.noise.describe():
             raise ValueError(f"checkpoint noise {state['noise']} differs from this engine's "
-                             f"{self.noise.describe()}: resume with the same noise_chunk_size and version")
+                             f"{self.noise.describe()}: it was written by another noise generator; resume it with the "
+                             "curvzo_ds version that wrote it")
         if list(state["blocks"]) != [b.name for b in self.blocks]:
             raise ValueError("checkpoint blocks differ from this model's trainable parameters "
                              "(another model, LoRA setting or block_granularity?)")

@@ -1,14 +1,21 @@
-"""World-size-independent Gaussian noise, defined in fixed-size chunks (docs/deepspeed.md).
+"""World-size-independent Gaussian noise from a counter-based generator, drawn on the parameter's device.
 
-The noise z of a parameter with n elements at a step is the concatenation of chunks
-c = 0, 1, ..., each of length min(chunk, n - c*chunk), chunk c drawn from its own generator
-seeded by a stable hash of (seed, step, parameter name, c). Any slice [start, start + n) can
-then be produced alone, bit-identical to the same slice of the whole, in O(n + chunk) memory:
-a rank generates only the chunks that overlap the part of a parameter it owns.
+Element j of the noise of tensor `name` at step t (and direction d) is a pure function of
+(seed, t, name, d, j): a 64-bit Philox key from a stable hash of (seed, t, name, d), the element's
+global flat index as the counter, then a Box-Muller transform built from correctly rounded float32
+operations only (kernels/reference.py holds the definition). So:
+- a rank generates exactly the range it owns, and the values do not depend on the world size;
+- the values do not depend on the GPU model or the launch grid (unlike CUDA's torch.randn);
+- the CPU kernel, the GPU kernel and the torch reference give the same bits (tests/test_noise.py checks
+  CPU against the reference, and the Triton kernel's logic under Triton's interpreter).
 
-Everything that draws noise goes through `NoiseSource`, whose `ident` is written into
-checkpoints, so that a later generator (counter-based, the same on CPU and GPU) can replace
-this one without silently mixing two definitions of z in one run.
+Backends, by the device of the tensor: on CPU the compiled kernel (kernels/cpu.py; the torch reference
+when no C compiler is found), on CUDA the Triton kernel (the torch reference on the device without
+Triton). `axpy_` updates a tensor in place without materialising z and can return the exact fixed-point
+sum of z^2 over the range (the score statistics) from the same pass.
+
+Everything that draws noise goes through `NoiseSource`, whose `ident` goes into checkpoints: a resume
+with another generator is refused, and ranks compare a reference digest at start-up.
 """
 
 from __future__ import annotations
@@ -16,7 +23,14 @@ from __future__ import annotations
 import hashlib
 import struct
 
+import numpy as np
 import torch
+
+from .kernels import cpu as cpu_kernel
+from .kernels import reference
+
+FIXED_POINT_BITS = 24  # z^2 is summed as round(z^2 * 2^24) in int64: exact and order-free
+MAX_ABS_Z = 6.7  # |z| <= 6.66 by construction (u1 >= 2^-32)
 
 
 def stable_seed(*parts: object) -> int:
@@ -29,42 +43,94 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
+def f32(x: float) -> float:
+    """x rounded to float32, as the kernels take their scalars."""
+    return float(np.float32(x))
+
+
 class NoiseSource:
-    """Chunked Gaussian noise from CPU `torch.Generator`s (mt19937), float32."""
+    """The noise of one run: keyed by (seed, step, canonical tensor name, direction)."""
 
-    ident = "chunked-mt19937-blake2b-v1"
+    ident = "philox4x32-10-boxmuller-f32-v1"
 
-    def __init__(self, seed: int, chunk_size: int = 1 << 16):
-        if chunk_size < 1:
-            raise ValueError(f"noise_chunk_size={chunk_size} is invalid: it must be >= 1")
+    def __init__(self, seed: int):
         self.seed = seed
-        self.chunk_size = chunk_size
         self._gen = torch.Generator(device="cpu")
 
     def describe(self) -> dict:
-        return {"ident": self.ident, "chunk_size": self.chunk_size}
+        return {"ident": self.ident}
 
-    def slice(self, step: int, name: str, numel: int, start: int, length: int) -> torch.Tensor:
-        """z[start:start+length] of the parameter `name` (numel elements) at `step`, float32 CPU."""
+    def key(self, step: int, name: str, direction: int = 0) -> tuple[int, int]:
+        """The Philox key of tensor `name` at `step` (two uint32 words)."""
+        k = stable_seed(self.seed, step, name, direction)
+        return k & 0xFFFFFFFF, (k >> 32) & 0xFFFFFFFF
+
+    def slice(self, step: int, name: str, numel: int, start: int, length: int, device="cpu",
+              direction: int = 0) -> torch.Tensor:
+        """z[start: start + length] of tensor `name` (numel elements) at `step`, float32 on `device`."""
         if start < 0 or length < 0 or start + length > numel:
             raise ValueError(f"noise slice [{start}, {start + length}) outside a tensor of {numel} elements")
-        out = torch.empty(length, dtype=torch.float32)
-        cs = self.chunk_size
-        pos = start
-        end = start + length
-        while pos < end:
-            c = pos // cs
-            c_start = c * cs
-            c_len = min(cs, numel - c_start)
-            self._gen.manual_seed(stable_seed(self.seed, step, name, c))
-            chunk = torch.randn(c_len, generator=self._gen, dtype=torch.float32)
-            lo = pos - c_start
-            hi = min(end, c_start + c_len) - c_start
-            out[pos - start: pos - start + hi - lo] = chunk[lo:hi]
-            pos = c_start + hi
+        out = torch.empty(length, dtype=torch.float32, device=device)
+        self._run(self.key(step, name, direction), start, out, 0, 0.0, 0.0, False)
         return out
 
+    def axpy_(self, out: torch.Tensor, step: int, name: str, start: int, scale: float, alpha: float,
+              want_sq: bool = False, direction: int = 0):
+        """out <- out * scale + alpha * z[start: start + len(out)], in place (out contiguous and 1-D).
+
+        Each operation is rounded separately in float32 (float64 tensors in float64) and stored in
+        out's dtype with round-to-nearest-even. With `want_sq`, returns sum round(z^2 2^24) over the
+        range: an int on CPU, a 0-d int64 tensor on a GPU (no host synchronisation); else None.
+        """
+        if out.dtype != torch.float64:  # the kernels compute in float32: round the scalars once, here
+            scale, alpha = f32(scale), f32(alpha)
+        return self._run(self.key(step, name, direction), start, out, None, scale, alpha, want_sq)
+
+    def _run(self, key, start: int, out: torch.Tensor, mode, scale: float, alpha: float, want_sq: bool):
+        k0, k1 = key
+        kind = out.device.type
+        if mode is None:
+            mode = cpu_kernel.MODES.get(out.dtype, -1)
+        if kind == "cpu" and mode >= 0 and cpu_kernel.available():
+            total = cpu_kernel.run(k0, k1, start, out, mode, scale, alpha, want_sq)
+            return total if want_sq else None
+        if kind == "cuda" and 0 <= mode <= 3 and _triton_available():
+            from .kernels import gpu
+
+            total = gpu.run(k0, k1, start, out, mode, scale, alpha)
+            return total if want_sq else None
+        z = reference.normals(k0, k1, start, out.numel(), out.device)
+        if mode == 0:
+            out.copy_(z)
+        else:
+            reference.axpy_(out, z, scale, alpha)
+        if not want_sq:
+            return None
+        total = reference.fixed_point_sum_of_squares(z)
+        return int(total) if kind == "cpu" else total
+
     def mask_uniforms(self, step: int, count: int) -> torch.Tensor:
-        """Uniform [0, 1) float64 draws for the block mask of `step`, the same on every rank."""
+        """Uniform [0, 1) float64 draws for the block mask of `step`, the same on every rank (CPU)."""
         self._gen.manual_seed(stable_seed(self.seed, step, "__block_mask__"))
         return torch.rand(count, generator=self._gen, dtype=torch.float64)
+
+    def reference_digest(self, device="cpu") -> str:
+        """A hash of a short noise vector drawn by this process's backend for `device`: ranks compare it at
+        start-up, so a rank with a different build (another kernel, another definition) fails fast."""
+        z = self.slice(0, "__reference__", 4099, 3, 4096, device=device).cpu()
+        return hashlib.sha256(z.numpy().tobytes()).hexdigest()[:16]
+
+
+_TRITON: bool | None = None
+
+
+def _triton_available() -> bool:
+    global _TRITON
+    if _TRITON is None:
+        try:
+            import triton  # noqa: F401
+
+            _TRITON = True
+        except ImportError:
+            _TRITON = False
+    return _TRITON

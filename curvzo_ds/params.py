@@ -20,7 +20,6 @@ import torch
 
 from . import ds_compat
 
-_EXACT = (torch.float32, torch.float64)  # dtypes edited in place; others go through fp32
 _LAYER = re.compile(r"^(.*?\.(?:layers|h|layer|blocks|decoder\.layers)\.\d+)\.")
 
 
@@ -58,20 +57,11 @@ class ParamEntry:
             if hi > lo:
                 yield view, slice(lo - off, hi - off), slice(lo - a, hi - a)
 
-    def scale_add(self, a: int, z: torch.Tensor, scale: float, alpha: float) -> None:
-        """region[a: a + len(z)] <- scale * region + alpha * z, in every copy (shard and gathered replica).
-
-        fp32/fp64 storage is edited in place; bf16/fp16 goes through fp32 and is rounded once.
-        """
-        for view, vs, zs in self._pieces(a, z.numel()):
-            part = view[vs]
-            zp = z[zs].to(part.device)
-            if part.dtype in _EXACT:
-                if scale != 1.0:
-                    part.mul_(scale)
-                part.add_(zp.to(part.dtype), alpha=alpha)
-            else:
-                part.copy_(part.float().mul_(scale).add_(zp, alpha=alpha))
+    def copies(self, a: int, n: int):
+        """(1-D view, global index of its first element) of every stored copy of region elements [a, a+n):
+        the ZeRO-3 shard first, then a gathered replica that must follow (persistent parameters)."""
+        for view, vs, zs in self._pieces(a, n):
+            yield view[vs], self.region[0] + a + zs.start
 
     def write(self, a: int, values: torch.Tensor) -> None:
         """region[a: a + len(values)] <- values, in every copy."""

@@ -15,7 +15,7 @@ from curvzo_ds.engine import ZOEngine
 from curvzo_ds.noise import NoiseSource
 from tests.toys import TinyNet, ce_loss, toy_task
 
-EPS, SEED, CHUNK = 1e-2, 5, 64
+EPS, SEED = 1e-2, 5
 
 
 def _seen(master: bool):
@@ -28,11 +28,11 @@ def _seen(master: bool):
         seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
         return ce_loss(model, (batch[0].to(torch.bfloat16), batch[1]))
 
-    engine = ZOEngine(net, loss, method="mezo", learning_rate=0.0, zo_eps=EPS, seed=SEED, noise_chunk_size=CHUNK,
+    engine = ZOEngine(net, loss, method="mezo", learning_rate=0.0, zo_eps=EPS, seed=SEED,
                       fp32_master_weights=master)
     w0 = {n: p.detach().clone() for n, p in net.named_parameters()}
     engine.step((x, y))
-    noise = NoiseSource(SEED, CHUNK)
+    noise = NoiseSource(SEED)
     z = {n: noise.slice(0, n, p.numel(), 0, p.numel()).view_as(p) for n, p in w0.items()}
     return w0, z, seen, net
 

@@ -12,9 +12,9 @@ from tests.helpers import ROOT, run_worker
 
 WORKER = ROOT / "tests" / "multirank" / "worker.py"
 
-ZO = {"learning_rate": 1e-3, "zo_eps": 1e-3, "noise_chunk_size": 997, "score_warmup_steps": 5}
+ZO = {"learning_rate": 1e-3, "zo_eps": 1e-3, "score_warmup_steps": 5}
 SCENARIOS = [
-    # Adaptive CurvZO, persistent (norm) and partitioned tensors, chunks straddling shards,
+    # Adaptive CurvZO, persistent (norm) and partitioned tensors, Philox groups of 4 straddling shard edges,
     # 4 micro-batches per step padded each to its own length.
     {"name": "curvzo", "steps": 200, "n_micro": 4, "zo": {**ZO, "method": "curvzo"}},
     {"name": "mezo", "steps": 15, "n_micro": 4, "zo": {**ZO, "method": "mezo"}},

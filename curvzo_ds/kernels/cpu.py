@@ -1,0 +1,105 @@
+"""The CPU noise kernel: philox.c, compiled with the system C compiler at first use, called through ctypes.
+
+Like DeepSpeed's ops, the kernel is built on the machine that runs it, once, and cached under
+`~/.cache/curvzo_ds/kernels/` (or `$CURVZO_DS_CACHE`), keyed by a hash of the source, the compiler's
+version, the flags and this CPU's feature flags, so several ranks, edits, or a cluster of mixed CPUs
+never load a wrong library (each build goes to a temporary file that is renamed into place). It needs
+no torch headers, so a build takes about a second.
+
+Flags: `-march=native` for the widest vectors; `-ffp-contract=off -fno-fast-math` keep every float
+operation separately rounded (no FMA contraction), which is what makes the values bit-identical to the
+torch reference and to the GPU kernel; `-fno-math-errno` only lets gcc vectorise sqrtf.
+Without a compiler, `available()` is False and noise.py falls back to the torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+log = logging.getLogger("curvzo_ds")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "philox.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-shared", "-fPIC"]
+MODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}  # 0: write z itself (float32)
+
+_lib: ctypes.CDLL | None = None
+_failed: str | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def build(flags: list[str] | None = None) -> str:
+    """Path of the compiled library for `flags` (default FLAGS), building it if it is not cached."""
+    flags = list(FLAGS if flags is None else flags)
+    cc = os.environ.get("CC", "gcc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc}) to build the noise kernel")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    tag = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    cache = os.environ.get("CURVZO_DS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "curvzo_ds")
+    directory = os.path.join(cache, "kernels")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"philox-{tag}.so")
+    if not os.path.exists(path):
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+        os.close(fd)
+        try:
+            subprocess.run([cc, *flags, SOURCE, "-o", tmp], check=True, capture_output=True, text=True)
+            os.replace(tmp, path)
+        except subprocess.CalledProcessError as e:
+            os.unlink(tmp)
+            raise RuntimeError(f"building the noise kernel failed: {e.stderr.strip()[-500:]}") from None
+    return path
+
+
+def load(flags: list[str] | None = None) -> ctypes.CDLL:
+    lib = ctypes.CDLL(build(flags))
+    lib.noise_run.restype = ctypes.c_int64
+    lib.noise_run.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p,
+                              ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    lib.noise_run64.restype = ctypes.c_int64
+    lib.noise_run64.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p,
+                                ctypes.c_double, ctypes.c_double, ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    """True when the kernel is built and loaded (once per process); False, with one warning, when it cannot be."""
+    global _lib, _failed
+    if _lib is None and _failed is None:
+        if os.environ.get("CURVZO_DS_NOISE_KERNEL", "auto") == "torch":
+            _failed = "CURVZO_DS_NOISE_KERNEL=torch"
+        else:
+            try:
+                _lib = load()
+            except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+                _failed = str(e)
+                log.warning("noise: the compiled CPU kernel is unavailable (%s); using the torch reference, which "
+                            "gives the same values about 50 times slower", _failed)
+    return _lib is not None
+
+
+def run(k0: int, k1: int, start: int, out: torch.Tensor, mode: int, scale: float, alpha: float,
+        want_sq: bool) -> int:
+    """out[i] <- z[start + i] (mode 0) or out * scale + alpha * z (modes 1-3); returns sum round(z^2 2^24)."""
+    if not out.is_contiguous():
+        raise ValueError("the noise kernel needs a contiguous tensor")
+    if mode == 4:
+        return _lib.noise_run64(k0, k1, start, out.numel(), out.data_ptr(), scale, alpha, int(want_sq))
+    return _lib.noise_run(k0, k1, start, out.numel(), out.data_ptr(), mode, scale, alpha, int(want_sq))

@@ -1,0 +1,227 @@
+/* curvzo_ds noise kernel (CPU): Philox4x32-10 + integer-reduced Box-Muller.
+ * The definition is shared with kernels/reference.py (torch eager) and kernels/triton.py (GPU):
+ * change all three together, and the generator's ident in noise.py.
+ *
+ *
+ * Element j of the stream for key (k0, k1) is a pure function of (key, j):
+ *   group c = j / 4, Philox counter (c & 0xffffffff, c >> 32, 0, 0), key (k0, k1)
+ *   -> r0..r3;  pair (r0, r1) -> z[4c], z[4c+1];  pair (r2, r3) -> z[4c+2], z[4c+3].
+ * The transform uses only integer ops and IEEE float32 + - * / sqrt, each rounded
+ * separately (build with -ffp-contract=off, no fast-math), so that torch eager ops
+ * (noise_ref.py) on any IEEE device give the same bits.  See box_muller() below.
+ *
+ * Work is done per block of BLK groups in three passes over L1-resident buffers:
+ * Philox (hand-vectorised, below) -> Box-Muller (branch-free, auto-vectorised by gcc)
+ * -> store / axpy / sum of squares (auto-vectorised).
+ * Build: gcc -O3 -march=native -ffp-contract=off -fno-fast-math -fno-math-errno
+ *   -shared -fPIC.  -fno-math-errno is needed for gcc to vectorise sqrtf (else a
+ *   scalar errno check, ~8x slower transform); it does not change any result.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define PHILOX_M0 0xD2511F53u
+#define PHILOX_M1 0xCD9E8D57u
+#define PHILOX_W0 0x9E3779B9u
+#define PHILOX_W1 0xBB67AE85u
+
+/* groups per block: 4*BLK floats of z + 4*BLK uint32 of Philox output stay in L1 */
+#define BLK 256
+
+/* float32 coefficients, fitted by fit_coeffs.py (minimax, relative error) */
+#define SIN1 0x1.921fb6p-1f   /* sin(pi/4 t) = t (S1 + S3 t^2 + S5 t^4 + S7 t^6) */
+#define SIN3 -0x1.4abbbap-4f
+#define SIN5 0x1.465e92p-9f
+#define SIN7 -0x1.2d9302p-15f
+#define COS2 -0x1.3bd3ccp-2f  /* cos(pi/4 t) = 1 + t^2 (C2 + C4 t^2 + C6 t^4 + C8 t^6) */
+#define COS4 0x1.03c1dep-6f
+#define COS6 -0x1.55c5e0p-12f
+#define COS8 0x1.d9d57ep-19f
+#define LOG3 0x1.55557ap-1f   /* ln f = 2 s + s w (L3 + L5 w + L7 w^2), s=(f-1)/(f+1), w=s^2 */
+#define LOG5 0x1.995eccp-2f
+#define LOG7 0x1.31e138p-2f
+#define LN2_HI 0x1.630000p-1f /* 0.693359375: 9 significant bits, so E*LN2_HI is exact */
+#define LN2_LO -0x1.bd0106p-13f /* ln2 - LN2_HI, rounded to float32 */
+
+static inline float as_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static inline uint32_t as_u32(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+
+/* Philox4x32-10 on counters (lo + i, hi (+carry), 0, 0), i in [0, n), n a multiple of VW.
+ * Output stored pair-major: a[2i] = r0, a[2i+1] = r2 (the u1 words), b[2i] = r1,
+ * b[2i+1] = r3 (the angle words), so the transform reads both contiguously.
+ *
+ * Vectorised by hand with GNU vector extensions: one group per 64-bit lane.  gcc does
+ * not turn (x & 0xffffffff) * M into pmuludq (with AVX-512 it emits the slow 64x64
+ * vpmullq plus zero-extend/permute shuffles), so the 32x32->64 multiply is an intrinsic.
+ * pmuludq reads only the low 32 bits of each lane, so the upper halves of the state
+ * words may hold garbage and are never masked inside the rounds ("lazy" 32-bit words). */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
+#define VW 8
+typedef uint64_t u64v __attribute__((vector_size(64)));
+#define MUL32(x, m) ((u64v)_mm512_mul_epu32((__m512i)(x), (__m512i)(m)))
+#elif defined(__AVX2__)
+#define VW 4
+typedef uint64_t u64v __attribute__((vector_size(32)));
+#define MUL32(x, m) ((u64v)_mm256_mul_epu32((__m256i)(x), (__m256i)(m)))
+#elif defined(__SSE2__)
+#define VW 2
+typedef uint64_t u64v __attribute__((vector_size(16)));
+#define MUL32(x, m) ((u64v)_mm_mul_epu32((__m128i)(x), (__m128i)(m)))
+#else
+#define VW 2
+typedef uint64_t u64v __attribute__((vector_size(16)));
+#define MUL32(x, m) (((x) & 0xffffffffu) * ((m) & 0xffffffffu))
+#endif
+
+static void philox_block(uint32_t lo, uint32_t hi, uint32_t k0, uint32_t k1, int n,
+                         uint32_t *restrict a, uint32_t *restrict b) {
+    u64v lane, m0 = {0}, m1 = {0};
+    for (int k = 0; k < VW; k++) lane[k] = (uint64_t)k;
+    m0 += PHILOX_M0;
+    m1 += PHILOX_M1;
+    for (int i = 0; i < n; i += VW) {
+        u64v c = lane + ((uint64_t)lo + (uint64_t)i);   /* < 2^33: carry in bit 32 */
+        u64v x0 = c, x1 = (c >> 32) + hi, x2 = {0}, x3 = {0};
+        uint32_t ka = k0, kb = k1;
+#pragma GCC unroll 10
+        for (int r = 0; r < 10; r++) {
+            u64v p0 = MUL32(x0, m0);
+            u64v p1 = MUL32(x2, m1);
+            x0 = (p1 >> 32) ^ x1 ^ (uint64_t)ka;
+            x2 = (p0 >> 32) ^ x3 ^ (uint64_t)kb;
+            x1 = p1;                               /* low 32 bits = lo word */
+            x3 = p0;
+            ka += PHILOX_W0;
+            kb += PHILOX_W1;
+        }
+        /* lane g -> a[2g] = r0, a[2g+1] = r2 (little endian); b likewise with r1, r3 */
+        u64v A = (x0 & 0xffffffffu) | (x2 << 32);
+        u64v B = (x1 & 0xffffffffu) | (x3 << 32);
+        memcpy(a + 2 * i, &A, sizeof A);
+        memcpy(b + 2 * i, &B, sizeof B);
+    }
+}
+
+/* Box-Muller on m pairs: (a[p], b[p]) -> z[2p] = R cos(theta), z[2p+1] = R sin(theta).
+ *
+ * u1 = y * 2^-32 with y = a | 1 (odd, so u1 in (0,1), the midpoint of one of 2^31
+ * cells), y truncated to its 24 leading significant bits; ln(u1) is computed from the
+ * exact exponent (count leading zeros) and the mantissa f, reduced to [sqrt(.5), sqrt(2)).
+ * theta = 2 pi (oct + t) / 8: octant oct = top 3 bits of b, t = j * 2^-24 with
+ * j = 2 * (next 23 bits) + 1 odd, so t in (0,1) and the reflection 1 - t (odd octants)
+ * is exact in integers and lands on the same grid. */
+static void box_muller(int m, const uint32_t *restrict a, const uint32_t *restrict b,
+                       float *restrict z) {
+    for (int p = 0; p < m; p++) {
+        /* ---- R = sqrt(-2 ln u1) */
+        uint32_t y = a[p] | 1u;
+#ifdef __AVX512CD__
+        int e = 31 - __builtin_clz(y);            /* y in [2^e, 2^(e+1)); vplzcntd */
+#else   /* same value, vectorisable without lzcnt: int -> float is exact below 2^24 */
+        int sh = y >= 0x1000000u ? 8 : 0;
+        int e = (int)(as_u32((float)(int32_t)(y >> sh)) >> 23) - 127 + sh;
+#endif
+        int sr = e > 23 ? e - 23 : 0, sl = e < 23 ? 23 - e : 0;
+        uint32_t mant = ((y >> sr) << sl) & 0x7fffffu; /* 23 bits below the leading 1 */
+        int big = mant > 0x3504f3u;               /* 1.mant > sqrt(2): use f = 1.mant / 2 */
+        float f = as_float(mant | ((uint32_t)(127 - big) << 23));
+        float E = (float)(e - 32 + big);          /* u1 = f * 2^E, exact small integer */
+        float s = (f - 1.0f) / (f + 1.0f);        /* f - 1 is exact (Sterbenz) */
+        float w = s * s;
+        float lnf = (s + s) + s * (w * (LOG3 + w * (LOG5 + w * LOG7)));
+        float L = E * LN2_HI + (E * LN2_LO + lnf);  /* ln u1 < 0 */
+        float R = __builtin_sqrtf(-2.0f * L);
+
+        /* ---- (cos, sin) of theta */
+        uint32_t v = b[p];
+        uint32_t oct = v >> 29;
+        int32_t j = (int32_t)(((v >> 5) & 0xfffffeu) | 1u);
+        if (oct & 1) j = 0x1000000 - j;           /* odd octant: angle to the next axis */
+        float t = (float)j * 0x1p-24f;            /* exact */
+        float t2 = t * t;
+        float sn = t * (SIN1 + t2 * (SIN3 + t2 * (SIN5 + t2 * SIN7)));
+        float cs = 1.0f + t2 * (COS2 + t2 * (COS4 + t2 * (COS6 + t2 * COS8)));
+        int swap = ((oct + 1) >> 1) & 1;          /* octants 1, 2, 5, 6 */
+        float c = swap ? sn : cs, sv = swap ? cs : sn;
+        if ((oct + 2) & 4) c = -c;                /* octants 2..5: cos < 0 */
+        if (oct & 4) sv = -sv;                    /* octants 4..7: sin < 0 */
+        z[2 * p] = R * c;
+        z[2 * p + 1] = R * sv;
+    }
+}
+
+/* round(z^2 * 2^24) as an integer: z^2 is exact in double; adding 1.5 * 2^52 rounds
+ * to the nearest integer (ties to even) and leaves it in the low mantissa bits. */
+static inline int64_t fixsq(float zf) {
+    double d = (double)zf * (double)zf * 16777216.0 + 0x1.8p52;
+    int64_t i; memcpy(&i, &d, 8);
+    return i - 0x4338000000000000LL;
+}
+
+/* mode 0: out (float32) = z
+ * mode 1: out (float32) = out * scale + alpha * z   (three separately rounded ops)
+ * mode 2: out (bfloat16) = bf16(float(out) * scale + alpha * z), round to nearest even
+ * mode 3: out (float16)  = fp16(float(out) * scale + alpha * z), round to nearest even (F16C / _Float16)
+ * mode 4: out (float64)  = out * scale + alpha * (double)z, in double (noise_run64 passes double scalars)
+ * Elements [start, start + n) of the stream.  Returns sum round(z^2 * 2^24) over the
+ * range if want_sq, else 0. */
+static int64_t run(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, void *out,
+                   int mode, float scale, float alpha, double scale64, double alpha64, int want_sq) {
+    uint32_t a[2 * BLK], b[2 * BLK];
+    float z[4 * BLK];
+    int64_t acc = 0;
+    uint64_t g = start >> 2;          /* first group */
+    int64_t skip = (int64_t)(start & 3);   /* elements of the first group before start */
+    int64_t done = 0;
+    while (done < n) {
+        int64_t want = n - done + skip;   /* elements still needed from group g on */
+        int ng = want >= 4 * BLK ? BLK : (int)((want + 3) >> 2);
+        int ng8 = (ng + 7) & ~7;  /* whole vectors (VW <= 8); extra groups are unused */
+        philox_block((uint32_t)g, (uint32_t)(g >> 32), k0, k1, ng8, a, b);
+        box_muller(2 * ng8, a, b, z);
+        int64_t cnt = 4 * (int64_t)ng - skip;
+        if (cnt > n - done) cnt = n - done;
+        const float *zs = z + skip;
+        if (mode == 0) {
+            float *o = (float *)out + done;
+            for (int64_t i = 0; i < cnt; i++) o[i] = zs[i];
+        } else if (mode == 1) {
+            float *o = (float *)out + done;
+            for (int64_t i = 0; i < cnt; i++) o[i] = o[i] * scale + alpha * zs[i];
+        } else if (mode == 4) {
+            double *o = (double *)out + done;
+            for (int64_t i = 0; i < cnt; i++) o[i] = o[i] * scale64 + alpha64 * (double)zs[i];
+        } else if (mode == 3) {
+            _Float16 *o = (_Float16 *)out + done;
+            for (int64_t i = 0; i < cnt; i++) o[i] = (_Float16)((float)o[i] * scale + alpha * zs[i]);
+        } else {
+            uint16_t *o = (uint16_t *)out + done;
+            for (int64_t i = 0; i < cnt; i++) {
+                float x = as_float((uint32_t)o[i] << 16) * scale + alpha * zs[i];
+                uint32_t u = as_u32(x);
+                uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+                o[i] = (uint16_t)(x != x ? 0x7fc0u : r);
+            }
+        }
+        if (want_sq)
+            for (int64_t i = 0; i < cnt; i++) acc += fixsq(zs[i]);
+        done += cnt;
+        g += (uint64_t)ng;
+        skip = 0;
+    }
+    return acc;
+}
+
+int64_t noise_run(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, void *out,
+                  int mode, float scale, float alpha, int want_sq) {
+    return run(k0, k1, start, n, out, mode, scale, alpha, 0.0, 0.0, want_sq);
+}
+
+/* float64 targets (mode 4): the scalars stay double. */
+int64_t noise_run64(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, double *out,
+                    double scale, double alpha, int want_sq) {
+    return run(k0, k1, start, n, out, 4, 0.0f, 0.0f, scale, alpha, want_sq);
+}
