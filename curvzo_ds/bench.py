@@ -1,26 +1,34 @@
-"""`curvzo-ds bench` (step time of the engine) and `curvzo-ds plan` (per-rank memory, no weights).
+"""`curvzo-ds bench`: the benchmark suite, the timing of a configured run, and the bf16/fp16 drift table.
 
-Figures are printed, never asserted: speed and memory targets live in benchmarks, not tests.
+Figures are printed (and written as JSON), never asserted: speed and memory targets live here and in
+benchmarks/RESULTS.md, not in tests.
 """
 
 from __future__ import annotations
 
 import gc
+import json
+import math
+import os
+import platform
+import statistics
 import time
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from . import data as D
+from .config import ZOConfig
 from .data.stream import MicroBatches
-from .engine import ZOEngine
+from .engine import StepTimer, ZOEngine
+from .jsonio import write_json_atomic
 from .run import Run
 from .sysinfo import peak_rss_bytes, rss_bytes
 from .tasks import demo_model_config, get_task, load_splits
 from .tasks.demo import load_tokenizer
 
 
-def bench(cfg, steps: int) -> None:
+def run_bench(cfg, steps: int) -> None:
     """Time `steps` engine steps of the configured run (one rank or under a launcher)."""
     cfg.disable_tqdm = True
     run = Run(cfg)
@@ -50,29 +58,6 @@ def bench(cfg, steps: int) -> None:
         for r, (ob, mb, setup, peak_setup, now, peak) in enumerate(per_rank):
             print(f"rank {r}: owned trainable slices {mib(ob)}, fp32 master {mib(mb)}; RSS after set-up "
                   f"{mib(setup)} (peak while loading {mib(peak_setup)}), after the steps {mib(now)}, peak {mib(peak)}")
-
-
-def plan(model: str, world_size: int, dtype: str, fp32_master: bool) -> None:
-    """Per-rank bytes for the weights and CurvZO's extra state, from the model config alone."""
-    if model in ("demo", "demo-opt"):
-        conf = demo_model_config("opt" if model == "demo-opt" else "llama")
-    else:
-        conf = AutoConfig.from_pretrained(model)
-    with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(conf)
-    tensors = [p for p in m.parameters()]
-    numel = sum(p.numel() for p in tensors)
-    width = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    shard = sum(-(-p.numel() // world_size) for p in tensors)
-    largest = max(p.numel() for p in tensors)
-    print(f"{model}: {numel / 1e9:.3f} B parameters in {len(tensors)} tensors (blocks), world size {world_size}")
-    print(f"  weights per rank (ZeRO-3 shard)      {shard * width / 2**30:8.2f} GiB")
-    if fp32_master:
-        print(f"  fp32 master copy of the shard        {shard * 4 / 2**30:8.2f} GiB")
-    print(f"  largest gathered tensor (transient)  {largest * width / 2**30:8.2f} GiB")
-    print(f"  noise buffer per tensor piece        {min(largest, 1 << 22) * 4 / 2**20:8.2f} MiB")
-    print(f"  CurvZO state (scores, replicated)    {len(tensors) * 16 / 2**10:8.2f} KiB")
-    print("  gradients, optimizer state           0 (zeroth order)")
 
 
 def drift(steps: int, dtype: str = "bfloat16", seed: int = 0) -> list[dict]:
@@ -118,3 +103,340 @@ def drift(steps: int, dtype: str = "bfloat16", seed: int = 0) -> list[dict]:
         print(f"{r['dtype']:9} {r['lr']:7.0e} {r['eps']:6.0e} {str(r['fp32_master']):>6} "
               f"{r['changed_fraction']:8.4f} {r['max_abs_change']:9.2e} {vs} {r['final_loss']:7.4f}")
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The benchmark suite: `curvzo-ds bench --out bench.json`
+
+# A Llama of about 28M parameters (27.7M): hidden 512, 6 layers, vocab 8192.
+SUITE_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
+                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024,
+                   tie_word_embeddings=False)
+# The methods timed: MeZO (every block), CurvZO at a fixed budget of 0.3 G, adaptive CurvZO (burnt in first).
+METHODS = {
+    "mezo": dict(method="mezo"),
+    "curvzo_fixed_0.3": dict(method="fixed", budget=0.3, score_init=1.0, score_warmup_steps=0),
+    "curvzo_adaptive": dict(method="curvzo", score_warmup_steps=1),
+}
+ZO_COMMON = dict(learning_rate=1e-7, zo_eps=1e-3, seed=0)
+SECTIONS = ("forwards", "perturb_stats", "perturb", "update", "reduce")
+
+
+def suite_model(device="cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**SUITE_MODEL)).to(device=device, dtype=dtype).eval()
+
+
+def token_loss(model, input_ids: torch.Tensor):
+    """Next-token cross-entropy over every position: (sum, count), the loss contract."""
+    logits = model(input_ids=input_ids, use_cache=False).logits
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
+                                            input_ids[:, 1:].reshape(-1), reduction="sum")
+    return nll, input_ids[:, 1:].numel()
+
+
+def mezo_reference_step(model, input_ids, seed: int, eps: float, lr: float) -> float:
+    """One step the way MeZO's public trainer takes it (princeton-nlp/MeZO, large_models/trainer.py): four
+    noise passes (+eps, -2 eps, +eps, update), each `torch.manual_seed(seed)` then `torch.normal` per
+    parameter, and a new tensor per parameter per pass (`param.data = param.data + ...`)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def perturb(scaling: float) -> None:
+        torch.manual_seed(seed)
+        for p in params:
+            z = torch.normal(mean=0, std=1, size=p.data.size(), device=p.data.device, dtype=p.data.dtype)
+            p.data = p.data + scaling * z * eps
+
+    with torch.no_grad():
+        perturb(1)
+        loss1 = token_loss(model, input_ids)[0].item()
+        perturb(-2)
+        loss2 = token_loss(model, input_ids)[0].item()
+        perturb(1)
+        projected_grad = (loss1 - loss2) / (2 * eps)
+        torch.manual_seed(seed)
+        for p in params:
+            z = torch.normal(mean=0, std=1, size=p.data.size(), device=p.data.device, dtype=p.data.dtype)
+            p.data = p.data - lr * (projected_grad * z)
+    return projected_grad
+
+
+class PeakMemory:
+    """The peak memory of a phase: GPU allocator peak on CUDA, else this process's peak RSS (VmHWM), reset
+    between phases through /proc/self/clear_refs (after returning freed heap to the system)."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def reset(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            return
+        rss_bytes(trim=True)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def peak(self) -> int:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated()
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+@torch.no_grad()
+def two_forwards(model, ids) -> None:
+    token_loss(model, ids)
+    token_loss(model, ids)
+
+
+def _timed(sync, fn, *args):
+    """(seconds, result) of fn(*args), the device synchronised before and after."""
+    if sync:
+        sync()
+    start = time.perf_counter()
+    result = fn(*args)
+    if sync:
+        sync()
+    return time.perf_counter() - start, result
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str) -> dict:
+    """One process, the plain module: per sequence length, forwards alone and every method's step with its
+    sections, the MeZO-style reference, and peak memory against inference. Rounds interleave all of them."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
+    memory = PeakMemory(device)
+    model = suite_model(device)
+    engines = {name: ZOEngine(model, token_loss, ZOConfig(**ZO_COMMON, **cfg)) for name, cfg in METHODS.items()}
+    out = {}
+    for seq in seq_lens:
+        gen = torch.Generator().manual_seed(seq)
+        ids = torch.randint(0, SUITE_MODEL["vocab_size"], (batch, seq), generator=gen).to(device)
+        rows: dict[str, list] = {"two_forwards": [], "reference": [], **{m: [] for m in METHODS}}
+        sections = {m: [] for m in METHODS}
+        budgets = {m: [] for m in METHODS}
+
+        for r in range(rounds + 1):  # round 0 warms up (kernel build, allocator, adaptive scores) and is dropped
+            t_fwd, _ = _timed(sync, two_forwards, model, ids)
+            for name, engine in engines.items():
+                engine.timer = StepTimer(sync)
+                t_step, result = _timed(sync, engine.step, ids)
+                if r:
+                    rows[name].append(t_step)
+                    sections[name].append(dict(engine.timer.totals))
+                    budgets[name].append(result.budget / engine.num_blocks)
+            t_ref, _ = _timed(sync, mezo_reference_step, model, ids, r, 1e-3, 1e-7)
+            if r:
+                rows["two_forwards"].append(t_fwd)
+                rows["reference"].append(t_ref)
+        # Peak memory: inference (two forwards) against one step of each method, same process, reset between.
+        memory.reset()
+        two_forwards(model, ids)
+        inference_peak = memory.peak()
+        peaks = {}
+        for name, engine in engines.items():
+            memory.reset()
+            engine.step(ids)
+            peaks[name] = memory.peak()
+        memory.reset()
+        mezo_reference_step(model, ids, seed=0, eps=1e-3, lr=1e-7)
+        reference_peak = memory.peak()
+
+        two = rows["two_forwards"]
+        entry = {"forward_seconds": _median(two) / 2, "two_forwards_seconds": _median(two),
+                 "reference_step_seconds": _median(rows["reference"]),
+                 "reference_ratio_to_two_forwards": _median([a / b for a, b in zip(rows["reference"], two)]),
+                 "inference_peak_bytes": inference_peak, "reference_peak_bytes": reference_peak,
+                 "reference_over_inference_peak_memory": reference_peak / inference_peak, "methods": {}}
+        for name in METHODS:
+            split = {k: _median([s.get(k, 0.0) for s in sections[name]]) for k in SECTIONS}
+            entry["methods"][name] = {
+                "step_seconds": _median(rows[name]),
+                "ratio_to_two_forwards": _median([a / b for a, b in zip(rows[name], two)]),
+                "seconds": {"forwards": split["forwards"],
+                            "noise_and_update": split["perturb"] * 2 + split["update"],
+                            "score_statistics": max(0.0, split["perturb_stats"] - split["perturb"]),
+                            "communication": split["reduce"],
+                            "other": _median(rows[name]) - sum(split.values())},
+                "budget_fraction": _median(budgets[name]),
+                "zo_over_inference_peak_memory": peaks[name] / inference_peak,
+                "peak_bytes": peaks[name],
+            }
+            if name == "mezo":
+                entry["methods"][name]["our_mezo_over_reference"] = _median(
+                    [a / b for a, b in zip(rows[name], rows["reference"])])
+        out[str(seq)] = entry
+    return out
+
+
+def python_overhead(blocks: int = 723, numel: int = 64, steps: int = 30) -> dict:
+    """Per-step Python work with G tiny tensors (Llama-2-70B has 723), so that the math is negligible."""
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(numel)) for _ in range(blocks)])
+    loss = lambda m, batch: (m[0].sum(), 1)  # noqa: E731 - one tiny op: the forwards cost nothing
+    out = {"blocks": blocks, "numel_per_block": numel}
+    for name, cfg in (("mezo", dict(method="mezo")), ("curvzo_fixed_0.3", METHODS["curvzo_fixed_0.3"])):
+        engine = ZOEngine(model, loss, ZOConfig(**ZO_COMMON, **cfg))
+        times, selected = [], []
+        for _ in range(steps + 2):
+            start = time.perf_counter()
+            r = engine.step(None)
+            times.append(time.perf_counter() - start)
+            selected.append(r.n_selected)
+        step = _median(times[2:])
+        out[name] = {"step_seconds": step, "selected_blocks": _median(selected[2:]),
+                     "microseconds_per_selected_block": 1e6 * step / max(1.0, _median(selected[2:]))}
+    return out
+
+
+def rank_figures(seq: int, steps: int, batch: int, micro: int) -> dict:
+    """One rank of a ZeRO-3 job (run under torchrun): owned bytes, step time, bytes all-reduced per step, and
+    peak memory of ZO steps against inference-only forwards under the same config."""
+    import deepspeed
+
+    from .distributed import init_distributed
+
+    rank, world, _ = init_distributed()
+    torch.set_num_threads(1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = suite_model("cpu")
+    ds_engine, *_ = deepspeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": micro, "train_batch_size": micro * world, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3}})
+    gen = torch.Generator().manual_seed(seq)
+    ids = torch.randint(0, SUITE_MODEL["vocab_size"], (batch, seq), generator=gen).to(ds_engine.device)
+    batches = MicroBatches([ids[i:i + micro] for i in range(0, batch, micro)])
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    memory = PeakMemory(device)
+    result = {"world_size": world, "methods": {}}
+    engines = {name: ZOEngine(ds_engine, token_loss, ZOConfig(**ZO_COMMON, **METHODS[name]))
+               for name in ("mezo", "curvzo_fixed_0.3")}
+    first = next(iter(engines.values()))
+    result["owned_bytes"] = sum((e.owned[1] - e.owned[0]) * e.param.element_size() for e in first.entries)
+    first.loss(batches)  # the first forward records the order of gathers
+    memory.reset()
+    first.loss(batches)
+    first.loss(batches)
+    result["inference_peak_bytes"] = memory.peak()
+    for name, engine in engines.items():
+        engine.step(batches)  # warm-up
+        memory.reset()
+        before = dict(engine.comm.stats)
+        times = []
+        for _ in range(steps):
+            if sync:
+                sync()
+            start = time.perf_counter()
+            engine.step(batches)
+            if sync:
+                sync()
+            times.append(time.perf_counter() - start)
+        elements = engine.comm.stats["all_reduce_elements"] - before.get("all_reduce_elements", 0)
+        result["methods"][name] = {"step_seconds": _median(times), "peak_bytes": memory.peak(),
+                                   "all_reduced_bytes_per_step": 8 * elements / steps}
+    everyone = engines["mezo"].comm.all_gather_object(result)
+    return {"world_size": world, "ranks": everyone}
+
+
+def machine() -> dict:
+    info = {"torch": torch.__version__, "threads_per_rank": 1, "device": "cpu", "cpu": platform.processor()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+    info["cores"] = os.cpu_count()
+    return info
+
+
+def run_suite(out: str | None, seq_lens: list[int], rounds: int, world_sizes: list[int], batch: int = 16,
+              rank_seq: int = 64, rank_steps: int = 3) -> dict:
+    """The whole suite, each part in a fresh process (one thread per rank): prints a table, writes `out`."""
+    import subprocess
+    import sys
+    import tempfile
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    report = {"machine": machine(), "model": {**SUITE_MODEL, "parameters": None}, "batch": batch,
+              "rounds": rounds, "seq_lens": {}, "python_overhead": None, "world_sizes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        part = os.path.join(tmp, "timing.json")
+        subprocess.run([sys.executable, "-m", "curvzo_ds.bench", "timing", part, ",".join(map(str, seq_lens)),
+                        str(rounds), str(batch)], env=env, check=True)
+        timing = json.loads(open(part).read())
+        report["seq_lens"], report["python_overhead"] = timing["seq_lens"], timing["python_overhead"]
+        report["model"]["parameters"] = timing["parameters"]
+        for world in world_sizes:
+            part = os.path.join(tmp, f"ranks-{world}.json")
+            port = str(20000 + os.getpid() % 20000 + world)
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                            "--master_port", port, "-m", "curvzo_ds.bench", "ranks", part, str(rank_seq),
+                            str(rank_steps), str(batch)], env={**env, "DS_ACCELERATOR": env.get(
+                                "DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")}, check=True)
+            report["world_sizes"][str(world)] = json.loads(open(part).read())
+    print(format_report(report))
+    if out:
+        write_json_atomic(out, report)
+    return report
+
+
+def format_report(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"curvzo-ds bench: Llama {report['model']['parameters'] / 1e6:.1f}M, batch {report['batch']}, "
+             f"{report['rounds']} rounds, {m['device']} ({m['cpu']}), 1 thread per rank",
+             f"{'tokens':>6} {'method':<18} {'step s':>8} {'/2 fwd':>7} {'fwd':>6} {'noise+upd':>9} {'stats':>6} "
+             f"{'comm':>6} {'other':>6} {'B/G':>5} {'mem/inf':>7}"]
+    for seq, e in report["seq_lens"].items():
+        for name, r in e["methods"].items():
+            s = r["seconds"]
+            lines.append(f"{seq:>6} {name:<18} {r['step_seconds']:8.3f} {r['ratio_to_two_forwards']:7.3f} "
+                         f"{s['forwards']:6.3f} {s['noise_and_update']:9.3f} {s['score_statistics']:6.3f} "
+                         f"{s['communication']:6.3f} {s['other']:6.3f} {r['budget_fraction']:5.2f} "
+                         f"{r['zo_over_inference_peak_memory']:7.3f}")
+        lines.append(f"{seq:>6} {'mezo_reference':<18} {e['reference_step_seconds']:8.3f} "
+                     f"{e['reference_ratio_to_two_forwards']:7.3f}   our MeZO / reference "
+                     f"{e['methods']['mezo']['our_mezo_over_reference']:.3f}")
+    po = report["python_overhead"]
+    mezo, fixed = po["mezo"], po["curvzo_fixed_0.3"]
+    lines.append(f"Python overhead at G = {po['blocks']} tiny blocks: MeZO {1e3 * mezo['step_seconds']:.1f} ms/step "
+                 f"({mezo['microseconds_per_selected_block']:.0f} us per selected block), CurvZO at 0.3 G "
+                 f"{1e3 * fixed['step_seconds']:.1f} ms/step")
+    for world, w in report["world_sizes"].items():
+        for rank, r in enumerate(w["ranks"]):
+            mezo, fixed = r["methods"]["mezo"], r["methods"]["curvzo_fixed_0.3"]
+            lines.append(f"world {world} rank {rank}: owned {r['owned_bytes'] / 2**20:.1f} MiB, step MeZO "
+                         f"{mezo['step_seconds']:.3f} s / CurvZO 0.3 G {fixed['step_seconds']:.3f} s, all-reduced "
+                         f"{mezo['all_reduced_bytes_per_step']:.0f} / {fixed['all_reduced_bytes_per_step']:.0f} B "
+                         f"per step, peak ZO / inference {fixed['peak_bytes'] / r['inference_peak_bytes']:.3f}")
+    return "\n".join(lines)
+
+
+def _worker(argv: list[str]) -> None:
+    kind, out = argv[0], argv[1]
+    if kind == "timing":
+        torch.set_num_threads(1)
+        seq_lens, rounds, batch = [int(x) for x in argv[2].split(",")], int(argv[3]), int(argv[4])
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        result = {"seq_lens": time_methods(seq_lens, rounds, batch, device), "python_overhead": python_overhead(),
+                  "parameters": sum(p.numel() for p in suite_model("meta").parameters())}
+        write_json_atomic(out, result)
+    elif kind == "ranks":
+        result = rank_figures(int(argv[2]), int(argv[3]), int(argv[4]), micro=4)
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            write_json_atomic(out, result)
+        dist.barrier()
+    else:
+        raise SystemExit(f"unknown bench worker {kind!r}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    _worker(sys.argv[1:])

@@ -80,9 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plot", help="draw loss and evaluation curves of runs to a PNG")
     p.add_argument("run_dirs", nargs="+")
     p.add_argument("--out")
-    p = sub.add_parser("bench", help="time engine steps on a model (prints figures)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--steps", type=int, default=20)
+    p = sub.add_parser("bench", help="the benchmark suite: step time against two forwards, noise, memory, ranks",
+                       description="Without options: the suite (a 28M Llama, batch 16 x 64/256/1024 tokens, MeZO, "
+                                   "CurvZO at 0.3 G and adaptive CurvZO, a MeZO-style reference step, peak memory "
+                                   "against inference, and ZeRO-3 at 1, 2 and 3 ranks). It prints a table.")
+    p.add_argument("--out", help="also write the figures to this JSON file")
+    p.add_argument("--seq-lens", default="64,256,1024", help="tokens per sequence, comma-separated")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (forwards and steps interleaved)")
+    p.add_argument("--world-sizes", default="1,2,3", help="ZeRO-3 world sizes for the per-rank table")
+    p.add_argument("--run", action="store_true", help="instead: time `--steps` steps of the run configured by --set")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --run: a config key")
+    p.add_argument("--steps", type=int, default=20, help="with --run or --drift: steps to take")
     p.add_argument("--drift", choices=["bfloat16", "float16"],
                    help="instead: weight drift of DTYPE steps with and without fp32_master_weights")
     p = sub.add_parser("plan", help="per-rank memory of a model under ZeRO-3 with CurvZO")
@@ -109,20 +117,33 @@ def main(argv: list[str] | None = None) -> int:
 
             print(plot_runs(args.run_dirs, args.out))
         elif args.command == "bench":
-            from .bench import bench, drift
+            from .bench import drift, run_bench, run_suite
 
             if args.drift:
                 drift(args.steps, args.drift)
+            elif args.run:
+                run_bench(load_config(None, args.set, None), args.steps)
             else:
-                bench(load_config(None, args.set, None), args.steps)
+                run_suite(args.out, _ints(args.seq_lens, "--seq-lens"), args.rounds,
+                          _ints(args.world_sizes, "--world-sizes"))
         elif args.command == "plan":
-            from .bench import plan
+            from .plan import plan
 
             plan(args.model, args.world_size, args.dtype, args.fp32_master_weights)
     except (ConfigError, FileNotFoundError) as e:
         print(f"curvzo-ds {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{option} {text}: use comma-separated integers, for example 64,256") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"{option} {text}: use integers >= 1")
+    return values
 
 
 def entry() -> None:

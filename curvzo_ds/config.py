@@ -63,8 +63,13 @@ class ZOConfig:
     score_warmup_steps: int = key(20, "uniform sampling before S := mean observed score")
     block_granularity: str = key("tensor", "'tensor' (paper), 'layer', 'chunk'")
     block_chunk_size: int = key(1 << 20, "elements per block when block_granularity = chunk")
+    visibility_steps: int = key(100, "every N steps, measure which fraction of each drawn bf16/fp16 block +eps z "
+                                     "changes (0: never)")
+    visibility_warn: float = key(0.5, "warn when a block's visible fraction falls below this")
     max_consecutive_skips: int = key(10, "non-finite losses in a row before the run stops")
-    fp32_master_weights: bool = key(False, "keep an fp32 copy of the owned slice of bf16/fp16 weights")
+    fp32_master_weights: Any = key("auto", "fp32 copy of the owned slice of bf16/fp16 weights: auto (1-D tensors "
+                                           "only: norms and biases, which bf16 cannot perturb by eps), true (all), "
+                                           "false (none)")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value, its valid range and the fix."""
@@ -101,6 +106,11 @@ class ZOConfig:
         need(self.block_granularity in GRANULARITIES, "block_granularity", f"one of {', '.join(GRANULARITIES)}")
         need(isinstance(self.block_chunk_size, int) and self.block_chunk_size >= 1, "block_chunk_size",
              "an integer >= 1")
+        need(isinstance(self.visibility_steps, int) and self.visibility_steps >= 0, "visibility_steps",
+             "an integer >= 0 (0: never)")
+        need(_finite(self.visibility_warn) and 0 <= self.visibility_warn <= 1, "visibility_warn", "in [0, 1]")
+        need(self.fp32_master_weights == "auto" or isinstance(self.fp32_master_weights, bool), "fp32_master_weights",
+             "auto, true or false")
         need(isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1,
              "max_consecutive_skips", "an integer >= 1")
 
@@ -138,6 +148,8 @@ class TrainConfig(ZOConfig):
     report_to: str = key("auto", "auto (tensorboard if installed), tensorboard, none")
     disable_tqdm: bool = key(False, "no progress bar or progress lines")
     progress_interval: float = key(30.0, "seconds between progress log lines when stderr is not a terminal")
+    ddp_timeout: int = key(1800, "seconds a collective may wait before the job fails, so that a hung rank ends the "
+                                 "job (Hugging Face's name and default)")
     log_level: str = key("info", "debug, info, warning or error (rank 0; other ranks log warnings)")
 
     def validate(self) -> None:
@@ -166,6 +178,7 @@ class TrainConfig(ZOConfig):
         need(self.zero_stage in (0, 3), "zero_stage", "0 or 3")
         need(self.offload_param in ("none", "cpu"), "offload_param", "none or cpu")
         need(self.report_to in ("auto", "tensorboard", "none"), "report_to", "auto, tensorboard or none")
+        need(_posint(self.ddp_timeout), "ddp_timeout", "an integer number of seconds >= 1")
         need(_finite(self.progress_interval) and self.progress_interval >= 0, "progress_interval", "a number >= 0")
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level", "debug, info, warning or error")
         if self.lora_target_modules is not None:
@@ -197,7 +210,7 @@ def coerce(cls, key: str, value: Any) -> Any:
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", value.strip()) \
             and any(t in str(f.type) for t in ("float", "int", "Any")):
         value = float(value)  # YAML 1.1 reads 1e-6 as a string; docs/contracts.md promises a number
-    if value is None or default is None or isinstance(default, str) and key in ("score_init",):
+    if value is None or default is None or isinstance(default, str) and key in ("score_init", "fp32_master_weights"):
         return value
     if isinstance(default, bool):
         if not isinstance(value, bool):

@@ -56,8 +56,19 @@ def _slurm_env(env) -> None:
     env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
 
 
-def init_distributed(timeout_minutes: int = 30):
-    """Initialise the default process group if needed; returns (rank, world_size, local_rank)."""
+def local_rank_of(env=os.environ) -> int:
+    return int(env.get("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", env.get("SLURM_LOCALID", "0"))))
+
+
+def init_distributed(timeout_seconds: float = 1800):
+    """Initialise the default process group if needed; returns (rank, world_size, local_rank).
+
+    On a GPU machine each rank first takes its own device (`cuda:LOCAL_RANK`), so NCCL's collectives and
+    the engine's reductions run there. `timeout_seconds` bounds every collective: a rank that hangs
+    instead of dying fails the job after that long (the `ddp_timeout` key).
+    """
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank_of() % torch.cuda.device_count())
     if not dist.is_initialized():
         kind = launcher_kind()
         env = os.environ
@@ -75,11 +86,10 @@ def init_distributed(timeout_minutes: int = 30):
 
             port = MPI.COMM_WORLD.bcast(port, root=0)
         deepspeed.init_distributed(auto_mpi_discovery=(kind == "mpi"), verbose=False, distributed_port=port,
-                                   timeout=datetime.timedelta(minutes=timeout_minutes))
+                                   timeout=datetime.timedelta(seconds=timeout_seconds))
         _unlink_shm_buffer()
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
-    return rank, world, local_rank
+    return rank, world, local_rank_of()
 
 
 def _unlink_shm_buffer() -> None:

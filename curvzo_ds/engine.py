@@ -13,10 +13,12 @@ No gradient, optimizer state or full parameter is created by the engine.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +59,8 @@ class StepResult:
     learning_rate: float
     d_eff: float | None = None
     score_entropy: float | None = None
+    visibility: float | None = None  # the least fraction of a drawn bf16/fp16 block's elements that +eps z moved
+    visibility_block: str | None = None
     skipped: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -65,6 +69,31 @@ class StepResult:
 
 
 LossFn = Callable[[Any, Any], Any]
+
+
+class StepTimer:
+    """Wall time per section of `ZOEngine.step`, for benchmarks: `engine.timer = StepTimer()`.
+
+    Sections: "perturb_stats" (+eps z, with the score statistics when the method has them), "perturb"
+    (-2 eps z: the same work without statistics), "forwards", "reduce" (the all-reduce and its read-back),
+    "update" (restore and update in one pass). `sync` (torch.cuda.synchronize on a GPU) runs at each edge.
+    """
+
+    def __init__(self, sync: Callable[[], None] | None = None):
+        self.totals: dict[str, float] = {}
+        self.sync = sync
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        if self.sync:
+            self.sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync:
+                self.sync()
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
 
 
 class ZOEngine:
@@ -114,7 +143,13 @@ class ZOEngine:
         first = self.entries[0]
         self.device = self.comm.device if self.comm.world_size > 1 else ds_compat.storage_device(first.param)
         self.sampler = CurvZOSampler(cfg, self.sizes, self.noise.mask_uniforms)
+        self.scored = cfg.method != "mezo"  # MeZO perturbs every block and never reads the scores
+        # Elements of each block stored in bf16/fp16 and edited without an fp32 copy: where +eps z can vanish.
+        self.low_precision = torch.tensor([sum(hi - lo for ei, lo, hi in b.segments if _rounds_away(self.entries[ei]))
+                                           for b in self.blocks], dtype=torch.float64)
+        self._warned_visibility: set[str] = set()
         self.partitioned = any(e.partitioned for e in self.entries)
+        self.timer: StepTimer | None = None
         self.step_count = 0
         self.skips_in_row = 0
         self.skipped_total = 0
@@ -141,14 +176,24 @@ class ZOEngine:
         eps = cfg.zo_eps
         was_training = self.module.training
         self.module.eval()  # dropout would give the two forwards different masks
+        watch = self._visibility_watch(t, pieces)
         try:
-            block_fixed = self._perturb(t, pieces, 0.0, eps, stats=True)
-            plus = self._forwards(batch)
-            self._perturb(t, pieces, eps, -eps)
-            minus = self._forwards(batch)
+            with self._section("perturb_stats"):
+                block_fixed = self._perturb(t, pieces, 0.0, eps, stats=self.scored)
+            changed = self._visibility_count(watch)
+            with self._section("forwards"):
+                plus = self._forwards(batch)
+            with self._section("perturb"):
+                self._perturb(t, pieces, eps, -eps)
+            with self._section("forwards"):
+                minus = self._forwards(batch)
         finally:
             self.module.train(was_training)
-        loss_plus, loss_minus, block_sq = self._reduce(block_fixed, plus, minus, self._slot_count(batch))
+        with self._section("reduce"):
+            loss_plus, loss_minus, block_sq, changed = self._reduce(block_fixed, plus, minus, self._slot_count(batch),
+                                                                   changed)
+        if changed is not None:
+            base.update(self._visibility(changed, plan.mask))
         delta = (loss_plus - loss_minus) / (2 * eps)
         loss = 0.5 * (loss_plus + loss_minus)
         if not all(math.isfinite(x) for x in (loss_plus, loss_minus, delta)):
@@ -166,9 +211,50 @@ class ZOEngine:
                               _finite_or_none(loss_minus), None, skipped="non_finite_loss", **base)
         self.skips_in_row = 0
         steps, keeps = self.sampler.update_coefficients(plan, delta, lr, cfg.weight_decay)
-        self._update(t, pieces, steps.tolist(), keeps.tolist())
+        with self._section("update"):
+            self._update(t, pieces, steps.tolist(), keeps.tolist())
         self._end_step(plan, delta, block_sq)
         return StepResult(t + 1, loss, loss_plus, loss_minus, delta, **base)
+
+    def _visibility_watch(self, t: int, pieces) -> list | None:
+        """On a visibility step, (block, owned slice, its values) of the drawn bf16/fp16 pieces with no fp32 copy."""
+        every = self.cfg.visibility_steps
+        if not every or t % every or not self.low_precision.any():
+            return None
+        watch = []
+        for b, e, lo, hi in pieces:
+            o_lo, o_hi = intersect((lo, hi), e.owned)
+            if o_hi > o_lo and _rounds_away(e):
+                view, start = next(e.copies(o_lo - e.region[0], o_hi - o_lo))  # the owned copy comes first
+                watch.append((b, view, view.clone()))
+        return watch
+
+    def _visibility_count(self, watch) -> torch.Tensor | None:
+        if watch is None:
+            return None
+        moved = torch.zeros(self.num_blocks, dtype=torch.int64, device=self.device)
+        for b, view, before in watch:
+            moved[b] += (view != before).sum().to(self.device)
+        return moved
+
+    def _visibility(self, moved: torch.Tensor, mask: torch.Tensor) -> dict:
+        """The drawn low-precision block whose elements moved least under +eps z, and that fraction; a warning
+        the first time a block falls below `visibility_warn`."""
+        watched = mask & (self.low_precision > 0)
+        if not watched.any():
+            return {}
+        fraction = torch.where(watched, moved / self.low_precision.clamp(min=1), torch.full_like(moved, 2.0))
+        b = int(fraction.argmin())
+        value, name = float(fraction[b]), self.blocks[b].name
+        if value < self.cfg.visibility_warn and name not in self._warned_visibility:
+            self._warned_visibility.add(name)
+            log.warning("block %s: +eps z changed only %.0f%% of its bf16/fp16 elements (zo_eps=%g is below the "
+                        "storage spacing of many weights): raise zo_eps or set fp32_master_weights=true", name,
+                        100 * value, self.cfg.zo_eps)
+        return {"visibility": value, "visibility_block": name}
+
+    def _section(self, name: str):
+        return self.timer.section(name) if self.timer is not None else contextlib.nullcontext()
 
     def _end_step(self, plan: StepPlan, delta: float | None, block_sq: torch.Tensor | None) -> None:
         if delta is None:
@@ -283,19 +369,28 @@ class ZOEngine:
                  else torch.tensor(float(x), dtype=torch.float64, device=self.device) for x in (loss_sum, count)]
         return torch.stack(parts)
 
-    def _reduce(self, block_fixed, plus, minus, total: int) -> tuple[float, float, torch.Tensor]:
-        """One all-reduce of int64: the G block sums, then (L+, L-, count) of every micro-batch slot as float64
-        bit patterns (each slot is written by one rank, zero elsewhere, so the integer sum returns it exactly).
-        The all-reduce's result is the step's only read back to the host."""
-        g = self.num_blocks
-        vec = torch.zeros(g + 3 * total, dtype=torch.int64, device=self.device)
-        vec[:g] = block_fixed
+    def _reduce(self, block_fixed, plus, minus, total: int, changed=None):
+        """One all-reduce of int64: the G block sums (none for MeZO), on visibility steps the G counts of moved
+        bf16/fp16 elements, then (L+, L-, count) of every micro-batch slot as float64 bit patterns (each slot
+        is written by one rank, zero elsewhere, so the integer sum returns it exactly). The all-reduce's result
+        is the step's only read back to the host. Returns (L+, L-, block sums of z^2, moved counts or None)."""
+        g = self.num_blocks if block_fixed is not None else 0
+        c = self.num_blocks if changed is not None else 0
+        vec = torch.zeros(g + c + 3 * total, dtype=torch.int64, device=self.device)
+        if block_fixed is not None:
+            vec[:g] = block_fixed
+        if changed is not None:
+            vec[g:g + c] = changed
+        g += c
         for (slot, lp), (_, lm) in zip(plus, minus):
             vec[g + 3 * slot: g + 3 * slot + 3] = float64_bits(torch.stack([lp[0], lm[0], lp[1]]))
         vec = self.comm.all_reduce_sum_int64(vec)
         vals = bits_float64(vec[g:]).view(total, 3).tolist()
-        block_sq = vec[:g].to(torch.float64) / 2.0**FIXED_POINT_BITS
-        return _ratio(vals, 0, 2), _ratio(vals, 1, 2), block_sq
+        g -= c
+        block_sq = vec[:g].to(torch.float64) / 2.0**FIXED_POINT_BITS if g else torch.zeros(self.num_blocks,
+                                                                                          dtype=torch.float64)
+        moved = vec[g:g + c].to(torch.float64) if c else None
+        return _ratio(vals, 0, 2), _ratio(vals, 1, 2), block_sq, moved
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -340,6 +435,11 @@ class ZOEngine:
                                  for k in diff) or "the trainable parameters or noise definition"
                 raise ValueError(f"rank {rank} disagrees with rank 0 on {what}. Every rank must start with the "
                                  "same seed, configuration and model, or the noise would not match.")
+
+
+def _rounds_away(e: ParamEntry) -> bool:
+    """Stored in bf16/fp16 and edited without an fp32 copy: a small +eps z can round back to the same value."""
+    return e.master is None and e.param.dtype in (torch.bfloat16, torch.float16)
 
 
 def _finite_or_none(x: float) -> float | None:

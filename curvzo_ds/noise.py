@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import struct
 
-import numpy as np
 import torch
 
 from .kernels import cpu as cpu_kernel
@@ -44,8 +43,8 @@ def stable_seed(*parts: object) -> int:
 
 
 def f32(x: float) -> float:
-    """x rounded to float32, as the kernels take their scalars."""
-    return float(np.float32(x))
+    """x rounded to float32 (to nearest even), as the kernels take their scalars."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 class NoiseSource:
@@ -56,14 +55,22 @@ class NoiseSource:
     def __init__(self, seed: int):
         self.seed = seed
         self._gen = torch.Generator(device="cpu")
+        self._cache_step: int | None = None
+        self._cache: dict[tuple[str, int], tuple[int, int]] = {}
 
     def describe(self) -> dict:
         return {"ident": self.ident}
 
     def key(self, step: int, name: str, direction: int = 0) -> tuple[int, int]:
-        """The Philox key of tensor `name` at `step` (two uint32 words)."""
-        k = stable_seed(self.seed, step, name, direction)
-        return k & 0xFFFFFFFF, (k >> 32) & 0xFFFFFFFF
+        """The Philox key of tensor `name` at `step` (two uint32 words); a step's keys are cached (three passes
+        use each of them)."""
+        if self._cache_step != step:
+            self._cache_step, self._cache = step, {}
+        key = self._cache.get((name, direction))
+        if key is None:
+            k = stable_seed(self.seed, step, name, direction)
+            key = self._cache[(name, direction)] = (k & 0xFFFFFFFF, (k >> 32) & 0xFFFFFFFF)
+        return key
 
     def slice(self, step: int, name: str, numel: int, start: int, length: int, device="cpu",
               direction: int = 0) -> torch.Tensor:

@@ -102,8 +102,12 @@ def canonical_name(name: str, peft: bool) -> str:
     return name
 
 
-def collect_entries(module: torch.nn.Module, *, replicated_rank: int, fp32_master: bool) -> list[ParamEntry]:
-    """Every trainable parameter of `module` (tied ones once), in sorted canonical-name order."""
+def collect_entries(module: torch.nn.Module, *, replicated_rank: int, fp32_master: bool | str) -> list[ParamEntry]:
+    """Every trainable parameter of `module` (tied ones once), in sorted canonical-name order.
+
+    fp32_master: True gives every bf16/fp16 tensor an fp32 copy of its region; "auto" only the 1-D ones (norm
+    weights near 1.0 and biases, whose bf16 spacing is larger than eps z: without a copy they barely move).
+    """
     is_peft = hasattr(module, "peft_config")
     entries = []
     seen = set()
@@ -129,7 +133,8 @@ def collect_entries(module: torch.nn.Module, *, replicated_rank: int, fp32_maste
     if len(set(names)) != len(names):
         raise ValueError("two trainable parameters have the same canonical name; rename one")
     if fp32_master:
-        low = [e for e in entries if e.param.dtype in (torch.bfloat16, torch.float16)]  # fp32/64 edited exactly
+        low = [e for e in entries if e.param.dtype in (torch.bfloat16, torch.float16)  # fp32/64 edited exactly
+               and (fp32_master is True or len(e.shape) == 1)]
         # A persistent tensor's region is all of it, but before the first forward only the shard is
         # here: gather those (a collective; the list is the same on every rank).
         gather = [e.param for e in low if e.partitioned and e.region == (0, e.numel)

@@ -39,7 +39,7 @@ class Run:
     """Everything a train or eval job needs, built the same way on every rank."""
 
     def __init__(self, cfg: TrainConfig):
-        self.rank, self.world, self.local_rank = init_distributed()
+        self.rank, self.world, self.local_rank = init_distributed(cfg.ddp_timeout)
         setup_logging(self.rank, cfg.log_level)
         self.threads = pin_threads(cfg.threads)
         cfg = resolve_presets(cfg)

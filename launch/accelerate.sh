@@ -3,4 +3,4 @@
 # "--num_machines N --machine_rank R --main_process_ip HOST --main_process_port PORT
 # --deepspeed_multinode_launcher standard" (without `standard`, DeepSpeed's pdsh runs from machine 0 only).
 exec accelerate launch --config_file "${ACCELERATE_CONFIG:-ds_configs/accelerate_zero3.yaml}" \
-    --num_processes "${NPROC:-2}" ${ACCELERATE_ARGS:-} -m curvzo_ds.cli train "$@"
+    --num_processes "${NPROC:-2}" ${ACCELERATE_ARGS:-} -m curvzo_ds.cli train --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"

@@ -4,6 +4,6 @@
 # (it reaches the nodes with pdsh by default; DS_ARGS="--launcher openmpi" for Open MPI). DeepSpeed 0.19.8's
 # --launcher slurm drops --module: there use launch/slurm.sbatch, or see docs/multinode.md.
 if [ -n "${HOSTFILE:-}" ]; then
-    exec deepspeed --hostfile "$HOSTFILE" ${DS_ARGS:-} --module curvzo_ds.cli train "$@"
+    exec deepspeed --hostfile "$HOSTFILE" ${DS_ARGS:-} --module curvzo_ds.cli train --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"
 fi
-exec deepspeed --num_gpus "${NPROC:-2}" --master_port "${MASTER_PORT:-29500}" --module curvzo_ds.cli train "$@"
+exec deepspeed --num_gpus "${NPROC:-2}" --master_port "${MASTER_PORT:-29500}" --module curvzo_ds.cli train --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"

@@ -9,4 +9,4 @@ if ! python -c "import importlib.metadata as m; m.version('curvzo_ds'); import d
     python -m pip install -q -e ".[test]"
 fi
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" OMP_NUM_THREADS=1
-exec torchrun --nproc_per_node "${NPROC:-2}" --master_port "${MASTER_PORT:-29500}" -m curvzo_ds.cli train --deepspeed ds_configs/zero3.json "$@"
+exec torchrun --nproc_per_node "${NPROC:-2}" --master_port "${MASTER_PORT:-29500}" -m curvzo_ds.cli train --deepspeed ds_configs/zero3.json --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"

@@ -3,4 +3,4 @@
 extra=()
 if [ "$(id -u)" = 0 ]; then extra+=(--allow-run-as-root); fi
 if [ "${NPROC:-2}" -gt "$(nproc)" ]; then extra+=(--oversubscribe); fi
-exec mpirun -np "${NPROC:-2}" "${extra[@]}" ${MPI_ARGS:-} python -m curvzo_ds.cli train "$@"
+exec mpirun -np "${NPROC:-2}" "${extra[@]}" ${MPI_ARGS:-} python -m curvzo_ds.cli train --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"

@@ -2,4 +2,4 @@
 # torchrun: NPROC ranks on this node; for several nodes set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT.
 exec torchrun --nproc_per_node "${NPROC:-2}" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
     --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" \
-    -m curvzo_ds.cli train "$@"
+    -m curvzo_ds.cli train --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"

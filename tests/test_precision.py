@@ -8,6 +8,8 @@ sees bf16(bf16(w + eps z) - 2 eps z): within two bf16 roundings of w - eps z, i.
 rounded value's magnitude, and both values rounded are at most |w| + 2 eps |z|).
 """
 
+import logging
+
 import pytest
 import torch
 
@@ -65,3 +67,24 @@ def test_drift_benchmark_prints_its_table(capsys):
     assert rows[1]["changed_fraction"] == 0.0  # lr = 0 with the master copy: every weight restored exactly
     assert rows[0]["changed_fraction"] > 0.0  # without it, bf16 rounding moves weights
     assert "vs fp32" in capsys.readouterr().out
+
+
+def test_visibility_names_the_block_that_bf16_cannot_perturb(caplog):
+    """eps = 1e-5 is far below the bf16 spacing of weights near 0.1 (about 5e-4): few elements move, and the run
+    is warned. eps = 1e-1 moves almost all. The 1-D tensors (norms, biases) have an fp32 copy under "auto"
+    and are not watched."""
+    x, y = toy_task(32)
+    results = {}
+    for eps in (1e-5, 1e-1):
+        torch.manual_seed(0)
+        net = TinyNet().to(torch.bfloat16)
+        engine = ZOEngine(net, lambda m, b: ce_loss(m, (b[0].to(torch.bfloat16), b[1])), method="mezo",
+                          learning_rate=0.0, zo_eps=eps, seed=SEED, visibility_steps=1)
+        assert {e.name for e in engine.entries if e.master is not None} == {"l1.bias", "l2.bias", "norm.weight",
+                                                                            "norm.bias"}
+        with caplog.at_level(logging.WARNING, logger="curvzo_ds"):
+            results[eps] = engine.step((x, y))
+    low, high = results[1e-5], results[1e-1]
+    assert low.visibility < 0.2 and low.visibility_block in ("l1.weight", "l2.weight")
+    assert high.visibility > 0.9
+    assert f"block {low.visibility_block}: +eps z changed only" in caplog.text

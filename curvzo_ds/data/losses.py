@@ -1,20 +1,51 @@
 """The training losses, `loss_fn(model, micro_batch) -> (loss_sum, count)` (docs/contracts.md), and the
 classification scores that evaluation shares with them (MeZO's candidate log-likelihood)."""
 
+import inspect
+
 import torch
 
 from curvzo_ds.tasks import Task
 
 
 def _token_logprobs(model, batch: dict) -> torch.Tensor:
-    """[rows, T-1] float32: log p(token t+1 | tokens <= t) at label tokens, 0 elsewhere."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    """[rows, T-1] float32: log p(token t+1 | tokens <= t) at label tokens, 0 elsewhere.
+
+    Logits are computed only at the positions that predict a label token of some row (`logits_to_keep`,
+    transformers' slicing before the head): a handful of positions instead of T, which saves the largest
+    activation of a forward ([rows, T, vocab]). No key/value cache is built (`use_cache=False`).
+    """
     mask = batch["label_mask"][:, 1:] > 0
-    targets = batch["input_ids"][:, 1:][mask]
-    picked = torch.log_softmax(logits[:, :-1][mask].float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+    cols = mask.any(0).nonzero().flatten()
+    logits = _forward(model, batch, cols)  # [rows, len(cols), vocab]
+    sub = mask[:, cols]
+    targets = batch["input_ids"][:, 1:][:, cols][sub]
+    picked = torch.log_softmax(logits[sub].float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+    kept = torch.zeros(sub.shape, dtype=torch.float32, device=logits.device)
+    kept[sub] = picked  # unique positions: deterministic, unlike index_add on a GPU
     out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
-    out[mask] = picked  # unique positions: deterministic, unlike index_add on a GPU
+    out[:, cols] = kept
     return out
+
+
+_EXTRAS: dict[type, set[str]] = {}  # per model class: which of use_cache and logits_to_keep its forward takes
+
+
+def _forward(model, batch: dict, cols: torch.Tensor) -> torch.Tensor:
+    """Logits at positions `cols` (the next-token predictions of those positions)."""
+    module = getattr(model, "module", model)  # a DeepSpeed engine passes keywords on to its module
+    kind = type(module)
+    if kind not in _EXTRAS:
+        params = inspect.signature(module.forward).parameters
+        any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        _EXTRAS[kind] = {k for k in ("use_cache", "logits_to_keep") if any_keyword or k in params}
+    extras = _EXTRAS[kind]
+    kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    if "use_cache" in extras:
+        kwargs["use_cache"] = False
+    if "logits_to_keep" in extras:
+        return model(**kwargs, logits_to_keep=cols.to(batch["input_ids"].device)).logits
+    return model(**kwargs).logits[:, cols]
 
 
 def _scores(token_logprobs: torch.Tensor, batch: dict) -> torch.Tensor:
