@@ -1,0 +1,39 @@
+"""The benchmark scripts run: their CPU paths on tiny settings (the figures are in benchmarks/RESULTS.md)."""
+
+import json
+import sys
+
+import pytest
+
+from tests.helpers import ENV, ROOT, run_checked
+
+
+def test_gpu_benchmark_script_runs_its_cpu_path(tmp_path):
+    out = tmp_path / "gpu.json"
+    run_checked([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--batch", "2", "--seq-len", "16",
+                 "--steps", "1", "--out", str(out)], {k: v for k, v in ENV.items() if k != "MASTER_PORT"}, timeout=300)
+    report = json.loads(out.read_text())
+    assert [r["offload_param"] for r in report["runs"]] == ["none", "cpu"]
+    for row in report["runs"]:
+        for method in ("mezo", "curvzo_fixed_0.3"):
+            assert row[method]["step_seconds"] > 0 and row[method]["noise_and_update_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_bench_suite_writes_every_contract_field(tmp_path):
+    """`curvzo-ds bench --out`: per sequence length and method ratio_to_two_forwards, our_mezo_over_reference,
+    zo_over_inference_peak_memory (docs/contracts.md), and the per-rank table."""
+    out = tmp_path / "bench.json"
+    run_checked([sys.executable, "-m", "curvzo_ds.cli", "bench", "--seq-lens", "8", "--rounds", "1",
+                 "--world-sizes", "1,2", "--out", str(out)], timeout=600)
+    report = json.loads(out.read_text())
+    entry = report["seq_lens"]["8"]
+    assert entry["methods"]["mezo"]["our_mezo_over_reference"] > 0
+    for method in ("mezo", "curvzo_fixed_0.3", "curvzo_adaptive"):
+        m = entry["methods"][method]
+        assert m["ratio_to_two_forwards"] > 1 and m["zo_over_inference_peak_memory"] > 0
+    assert abs(entry["methods"]["curvzo_fixed_0.3"]["budget_fraction"] - 0.3) < 1e-9
+    ranks = report["world_sizes"]["2"]["ranks"]
+    assert len(ranks) == 2 and abs(ranks[0]["owned_bytes"] / report["world_sizes"]["1"]["ranks"][0]["owned_bytes"]
+                                   - 0.5) < 0.02
+    assert ranks[0]["methods"]["mezo"]["all_reduced_bytes_per_step"] == 8 * 3 * 4  # 4 micro-batches, no scores
