@@ -318,8 +318,8 @@ def rank_figures(seq: int, steps: int, batch: int, micro: int) -> dict:
     result["owned_bytes"] = sum((e.owned[1] - e.owned[0]) * e.param.element_size() for e in first.entries)
     first.loss(batches)  # the first forward records the order of gathers
     memory.reset()
-    first.loss(batches)
-    first.loss(batches)
+    for _ in range(2 * steps):  # as many forwards as the timed steps run: a like-for-like peak
+        first.loss(batches)
     result["inference_peak_bytes"] = memory.peak()
     for name, engine in engines.items():
         engine.step(batches)  # warm-up

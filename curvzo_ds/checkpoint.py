@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .config import ConfigError, RunEnded
 from .engine import ZOEngine
 from .params import intersect
 
@@ -78,6 +79,7 @@ def write_checkpoint(engine: ZOEngine, final: str, trainer_state: dict | None = 
                 slices[e.name] = [lo, hi]
         path = os.path.join(tmp, fname)
         save_file(tensors, path)
+        _fsync(path)
         mine = (fname, _sha256(path), slices)
     except Exception as e:  # noqa: BLE001 - re-raised on every rank below
         error = f"rank {comm.rank}: {e.__class__.__name__}: {e}"
@@ -101,19 +103,46 @@ def write_checkpoint(engine: ZOEngine, final: str, trainer_state: dict | None = 
                 write_extra(tmp)
             with open(os.path.join(tmp, "manifest.json"), "w") as f:
                 json.dump(manifest, f, indent=1)
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
+            for name in os.listdir(tmp):  # write_extra's files too: all on disk before the rename publishes them
+                _fsync(os.path.join(tmp, name))
+            _fsync(tmp)
+            _publish(tmp, final)
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             error = f"rank 0: {e.__class__.__name__}: {e}"
     _raise_any(final, [comm.broadcast_object(error if comm.rank == 0 else None)])
     return final
 
 
+def _fsync(path: str) -> None:
+    """Flush a file, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: str, final: str) -> None:
+    """Rename the complete `tmp` to `final`. An existing `final` (the same step saved again) is moved aside first
+    and removed only after the new one is in place: a crash at any point leaves one complete checkpoint."""
+    old = final + ".old"
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync(os.path.dirname(os.path.abspath(final)))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class CheckpointWriteError(RunEnded):
+    """A checkpoint could not be written on some rank (disk full, permissions): the previous ones are intact."""
+
+
 def _raise_any(final: str, errors: list) -> None:
     errors = [e for e in errors if e]
     if errors:
-        raise RuntimeError(f"checkpoint {final} was not written ({'; '.join(errors)}); the previous checkpoints "
-                           f"are intact, and {final}.tmp holds the partial files")
+        raise CheckpointWriteError(f"checkpoint {final} was not written ({'; '.join(errors)}); the previous "
+                                   f"checkpoints are intact, and {final}.tmp holds the partial files")
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
@@ -129,8 +158,38 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
-    found = list_checkpoints(output_dir)
-    return found[-1][1] if found else None
+    """The newest complete checkpoint that verifies (verify_checkpoint); each newer one that does not is named in
+    a warning and skipped."""
+    for _, path in reversed(list_checkpoints(output_dir)):
+        try:
+            verify_checkpoint(path)
+            return path
+        except ValueError as e:
+            log.warning("skipping checkpoint %s: %s", path, e)
+    return None
+
+
+_RANK_FILE = re.compile(r"^rank-\d{5}-of-\d{5}\.safetensors$")
+
+
+def verify_checkpoint(path: str) -> dict:
+    """The manifest of checkpoint `path`, after checking that it is one: a readable manifest of this format, rank
+    files that are plain safetensors names inside the directory (never a pickle, never a path out of it), all
+    present, with the recorded SHA-256. Raises ValueError naming the first problem. Loading runs no code."""
+    manifest = read_manifest(path)
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files or set(files) != set(manifest.get("slices", {})):
+        raise ValueError(f"{path}/manifest.json lists no rank files, or its files and slices disagree")
+    for name, sha in files.items():
+        if not _RANK_FILE.match(str(name)):
+            raise ValueError(f"{path}/manifest.json names {name!r}: only rank-NNNNN-of-NNNNN.safetensors files in "
+                             "the checkpoint directory are loaded (no pickles, no paths)")
+        fpath = os.path.join(path, name)
+        if not os.path.isfile(fpath):
+            raise ValueError(f"{fpath} is missing: the checkpoint is partial")
+        if _sha256(fpath) != sha:
+            raise ValueError(f"checksum mismatch for {fpath}: the checkpoint is corrupt")
+    return manifest
 
 
 def rotate_checkpoints(output_dir: str, keep: int | None, protect: str | None = None) -> None:
@@ -198,13 +257,18 @@ class CheckpointManager:
         return path
 
     def resume_path(self, resume) -> str | None:
-        """The checkpoint a `--resume` means: None (no resume), the newest complete one, or the given path."""
+        """The checkpoint a `--resume` means: None (no resume), the newest one that verifies (newer broken ones are
+        named in a warning), or the given path, which must verify (else a one-line ConfigError)."""
         if not resume:
             return None
         if resume is True:
             return latest_checkpoint(self.output_dir)
         if not os.path.isdir(str(resume)):
-            raise FileNotFoundError(f"--resume {resume}: no such checkpoint directory")
+            raise ConfigError(f"--resume {resume}: no such checkpoint directory")
+        try:
+            verify_checkpoint(str(resume))
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"--resume {resume}: {e}") from None
         return str(resume)
 
     def state_dict(self) -> dict:
@@ -217,10 +281,15 @@ class CheckpointManager:
 def read_manifest(path: str) -> dict:
     mpath = os.path.join(path, "manifest.json")
     if not os.path.isfile(mpath):
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no manifest.json); "
-                                "pass a checkpoint-<step> directory or use --resume with no path")
-    with open(mpath) as f:
-        manifest = json.load(f)
+        raise ValueError(f"{path} is not a complete checkpoint (no manifest.json); "
+                         "pass a checkpoint-<step> directory or use --resume with no path")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{mpath} is not valid JSON ({e}): the checkpoint is corrupt") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{mpath} does not hold a manifest object: the checkpoint is corrupt")
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{mpath}: unknown checkpoint format {manifest.get('format')!r}")
     return manifest

@@ -8,13 +8,25 @@ A bad configuration prints one line naming the key or file and the fix, and exit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
+import json
 import os
 import re
 import sys
 
-from .config import ConfigError, TrainConfig, build, key_docs
+from .config import (
+    EVAL_FROM_CHECKPOINT,
+    ConfigError,
+    RunEnded,
+    TrainConfig,
+    build,
+    coerce,
+    differences,
+    field_names,
+    key_docs,
+)
 
 
 def _keys_help() -> str:
@@ -27,7 +39,8 @@ def _keys_help() -> str:
     return "\n".join(lines)
 
 
-def load_config(config_file: str | None, sets: list[str], deepspeed: str | None) -> TrainConfig:
+def read_values(config_file: str | None, sets: list[str], deepspeed: str | None) -> dict:
+    """The keys given by --config, --set and --deepspeed, coerced to their types (not yet validated together)."""
     import yaml
 
     values: dict = {}
@@ -54,12 +67,47 @@ def load_config(config_file: str | None, sets: list[str], deepspeed: str | None)
         values["deepspeed"] = deepspeed
     for key in ("model", "tokenizer", "task", "data_dir", "deepspeed"):
         path = values.get(key)
-        must_exist = key == "deepspeed" or (key == "data_dir" and path not in (None, "hub"))
+        must_exist = key == "deepspeed" or (key == "data_dir" and path not in (None, "hub", "samples"))
         if must_exist and path is not None and not os.path.exists(str(path)):
             raise ConfigError(f"{key}={path}: no such file or directory")
-    cfg = build(TrainConfig, values)
+    return {k: coerce(TrainConfig, k, v) for k, v in values.items()}
+
+
+def load_config(config_file: str | None, sets: list[str], deepspeed: str | None) -> TrainConfig:
+    cfg = build(TrainConfig, read_values(config_file, sets, deepspeed))
     cfg.validate()
     return cfg
+
+
+def eval_config(values: dict, resume) -> tuple[TrainConfig, str]:
+    """`eval --resume [CKPT]`: the checkpoint's run config, with the given keys that do not change what is
+    evaluated (batch size, num_eval, output path, ...). eval.json goes into the checkpoint unless output_dir is set."""
+    from .checkpoint import latest_checkpoint
+
+    path = resume
+    if resume is True:
+        out = values.get("output_dir", TrainConfig.output_dir)
+        path = latest_checkpoint(out)
+        if path is None:
+            raise ConfigError(f"--resume: no complete checkpoint in output_dir={out}; pass --resume CHECKPOINT")
+    run_config = os.path.join(str(path), "run_config.json")
+    if not os.path.isfile(run_config):
+        raise ConfigError(f"--resume {path}: no run_config.json there; pass a checkpoint-<step> directory that "
+                          "curvzo-ds train wrote")
+    with open(run_config) as f:
+        saved = json.load(f)
+    changed = differences(saved, values, EVAL_FROM_CHECKPOINT)
+    if changed:
+        raise ConfigError(f"eval --resume evaluates the checkpoint's run, so {'; '.join(changed)} cannot be changed: "
+                          "drop those --set (batch size, num_eval and output_dir may change)")
+    known = set(field_names())
+    merged = {k: v for k, v in saved.items() if k in known}
+    merged.update(values)
+    if "output_dir" not in values:
+        merged["output_dir"] = str(path)  # eval.json next to what it evaluates
+    cfg = build(TrainConfig, merged)
+    cfg.validate()
+    return cfg, str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
     p.add_argument("checkpoint")
     p.add_argument("--out", required=True)
-    p.add_argument("--merge-lora", action="store_true", help="also write the merged model (LoRA runs)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="LoRA runs: write the merged model to --out itself and the adapter to --out/adapter")
     p = sub.add_parser("plot", help="draw loss and evaluation curves of runs to a PNG")
     p.add_argument("run_dirs", nargs="+")
     p.add_argument("--out")
@@ -93,25 +142,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="with --run or --drift: steps to take")
     p.add_argument("--drift", choices=["bfloat16", "float16"],
                    help="instead: weight drift of DTYPE steps with and without fp32_master_weights")
-    p = sub.add_parser("plan", help="per-rank memory of a model under ZeRO-3 with CurvZO")
-    p.add_argument("--model", default="demo")
-    p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--fp32-master-weights", action="store_true")
+    p = sub.add_parser("plan", help="per-rank memory of a model under ZeRO-3 with CurvZO, from its config",
+                       description="Per-rank memory of CurvZO under ZeRO-3 from the model's config on the meta device "
+                                   "(no weights), next to first-order AdamW; the last line says fits or does not "
+                                   "fit. Formulas: docs/plan.md.")
+    p.add_argument("--model", default="demo", help="a model directory, a built-in name (opt-2.7b, llama2-7b, ...) "
+                                                   "or demo")
+    p.add_argument("--world-size", type=int, required=True, help="ranks W")
+    p.add_argument("--shard-group-size", type=int, help="ranks K that share one ZeRO-3 partition (default W)")
+    p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (or bfloat16, float16, float32)")
+    p.add_argument("--offload", default="none", choices=["none", "cpu"], help="offload_param")
+    p.add_argument("--batch", type=int, default=4, help="sequences per forward on one rank")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    p.add_argument("--gpu-memory", default="80GiB", help="memory per rank to fit in (80GiB, 80GB, 40G)")
+    p.add_argument("--fp32-master-weights", nargs="?", const="true", default="auto", help="auto, true or false")
+    p.add_argument("--deepspeed", help="a DeepSpeed config (JSON) for the bucket, live and persistence sizes")
+    p.add_argument("--device", default="gpu", choices=["gpu", "cpu"],
+                   help="cpu: plan a CPU run, where --gpu-memory means the process's memory")
+    p.add_argument("--label-positions", type=int, default=1, help="logit positions per sequence (the loss's)")
     argv = sys.argv[1:] if argv is None else argv
     # The deepspeed launcher inserts --local_rank=N (before the subcommand); LOCAL_RANK has it too.
     argv = [a for a in argv if not re.match(r"--local[-_]rank=\d+$", a)]
     args = parser.parse_args(argv)
     try:
-        if args.command in ("train", "eval"):
+        if args.command == "train":
             cfg = load_config(args.config, args.set, args.deepspeed)
-            from .run import run_eval, run_train  # deepspeed and transformers load only for these
+            from .run import run_train  # deepspeed and transformers load only for these
 
-            (run_train if args.command == "train" else run_eval)(cfg, args.resume)
+            run_train(cfg, args.resume)
+        elif args.command == "eval":
+            values = read_values(args.config, args.set, args.deepspeed)
+            cfg, resume = eval_config(values, args.resume) if args.resume else (load_config(
+                args.config, args.set, args.deepspeed), None)
+            from .run import run_eval
+
+            with stdout_to_stderr() as stdout:  # only the JSON result goes to stdout: `curvzo-ds eval | jq` works
+                results = run_eval(cfg, resume)
+                if results is not None:
+                    stdout.write(json.dumps(results, indent=1) + "\n")
         elif args.command == "export":
             from .export import export_checkpoint
 
-            print(export_checkpoint(args.checkpoint, args.out, args.merge_lora))
+            for line in export_checkpoint(args.checkpoint, args.out, args.merge_lora):
+                print(line)
         elif args.command == "plot":
             from .plot import plot_runs
 
@@ -129,11 +202,40 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "plan":
             from .plan import plan
 
-            plan(args.model, args.world_size, args.dtype, args.fp32_master_weights)
+            plan(model=args.model, world_size=args.world_size, shard_group_size=args.shard_group_size,
+                 dtype=args.dtype, offload=args.offload, batch=args.batch, seq_len=args.seq_len,
+                 gpu_memory=args.gpu_memory, fp32_master=args.fp32_master_weights, deepspeed=args.deepspeed,
+                 device=args.device, label_positions=args.label_positions)
     except (ConfigError, FileNotFoundError) as e:
         print(f"curvzo-ds {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RunEnded as e:  # the run stopped for a stated reason: one line (the log above has the context)
+        print(f"curvzo-ds {args.command}: {'' if e.exit_code == 3 else 'error: '}{e}", file=sys.stderr)
+        return e.exit_code
+    except ValueError as e:  # a checkpoint or run directory that is not what the command needs (export, plot)
+        if args.command not in ("export", "plot"):
+            raise
+        print(f"curvzo-ds {args.command}: error: {e}", file=sys.stderr)
+        return 2
     return 0
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Send everything written to stdout (Python's and file descriptor 1: libraries, compilers) to stderr for the
+    body; yields a stream on the real stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    real = os.fdopen(os.dup(saved), "w")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield real
+    finally:
+        sys.stdout.flush()
+        real.close()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _ints(text: str, option: str) -> list[int]:

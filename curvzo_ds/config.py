@@ -34,6 +34,12 @@ def key_docs(cls=None) -> dict[str, str]:
     return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls or TrainConfig)}
 
 
+class RunEnded(RuntimeError):
+    """A run stopped for a reason it states in one line (the CLI prints it and exits with `exit_code`)."""
+
+    exit_code = 1
+
+
 class ConfigError(ValueError):
     """A bad configuration value. The message names the key, the value and the fix."""
 
@@ -45,11 +51,13 @@ class ZOConfig:
     method: str = key("curvzo", "curvzo (adaptive budget), mezo (every block), us_ab (uniform pi, adaptive "
                                 "budget), fixed (budget B)")
     seed: int = key(42, "seeds the noise, the block masks, the data order and the demo model")
-    learning_rate: float | None = key(None, "preset: demo 3e-4, full 1e-6, LoRA 5e-5")
-    zo_eps: float | None = key(None, "preset: demo 1e-2, full 1e-3, LoRA 1e-2")
+    learning_rate: float = key(1e-6, "MeZO's for full fine-tuning (the CLI's presets: demo 3e-4, full 1e-6, "
+                                     "LoRA 5e-5)")
+    zo_eps: float = key(1e-3, "perturbation scale (the CLI's presets: demo 1e-2, full 1e-3, LoRA 1e-2)")
     weight_decay: float = key(0.0, "MeZO-style decay of matrices (never biases or norms), scaled by 1/pi")
     lr_scheduler_type: str = key("constant", "constant or linear (decay to 0 at max_steps)")
-    max_steps: int | None = key(None, "preset: demo 300, otherwise 20000 (the paper)")
+    max_steps: int = key(0, "the horizon of a linear schedule (0: none); the CLI trains this many steps "
+                            "(presets: demo 300, otherwise 20000, the paper)")
     # The adaptive budget (Eq. 20): B = B_min + (B_max - B_min)(alpha d_eff/G + (1-alpha) H).
     budget_min: float = key(0.1, "fraction of G")
     budget_max: float = key(0.7, "fraction of G")
@@ -119,10 +127,16 @@ class ZOConfig:
 class TrainConfig(ZOConfig):
     """Everything `curvzo-ds train` reads. Keys and meanings: docs/config.md."""
 
+    # None: filled from a preset (resolve_presets) once the model and LoRA setting are known.
+    learning_rate: float | None = key(None, "preset: demo 3e-4, full 1e-6 (MeZO), LoRA 5e-5 (MeZO)")
+    zo_eps: float | None = key(None, "perturbation scale; preset: demo 1e-2, full 1e-3, LoRA 1e-2 (MeZO)")
+    max_steps: int | None = key(None, "training steps; preset: demo 300, otherwise 20000 (the paper)")
+
     model: str = key("demo", "hub id, local path, or the built-in 'demo' (tiny Llama) / 'demo-opt'")
     tokenizer: str | None = key(None, "defaults to the model's")
     task: str = key("demo", "built-in task name or a task directory")
-    data_dir: str | None = key(None, "local JSONL/CSV files for a built-in task (instead of the hub)")
+    data_dir: str | None = key(None, "unset: the hub dataset of a built-in task; samples: its bundled examples; "
+                                     "DIR: local train/validation JSONL or CSV, or a datasets save_to_disk dir")
     output_dir: str = key("runs/demo", "where metrics.jsonl, summary.json and checkpoint-<step>/ go")
     global_batch_size: int = key(16, "examples per step over all ranks (MeZO: 16)")
     micro_batch_size: int = key(4, "examples per forward on one rank")
@@ -148,6 +162,13 @@ class TrainConfig(ZOConfig):
     report_to: str = key("auto", "auto (tensorboard if installed), tensorboard, none")
     disable_tqdm: bool = key(False, "no progress bar or progress lines")
     progress_interval: float = key(30.0, "seconds between progress log lines when stderr is not a terminal")
+    overwrite_output_dir: bool = key(False, "replace the run in output_dir (its checkpoints, metrics and summary); "
+                                            "without it a run refuses a directory that holds another (Hugging Face's "
+                                            "name)")
+    consistency_steps: int = key(100, "every N steps the ranks compare a hash of their ZO state and stop if they "
+                                      "differ (0: never)")
+    flat_loss_steps: int = key(20, "warn when the loss stays exactly the same with a projected gradient of 0 for N "
+                                   "steps (0: never)")
     ddp_timeout: int = key(1800, "seconds a collective may wait before the job fails, so that a hung rank ends the "
                                  "job (Hugging Face's name and default)")
     log_level: str = key("info", "debug, info, warning or error (rank 0; other ranks log warnings)")
@@ -178,6 +199,9 @@ class TrainConfig(ZOConfig):
         need(self.zero_stage in (0, 3), "zero_stage", "0 or 3")
         need(self.offload_param in ("none", "cpu"), "offload_param", "none or cpu")
         need(self.report_to in ("auto", "tensorboard", "none"), "report_to", "auto, tensorboard or none")
+        for key_name in ("consistency_steps", "flat_loss_steps"):
+            need(isinstance(getattr(self, key_name), int) and getattr(self, key_name) >= 0, key_name,
+                 "an integer >= 0 (0: never)")
         need(_posint(self.ddp_timeout), "ddp_timeout", "an integer number of seconds >= 1")
         need(_finite(self.progress_interval) and self.progress_interval >= 0, "progress_interval", "a number >= 0")
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level", "debug, info, warning or error")
@@ -259,6 +283,24 @@ def resolve_presets(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+# The keys that define what `curvzo-ds eval --resume CKPT` evaluates: they come from the checkpoint's run config,
+# and a --set may not change them (batch size, num_eval, the output path and the like may change).
+EVAL_FROM_CHECKPOINT = ("model", "tokenizer", "task", "data_dir", "lora", "lora_r", "lora_alpha", "lora_target_modules",
+                        "seed", "num_train", "num_dev", "max_length", "max_new_tokens", "train_as_classification",
+                        "dtype", "block_granularity", "block_chunk_size")
+# The keys a resumed training run may change (docs/config.md); every other key changes the trajectory and must
+# match the checkpoint's run config.
+RESUME_MAY_CHANGE = ("max_steps", "eval_steps", "save_steps", "save_total_limit", "logging_steps", "report_to",
+                     "disable_tqdm", "progress_interval", "log_level", "output_dir", "overwrite_output_dir", "threads",
+                     "ddp_timeout", "deepspeed", "zero_stage", "offload_param", "num_eval", "visibility_steps",
+                     "visibility_warn", "max_consecutive_skips")
+
+
+def differences(saved: dict[str, Any], values: dict[str, Any], keys) -> list[str]:
+    """"key: saved -> new" for each of `keys` whose value in `values` differs from the checkpoint's `saved`."""
+    return [f"{k}: {saved.get(k)!r} -> {values[k]!r}" for k in keys if k in values and values[k] != saved.get(k)]
+
+
 def to_dict(cfg) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
@@ -268,4 +310,5 @@ def zo_part(cfg: TrainConfig) -> ZOConfig:
     return ZOConfig(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in names})
 
 
-__all__ = ["ZOConfig", "TrainConfig", "ConfigError", "build", "resolve_presets", "zo_part", "key", "key_docs"]
+__all__ = ["ZOConfig", "TrainConfig", "ConfigError", "RunEnded", "build", "resolve_presets", "zo_part", "key",
+           "key_docs"]

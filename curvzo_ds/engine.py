@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -27,7 +28,7 @@ import torch
 
 from . import ds_compat
 from .comm import Comm, bits_float64, float64_bits
-from .config import ZOConfig
+from .config import RunEnded, ZOConfig
 from .data.stream import MicroBatches, round_robin_slots
 from .noise import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
 from .params import ParamEntry, collect_entries, intersect, make_blocks
@@ -37,11 +38,9 @@ log = logging.getLogger("curvzo_ds")
 
 _PIECE = 1 << 22  # elements of noise held at once per tensor piece
 
-# The defaults of ZOConfig's preset keys when ZOEngine is used from Python (the CLI fills them from presets).
-ENGINE_DEFAULTS = {"learning_rate": 1e-6, "zo_eps": 1e-3, "max_steps": 0}
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(RunEnded):
     """Raised after `max_consecutive_skips` steps in a row had a non-finite loss."""
 
 
@@ -62,10 +61,11 @@ class StepResult:
     visibility: float | None = None  # the least fraction of a drawn bf16/fp16 block's elements that +eps z moved
     visibility_block: str | None = None
     skipped: str | None = None
+    stop: bool = False  # with step(batch, stop_requested=...): some rank asked to stop (not a metric)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k.startswith("loss")
-                or k == "projected_grad"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "stop" and (
+            v is not None or k.startswith("loss") or k == "projected_grad")}
 
 
 LossFn = Callable[[Any, Any], Any]
@@ -111,9 +111,10 @@ class ZOEngine:
             if key not in names:
                 raise ValueError(f"unknown ZOEngine option {key!r}")
             setattr(cfg, key, value)
-        for key, value in ENGINE_DEFAULTS.items():
-            if getattr(cfg, key) is None:
-                setattr(cfg, key, value)
+        missing = [k for k in ("learning_rate", "zo_eps", "max_steps") if getattr(cfg, k) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} unset: a TrainConfig's presets are resolved by the CLI "
+                             "(config.resolve_presets); set them or pass a ZOConfig")
         cfg.validate()
         if cfg.budget_floor == 0 and cfg.method in ("curvzo", "fixed"):
             log.warning("budget_floor=0 is the paper's literal rule: a block whose pi reaches 0 is never drawn "
@@ -150,10 +151,14 @@ class ZOEngine:
         self._warned_visibility: set[str] = set()
         self.partitioned = any(e.partitioned for e in self.entries)
         self.timer: StepTimer | None = None
+        self.last_mask: torch.Tensor | None = None
         self.step_count = 0
         self.skips_in_row = 0
         self.skipped_total = 0
         self._check_ranks_agree()
+        log.info("ZOEngine: method %s, learning_rate %g (%s), zo_eps %g, weight_decay %g; %d blocks, %d trainable "
+                 "parameters; noise %s", cfg.method, cfg.learning_rate, cfg.lr_scheduler_type, cfg.zo_eps,
+                 cfg.weight_decay, self.num_blocks, self.num_params, self.noise.ident)
 
     @property
     def num_blocks(self) -> int:
@@ -161,17 +166,24 @@ class ZOEngine:
 
     # ----------------------------------------------------------------- the step
     @torch.no_grad()
-    def step(self, batch) -> StepResult:
+    def step(self, batch, stop_requested: bool | None = None) -> StepResult:
+        """One update on `batch` (a MicroBatches of the global batch, or this rank's own batch).
+
+        `stop_requested` (the CLI's pre-emption flag): summed over the ranks in the step's own all-reduce, so that
+        every rank learns at the same step that one of them was asked to stop (`StepResult.stop`).
+        """
         cfg = self.cfg
         t = self.step_count
         lr = lr_at(t, cfg.learning_rate, cfg.lr_scheduler_type, cfg.max_steps)
         plan = self.sampler.plan(t)
         base = dict(budget=plan.budget, n_selected=plan.n_selected, param_fraction=plan.param_fraction(self.sizes),
                     max_inv_pi=plan.max_inv_pi, learning_rate=lr, d_eff=plan.d_eff, score_entropy=plan.entropy)
+        self.last_mask = plan.mask
         if plan.n_selected == 0:
             # No block drawn: no forwards, no score update; the step is counted (docs/algorithm.md).
             self._end_step(plan, None, None)
-            return StepResult(t + 1, None, None, None, None, skipped="empty_mask", **base)
+            stop = self._agree(stop_requested) if stop_requested is not None else False
+            return StepResult(t + 1, None, None, None, None, skipped="empty_mask", stop=stop, **base)
         pieces = self._local_pieces(plan.mask)
         eps = cfg.zo_eps
         was_training = self.module.training
@@ -190,8 +202,9 @@ class ZOEngine:
         finally:
             self.module.train(was_training)
         with self._section("reduce"):
-            loss_plus, loss_minus, block_sq, changed = self._reduce(block_fixed, plus, minus, self._slot_count(batch),
-                                                                   changed)
+            loss_plus, loss_minus, block_sq, changed, stop = self._reduce(
+                block_fixed, plus, minus, self._slot_count(batch), changed, stop_requested)
+        base["stop"] = stop
         if changed is not None:
             base.update(self._visibility(changed, plan.mask))
         delta = (loss_plus - loss_minus) / (2 * eps)
@@ -369,30 +382,47 @@ class ZOEngine:
                  else torch.tensor(float(x), dtype=torch.float64, device=self.device) for x in (loss_sum, count)]
         return torch.stack(parts)
 
-    def _reduce(self, block_fixed, plus, minus, total: int, changed=None):
+    def _agree(self, flag: bool) -> bool:
+        """True on every rank if `flag` is set on any (a step without forwards has no all-reduce to carry it)."""
+        return bool(self.comm.all_reduce_sum_int64(torch.tensor([int(flag)], dtype=torch.int64)).item())
+
+    def _reduce(self, block_fixed, plus, minus, total: int, changed=None, stop_requested=None):
         """One all-reduce of int64: the G block sums (none for MeZO), on visibility steps the G counts of moved
         bf16/fp16 elements, then (L+, L-, count) of every micro-batch slot as float64 bit patterns (each slot
         is written by one rank, zero elsewhere, so the integer sum returns it exactly). The all-reduce's result
-        is the step's only read back to the host. Returns (L+, L-, block sums of z^2, moved counts or None)."""
+        is the step's only read back to the host; with `stop_requested`, one more value carries the stop flag.
+        Returns (L+, L-, block sums of z^2, moved counts or None, whether any rank asked to stop)."""
         g = self.num_blocks if block_fixed is not None else 0
         c = self.num_blocks if changed is not None else 0
-        vec = torch.zeros(g + c + 3 * total, dtype=torch.int64, device=self.device)
+        losses = g + c  # layout: [block sums (g) | moved counts (c) | 3 values per slot | stop flag (0 or 1)]
+        flag = losses + 3 * total
+        vec = torch.zeros(flag + (stop_requested is not None), dtype=torch.int64, device=self.device)
         if block_fixed is not None:
             vec[:g] = block_fixed
         if changed is not None:
-            vec[g:g + c] = changed
-        g += c
+            vec[g:losses] = changed
         for (slot, lp), (_, lm) in zip(plus, minus):
-            vec[g + 3 * slot: g + 3 * slot + 3] = float64_bits(torch.stack([lp[0], lm[0], lp[1]]))
+            vec[losses + 3 * slot: losses + 3 * slot + 3] = float64_bits(torch.stack([lp[0], lm[0], lp[1]]))
+        if stop_requested is not None:
+            vec[flag] = int(stop_requested)
         vec = self.comm.all_reduce_sum_int64(vec)
-        vals = bits_float64(vec[g:]).view(total, 3).tolist()
-        g -= c
-        block_sq = vec[:g].to(torch.float64) / 2.0**FIXED_POINT_BITS if g else torch.zeros(self.num_blocks,
-                                                                                          dtype=torch.float64)
-        moved = vec[g:g + c].to(torch.float64) if c else None
-        return _ratio(vals, 0, 2), _ratio(vals, 1, 2), block_sq, moved
+        vals = bits_float64(vec[losses:flag]).view(total, 3).tolist()
+        block_sq = (vec[:g].to(torch.float64) / 2.0**FIXED_POINT_BITS if g
+                    else torch.zeros(self.num_blocks, dtype=torch.float64))
+        moved = vec[g:losses].to(torch.float64) if c else None
+        stop = bool(vec[flag]) if stop_requested is not None else False
+        return _ratio(vals, 0, 2), _ratio(vals, 1, 2), block_sq, moved, stop
 
     # ----------------------------------------------------------------- state
+    def state_hash(self) -> str:
+        """A hash of what every rank must agree on: the step, the scores, the warm-up sums, the last step's mask
+        and the noise generator (the CLI compares it across ranks every `consistency_steps` steps)."""
+        h = hashlib.sha256(f"{self.step_count} {self.noise.ident}".encode())
+        for t in (self.sampler.scores, self.sampler.warmup_sum, self.last_mask):
+            if t is not None:
+                h.update(t.cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step_count,
@@ -405,7 +435,8 @@ class ZOEngine:
             "method": self.cfg.method,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise ValueError if a checkpoint's engine state cannot continue this engine (noise, blocks, seed)."""
         if state["noise"] != self.noise.describe():
             raise ValueError(f"checkpoint noise {state['noise']} differs from this engine's "
                              f"{self.noise.describe()}: it was written by another noise generator; resume it with the "
@@ -415,6 +446,9 @@ class ZOEngine:
                              "(another model, LoRA setting or block_granularity?)")
         if state["seed"] != self.cfg.seed:
             raise ValueError(f"checkpoint seed {state['seed']} differs from seed={self.cfg.seed}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self.step_count = int(state["step"])
         self.sampler.load_state_dict(state)
         self.skipped_total = int(state["skipped_total"])

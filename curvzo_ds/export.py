@@ -1,9 +1,12 @@
-"""`curvzo-ds export`: a checkpoint to a Hugging Face model directory (one process, offline).
+"""`curvzo-ds export CKPT --out DIR [--merge-lora]`: a checkpoint to a Hugging Face directory that loads offline.
 
-Full fine-tuning: safetensors shards of the trainable tensors under their `save_pretrained`
-names, config.json and the tokenizer, loadable with `from_pretrained`. LoRA: the peft adapter
-(adapter_model.safetensors + adapter_config.json), and with `--merge-lora` also the merged
-model in `merged/`. Tensors are assembled one at a time from the ranks' slices.
+- Full fine-tuning: safetensors shards of the trainable tensors under their `save_pretrained` names,
+  config.json and the tokenizer: `AutoModelForCausalLM.from_pretrained(DIR)`.
+- LoRA: the peft adapter (adapter_model.safetensors, adapter_config.json naming its base model) in DIR:
+  `AutoPeftModelForCausalLM.from_pretrained(DIR)`. The base is the run's `model` (a hub id or a local
+  path); the built-in demo models have no path, so their base is saved to DIR/base and named there.
+- LoRA with `--merge-lora`: the merged model in DIR itself, the adapter in DIR/adapter.
+Tensors are assembled one at a time from the ranks' slices; one process, no GPU needed.
 """
 
 from __future__ import annotations
@@ -18,31 +21,82 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from .checkpoint import consolidated_state_dict, read_manifest
-from .config import DEMO_MODELS, TrainConfig, resolve_presets
+from .config import DEMO_MODELS, ConfigError, TrainConfig, field_names, resolve_presets
 from .models import DTYPES, build_model, load_tokenizer
 
 MAX_SHARD_BYTES = 2 << 30
-_COPY = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-         "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja")
 
 
-def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False) -> str:
+def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False) -> list[str]:
+    """Write the export; returns what was written and how to load it, one line each."""
     manifest = read_manifest(checkpoint)
-    trainer = manifest.get("trainer", {})
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out {out} is an existing file: pass a directory (it is created if missing)")
+    lora = bool(manifest.get("trainer", {}).get("lora"))
+    if merge_lora and not lora:
+        raise ConfigError(f"--merge-lora: {checkpoint} is a full fine-tuning checkpoint (no LoRA adapter to merge); "
+                          "export it without --merge-lora")
+    cfg = _run_config(checkpoint)
     tensors = consolidated_state_dict(checkpoint)
     os.makedirs(out, exist_ok=True)
-    lora = bool(trainer.get("lora"))
-    for name in _COPY + (("adapter_config.json",) if lora else ()):
-        src = os.path.join(checkpoint, name)
-        if os.path.exists(src) and not (lora and name == "config.json"):
-            shutil.copy(src, os.path.join(out, name))
-    if lora:
-        save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
-        if merge_lora:
-            _merge(checkpoint, out)
-        return out
-    _save_sharded(tensors, out)
-    return out
+    if not lora:
+        _save_sharded(tensors, out)
+        _copy(checkpoint, out, ("config.json", *TOKENIZER_FILES))
+        return [f"wrote the model to {out}: AutoModelForCausalLM.from_pretrained({out!r})"]
+    if cfg is None:
+        raise ConfigError(f"{checkpoint} has no run_config.json: its LoRA base model is unknown")
+    base_ref, base = _base_model(cfg, out)
+    adapter_dir = os.path.join(out, "adapter") if merge_lora else out
+    os.makedirs(adapter_dir, exist_ok=True)
+    save_file(tensors, os.path.join(adapter_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(checkpoint, "adapter_config.json")) as f:
+        adapter_config = json.load(f)
+    adapter_config["base_model_name_or_path"] = base_ref
+    with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
+        json.dump(adapter_config, f, indent=2)
+    _copy(checkpoint, adapter_dir, TOKENIZER_FILES)
+    lines = [f"wrote the LoRA adapter to {adapter_dir} (base model {base_ref}): "
+             f"AutoPeftModelForCausalLM.from_pretrained({adapter_dir!r})"]
+    if merge_lora:
+        base = base if base is not None else AutoModelForCausalLM.from_pretrained(base_ref, dtype=DTYPES[cfg.dtype])
+        with torch.no_grad():
+            merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+        merged.save_pretrained(out)
+        _copy(checkpoint, out, TOKENIZER_FILES)
+        lines.insert(0, f"wrote the merged model to {out}: AutoModelForCausalLM.from_pretrained({out!r})")
+    return lines
+
+
+def _copy(src: str, dst: str, names) -> None:
+    for name in names:
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+
+
+def _run_config(checkpoint: str) -> TrainConfig | None:
+    path = os.path.join(checkpoint, "run_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    known = set(field_names())
+    return TrainConfig(**{k: v for k, v in saved.items() if k in known})
+
+
+def _base_model(cfg: TrainConfig, out: str):
+    """(how the adapter names its base, the base model if it had to be built here). A hub id stays a hub id; a
+    local path becomes absolute; a demo model is built from its seed and saved to out/base."""
+    if cfg.model in DEMO_MODELS:
+        base, _ = build_model(resolve_presets(TrainConfig(**{**cfg.__dict__, "lora": False})), {})
+        path = os.path.abspath(os.path.join(out, "base"))
+        base.save_pretrained(path)
+        load_tokenizer(cfg).save_pretrained(path)
+        return path, base
+    if os.path.isdir(cfg.model):
+        return os.path.abspath(cfg.model), None
+    return cfg.model, None
 
 
 def _save_sharded(tensors: dict, out: str) -> None:
@@ -66,19 +120,3 @@ def _save_sharded(tensors: dict, out: str) -> None:
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-
-
-def _merge(checkpoint: str, out: str) -> None:
-    """Base model + adapter, merged, saved under out/merged (needs the base model's weights)."""
-    with open(os.path.join(checkpoint, "run_config.json")) as f:
-        run_cfg = json.load(f)
-    cfg = TrainConfig(**run_cfg)
-    if cfg.model in DEMO_MODELS:
-        cfg = resolve_presets(TrainConfig(**{**run_cfg, "lora": False}))
-        base, _ = build_model(cfg, {})
-    else:
-        base = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=DTYPES[cfg.dtype])
-    with torch.no_grad():
-        merged = PeftModel.from_pretrained(base, out).merge_and_unload()
-    merged.save_pretrained(os.path.join(out, "merged"))
-    load_tokenizer(cfg).save_pretrained(os.path.join(out, "merged"))

@@ -5,6 +5,7 @@ Only rank 0 writes: other ranks build a `MetricsWriter(..., enabled=False)`, who
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -166,6 +167,16 @@ class LogProgress:
 
     def close(self) -> None:
         pass
+
+
+def progress_logging(bar):
+    """While a tqdm bar is open in a terminal, log records are written through it (tqdm.write), so they do not
+    end up glued onto the bar's line."""
+    if bar is None or isinstance(bar, LogProgress):
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()
 
 
 def make_progress(cfg, rank: int, start: int):

@@ -1,89 +1,312 @@
-"""`curvzo-ds plot`: training loss and eval metrics against step, one line per run, in one PNG."""
+"""`curvzo-ds plot RUN... --out F.png`: one PNG of a set of runs, one colour per run.
+
+Panels: training loss (raw and smoothed); dev loss; the task metric on dev, with the best-dev step marked and
+the test score at that step (summary.json) labelled; the budget B and the blocks drawn; B as the fraction of
+parameters; d_eff / G and H; and a heat map of pi per block over steps (pi.bin, curvzo_ds/pilog.py) of the first
+run that has one. The title names the model, task and method.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import textwrap
+from dataclasses import dataclass
 
+import numpy as np
+
+from .config import ConfigError
 from .logs import METRICS_FILE, read_metrics
+from .pilog import PI_FILE, has_pi, read_pi
 
 EVAL_METRICS = ("accuracy", "f1", "exact_match")
+HEATMAP_BLOCKS = 40
+
+
+@dataclass
+class RunData:
+    label: str
+    config: dict
+    summary: dict
+    train: list[dict]
+    dev: list[dict]
+    test: list[dict]
+    pi: tuple | None = None  # (steps, names, pi) of pi.bin
+
+    def get(self, key: str):
+        """model, task or method: config.json's, else summary.json's."""
+        return self.config.get(key) or self.summary.get(key)
+
+    @property
+    def num_blocks(self) -> int | None:
+        return self.summary.get("num_blocks") or (len(self.pi[1]) if self.pi else None)
+
+    @property
+    def metric(self) -> str | None:
+        """The task's metric: the first of EVAL_METRICS in the dev (else test) lines."""
+        rows = self.dev or self.test
+        return next((m for m in EVAL_METRICS if any(_number(r.get(m)) for r in rows)), None)
 
 
 def plot_runs(run_dirs: list[str], out: str | None = None) -> str:
-    """Draw the runs' `metrics.jsonl` into a PNG at `out` (default `<first run>/metrics.png`); return its path.
-
-    Left: training loss against step, faint, with its moving average over about 1/20 of the run
-    on top. Right: each eval metric of the dev (solid) and test (dashed) splits. A run is labelled
-    by its summary.json `method` and its directory name.
-    """
+    """Draw the runs into a PNG at `out` (default `<first run>/metrics.png`); return its path."""
     if not run_dirs:
-        raise ValueError("plot_runs needs at least one run directory")
-    runs = [_load_run(d) for d in run_dirs]
+        raise ConfigError("curvzo-ds plot needs at least one run directory (a train run's output_dir)")
     out = out or os.path.join(run_dirs[0], "metrics.png")
-
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
+    if not out.lower().endswith(".png"):
+        raise ConfigError(f"--out {out}: plot writes a PNG; give a file name ending in .png")
+    fig = figure(run_dirs)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=100, bbox_inches="tight")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5))
-    eval_lines = 0
-    for index, (label, train, evals) in enumerate(runs):
-        color = f"C{index % 10}"
-        steps, losses = _series(train, "loss")
-        if steps:
-            ax_loss.plot(steps, losses, color=color, alpha=0.3, linewidth=0.8)
-            ax_loss.plot(steps, _moving_average(losses, max(1, len(losses) // 20)), color=color, label=label)
-        for split, style in (("dev", "-"), ("test", "--")):
-            rows = [r for r in evals if r.get("split") == split]
-            for metric, marker in zip(EVAL_METRICS, "os^"):
-                steps, values = _series(rows, metric)
-                if steps:
-                    ax_eval.plot(steps, values, style, color=color, marker=marker, markersize=3,
-                                 label=f"{label} {split} {metric}")
-                    eval_lines += 1
-    ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
-    ax_loss.grid(alpha=0.3)
-    if ax_loss.lines:
-        ax_loss.legend(fontsize=8)
-    ax_eval.set(title="eval", xlabel="step", ylabel="metric")
-    ax_eval.grid(alpha=0.3)
-    if eval_lines:
-        ax_eval.legend(fontsize=8)
-    else:
-        ax_eval.text(0.5, 0.5, "no eval lines", ha="center", va="center", transform=ax_eval.transAxes)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
 
 
-def _load_run(run_dir: str) -> tuple[str, list[dict], list[dict]]:
+def figure(run_dirs: list[str]):
+    """The matplotlib Figure of the runs: axes 0-5 the curves, 6 the heat map (then its colour bar)."""
+    runs = [load_run(d) for d in run_dirs]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("curvzo-ds plot needs matplotlib: pip install 'curvzo_ds[plot]'") from None
+
+    fig = plt.figure(figsize=(17, 13))
+    grid = fig.add_gridspec(3, 3, height_ratios=[1, 1, 1.5], hspace=0.38, wspace=0.22, top=0.92)
+    axes = [fig.add_subplot(grid[0, 0])]
+    axes += [fig.add_subplot(grid[i // 3, i % 3], sharex=axes[0]) for i in range(1, 6)]
+    heat = fig.add_subplot(grid[2, :], sharex=axes[0])
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    panels = (_train_loss, _dev_loss, _dev_metric, _budget, _fraction, _d_eff)
+    for ax, panel in zip(axes, panels):
+        empty = panel(ax, runs, colors)  # what to say when the runs have no data for it
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.margins(y=0.12)
+        if not ax.lines:
+            _no_data(ax, empty)
+    _heatmap(fig, heat, runs)
+    fig.suptitle(_title(runs), fontsize=14, y=0.995)
+    handles = [plt.Line2D([], [], color=c, linewidth=2.5) for c in colors]
+    fig.legend(handles, [r.label for r in runs], loc="upper center", ncol=min(len(runs), 4), frameon=False,
+               bbox_to_anchor=(0.5, 0.975), fontsize=11)
+    return fig
+
+
+def load_run(run_dir: str) -> RunData:
+    """A run directory's metrics.jsonl, config.json, summary.json and pi file; ConfigError if it is not a run."""
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"{run_dir}: no such directory; pass a run's output_dir (it holds {METRICS_FILE})")
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isfile(path):
-        raise ValueError(f"{path} does not exist: pass a run's output_dir (it holds {METRICS_FILE})")
-    rows = [r for r in read_metrics(path) if isinstance(r.get("step"), int | float)]
+        raise ConfigError(f"{run_dir} holds no {METRICS_FILE}: pass a run's output_dir, after its first "
+                          "logging step")
+    rows = [r for r in read_metrics(path) if _number(r.get("step"))]
     if not rows:
-        raise ValueError(f"{path} holds no metrics lines with a step")
-    label = os.path.basename(os.path.normpath(run_dir))
+        raise ConfigError(f"{path} holds no metrics lines with a step yet: plot it after the run's first logging "
+                          "step")
+    config, summary = _read_json(run_dir, "config.json"), _read_json(run_dir, "summary.json")
+    name = os.path.basename(os.path.normpath(run_dir))
+    method = config.get("method") or summary.get("method")
+    pi = None
+    if has_pi(run_dir):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # a damaged pi file: no heat map
+            pi = read_pi(run_dir)
+    return RunData(label=f"{name} ({method})" if method else name, config=config, summary=summary,
+                   train=[r for r in rows if "split" not in r],
+                   dev=_by_step([r for r in rows if r.get("split") == "dev"]),
+                   test=_by_step([r for r in rows if r.get("split") == "test"]), pi=pi)
+
+
+def _train_loss(ax, runs, colors) -> str:
+    for run, color in zip(runs, colors):
+        steps, losses = _series(run.train, "loss")
+        if steps:
+            ax.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
+            window = max(1, min(len(losses) // 2, max(5, len(losses) // 20)))
+            ax.plot(steps, _moving_average(losses, window), color=color, linewidth=1.8)
+    ax.set(title="training loss (faint: raw; bold: moving average)", ylabel="loss")
+    return "no data: no training loss logged"
+
+
+def _dev_loss(ax, runs, colors) -> str:
+    for run, color in zip(runs, colors):
+        steps, losses = _series(run.dev, "loss")
+        if steps:
+            ax.plot(steps, losses, "-o", color=color, markersize=3.5)
+            best = _best(run)
+            if best:
+                ax.axvline(best[0], color=color, linestyle=":", linewidth=1)
+    ax.set(title="dev loss (dotted: best-dev step)", ylabel="loss")
+    return "no data: no dev evaluations (num_dev, eval_steps)"
+
+
+def _dev_metric(ax, runs, colors) -> str:
+    metrics = []
+    for index, (run, color) in enumerate(zip(runs, colors)):
+        metric = run.metric
+        steps, values = _series(run.dev, metric) if metric else ([], [])
+        if not steps:
+            continue
+        metrics.append(metric)
+        ax.plot(steps, values, "-o", color=color, markersize=3.5)
+        best = _best(run)
+        if best is None:
+            continue
+        step, value, test = best
+        ax.axvline(step, color=color, linestyle=":", linewidth=1)
+        if value is not None:
+            ax.plot([step], [value], "*", color=color, markersize=15, markeredgecolor="black", zorder=5)
+        text = f"best dev @ {step}" + (f"\ntest {metric} {test:.4g}" if test is not None else "\nno test score")
+        at = value if value is not None else values[steps.index(step)] if step in steps else values[-1]
+        ax.annotate(text, (step, at), xytext=(8, -14 - 30 * index),
+                    textcoords="offset points", fontsize=8, va="top",
+                    bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": color, "alpha": 0.9})
+    name = "/".join(dict.fromkeys(metrics)) or "metric"
+    ax.set(title=f"dev {name} (star: best dev, with the test score there)", ylabel=name)
+    return "no data: no dev evaluations (num_dev, eval_steps)"
+
+
+def _budget(ax, runs, colors) -> str:
+    for run, color in zip(runs, colors):
+        steps, budget = _series(run.train, "budget")
+        if steps:
+            ax.plot(steps, budget, color=color, linewidth=1.8)
+        steps, drawn = _series(run.train, "n_selected")
+        if steps:
+            ax.plot(steps, drawn, color=color, linewidth=0.7, alpha=0.45)
+    sizes = {run.num_blocks for run in runs}
+    of = f" of G = {sizes.pop()}" if len(sizes) == 1 and None not in sizes else ""
+    ax.set(title=f"budget B (bold) and blocks drawn (faint){of}", ylabel="blocks")
+    return "no data: no budget logged"
+
+
+def _fraction(ax, runs, colors) -> str:
+    for run, color in zip(runs, colors):
+        steps, fraction = _series(run.train, "param_fraction")
+        if steps:
+            ax.plot(steps, fraction, color=color, linewidth=1.8)
+    ax.set(title="B as the fraction of parameters perturbed (expected)", ylabel="fraction of parameters")
+    return "no data: no param_fraction logged"
+
+
+def _d_eff(ax, runs, colors) -> str:
+    for run, color in zip(runs, colors):
+        steps, d_eff = _series(run.train, "d_eff")
+        if steps and run.num_blocks:
+            ax.plot(steps, np.divide(d_eff, run.num_blocks), color=color, linewidth=1.8)
+        steps, entropy = _series(run.train, "score_entropy")
+        if steps:
+            ax.plot(steps, entropy, "--", color=color, linewidth=1.4)
+    ax.set(title="d_eff / G (solid) and normalised entropy H (dashed)", ylabel="fraction")
+    return "no data: d_eff and H are logged by adaptive CurvZO (method=curvzo) only"
+
+
+def _heatmap(fig, ax, runs) -> None:
+    index = next((i for i, run in enumerate(runs) if run.pi is not None and len(run.pi[0])), None)
+    if index is None:
+        ax.set_title("pi per block")
+        ax.tick_params(labelbottom=False, bottom=False)  # not set_xticks: the x axis is shared
+        _no_data(ax, f"no data: none of these runs has a pi file ({PI_FILE}); MeZO writes none, its pi is all 1")
+        return
+    run = runs[index]
+    steps, names, pi = run.pi
+    cols = widest_blocks(pi, HEATMAP_BLOCKS)
+    which = f"the {len(cols)} of G = {len(names)} blocks whose pi varies most" if len(cols) < len(names) \
+        else f"all G = {len(names)} blocks"
+    first = " (the first run with a pi file)" if len(runs) > 1 else ""
+    edges = _edges(steps)
+    mesh = ax.pcolormesh(edges, np.arange(len(cols) + 1), pi[:, cols].T, cmap="viridis", shading="flat")
+    ax.set_yticks(np.arange(len(cols)) + 0.5, [short_name(names[c]) for c in cols],
+                  fontsize=max(5, min(9, 300 // max(1, len(cols)))))
+    ax.invert_yaxis()
+    ax.set(title=f"pi per block over steps: {run.label}{first}, {which}", xlabel="step (the pi each step drew from)")
+    fig.colorbar(mesh, ax=ax, label="pi", pad=0.01, fraction=0.03)
+
+
+def _no_data(ax, text: str) -> None:
+    ax.text(0.5, 0.5, textwrap.fill(text, 44), ha="center", va="center", transform=ax.transAxes, color="0.4",
+            fontsize=11)
+    ax.tick_params(labelleft=False, left=False)
+
+
+def widest_blocks(pi: np.ndarray, k: int) -> np.ndarray:
+    """The columns of the k blocks with the widest range of pi over the rows, in block order (all when G <= k)."""
+    if pi.shape[1] <= k:
+        return np.arange(pi.shape[1])
+    spread = pi.max(axis=0) - pi.min(axis=0)
+    return np.sort(np.argsort(-spread, kind="stable")[:k])
+
+
+def short_name(name: str, width: int = 36) -> str:
+    """A block name for a tick label: without the usual prefixes and `.weight`, `layers.N` as `LN`."""
+    for prefix in ("base_model.model.", "model.", "transformer.", "decoder."):
+        name = name.removeprefix(prefix)
+    name = name.removesuffix(".weight").replace("layers.", "L").replace("self_attn.", "attn.")
+    return name if len(name) <= width else "…" + name[-(width - 1):]
+
+
+def _title(runs: list[RunData]) -> str:
+    parts = []
+    for key in ("model", "task", "method"):
+        values = list(dict.fromkeys(str(run.get(key)) for run in runs if run.get(key)))
+        if values:
+            parts.append(f"{key} {', '.join(values)}")
+    return " · ".join(parts) or ", ".join(run.label for run in runs)
+
+
+def _best(run: RunData) -> tuple[int, float | None, float | None] | None:
+    """(step, dev metric, test metric) of the best dev evaluation: summary.json's, else the dev lines' best."""
+    metric = run.metric
+    best = run.summary.get("best_dev")
+    if isinstance(best, dict) and _number(best.get("step")):
+        test = run.summary.get("test")
+        value = best.get(metric) if metric else None
+        return int(best["step"]), value if _number(value) else None, \
+            (test.get(metric) if isinstance(test, dict) and _number(test.get(metric)) else None)
+    steps, values = _series(run.dev, metric) if metric else ([], [])
+    if not steps:
+        return None
+    i = int(np.argmax(values))
+    test = next((r.get(metric) for r in run.test if r["step"] == steps[i] and _number(r.get(metric))), None)
+    return int(steps[i]), values[i], test
+
+
+def _edges(steps: np.ndarray) -> np.ndarray:
+    """Cell edges around each step: halfway to the neighbours (half a step out at the ends)."""
+    s = np.asarray(steps, dtype=float)
+    if len(s) == 1:
+        return np.array([s[0] - 0.5, s[0] + 0.5])
+    mid = (s[1:] + s[:-1]) / 2
+    return np.concatenate([[s[0] - (mid[0] - s[0])], mid, [s[-1] + (s[-1] - mid[-1])]])
+
+
+def _by_step(rows: list[dict]) -> list[dict]:
+    """The last line of each step (an end-of-run evaluation repeats a step), in step order."""
+    return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
+
+
+def _read_json(run_dir: str, name: str) -> dict:
     try:
-        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
-            method = json.load(f).get("method")
-    except (OSError, ValueError, AttributeError):
-        method = None
-    if method:
-        label = f"{method} ({label})"
-    train = [r for r in rows if "split" not in r]
-    evals = [r for r in rows if "split" in r]
-    return label, train, evals
+        with open(os.path.join(run_dir, name), encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of the rows whose `key` is a number (null, that is non-finite, is left out)."""
-    pairs = [(r["step"], r[key]) for r in rows
-             if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)]
+    pairs = [(r["step"], r[key]) for r in rows if _number(r.get(key))]
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
@@ -98,4 +321,4 @@ def _moving_average(values: list[float], window: int) -> list[float]:
     return averages
 
 
-__all__ = ["plot_runs"]
+__all__ = ["figure", "load_run", "plot_runs", "short_name", "widest_blocks"]

@@ -7,19 +7,30 @@ and resumes, logs.py writes metrics. In the manner of torchtitan's trainer, `run
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 
 import deepspeed
 
 from . import data as D
-from .checkpoint import CheckpointManager, load_checkpoint
+from .checkpoint import CheckpointManager, load_checkpoint, verify_checkpoint
 from .comm import Comm, main_process_first
-from .config import ConfigError, TrainConfig, resolve_presets, to_dict, zo_part
-from .data.stream import MicroBatches, micro_batch_indices, step_indices
+from .config import (
+    RESUME_MAY_CHANGE,
+    ConfigError,
+    TrainConfig,
+    differences,
+    field_names,
+    resolve_presets,
+    to_dict,
+    zo_part,
+)
+from .data.stream import MicroBatches, micro_batch_indices
 from .digest import params_digest
 from .distributed import init_distributed, pin_threads
 from .ds_config import load_ds_config, resolve_ds_config
@@ -27,10 +38,13 @@ from .engine import ZOEngine
 from .evaluate import evaluate
 from .integrations import accelerate_ds_config
 from .jsonio import write_json_atomic
-from .logs import MetricsWriter, make_progress, setup_logging
+from .logs import MetricsWriter, make_progress, progress_logging, setup_logging
 from .models import build_model, load_tokenizer, model_hidden_size
+from .pilog import PiWriter
+from .signals import Fault, Preempted, RanksDisagree, StopRequest
 from .sysinfo import peak_rss_bytes, versions
 from .tasks import get_task, load_splits
+from .tasks.splits import data_source
 
 log = logging.getLogger("curvzo_ds")
 
@@ -58,7 +72,13 @@ class Run:
             enc = lambda ex, cls: D.encode(self.task, self.tokenizer, ex, cfg.max_length, cls, cfg.max_new_tokens)
             self.train_data = [enc(ex, cfg.train_as_classification) for ex in splits["train"]]
             self.eval_data = {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]}
-            step_indices(0, len(self.train_data), cfg.global_batch_size, cfg.seed)  # refuses a batch > the data
+            cut = sum(ex["cut"] for data in (self.train_data, *self.eval_data.values()) for ex in data)
+            if cut:
+                total = len(self.train_data) + sum(len(d) for d in self.eval_data.values())
+                log.warning("%d of %d examples are longer than max_length=%d tokens and were cut from the left "
+                            "(their label tokens kept); raise max_length to keep them whole", cut, total,
+                            cfg.max_length)
+            self._check_batch_fits()
         except ValueError as e:
             raise ConfigError(str(e)) from None
         model, self._keep_alive = build_model(cfg, self.ds_config)
@@ -73,6 +93,23 @@ class Run:
         log.info("model %s: %d trainable tensors (%d blocks, %d parameters), world size %d, %d threads per rank",
                  cfg.model, len(self.engine.entries), self.engine.num_blocks, self.engine.num_params,
                  self.world, self.threads)
+
+    def _check_batch_fits(self) -> None:
+        """A global batch larger than the training pool: one line naming the pool's size and what sets it."""
+        cfg, n = self.cfg, len(self.train_data)
+        if n >= cfg.global_batch_size:
+            return
+        source = data_source(self.task, cfg.data_dir)
+        where = {"hub": "the hub dataset", "files": "the bundled samples" if cfg.data_dir == "samples" else
+                 f"the files of task {self.task.name}", "dir": f"data_dir={cfg.data_dir}"}[source]
+        if n >= cfg.num_train:
+            fix = "lower global_batch_size or raise num_train"
+        else:
+            fix = (f"{where} leaves only {n} after dev and test are drawn: lower global_batch_size, or give more "
+                   "training data" + (" (leave data_dir unset for the hub dataset)" if cfg.data_dir == "samples"
+                                      else ""))
+        raise ConfigError(f"global_batch_size={cfg.global_batch_size} is larger than the {n} training examples "
+                          f"(num_train={cfg.num_train}, from {where}): {fix}")
 
     def _check_data_agrees(self) -> None:
         h = hashlib.sha256(json.dumps([self.train_data, self.eval_data], sort_keys=True).encode()).hexdigest()
@@ -113,52 +150,42 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
     run = Run(cfg)
     cfg, engine, comm = run.cfg, run.engine, run.engine.comm
     out = cfg.output_dir
-    if run.rank == 0:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(to_dict(cfg), f, indent=1)
     manager = run.checkpoints()
-    seconds0 = 0.0
+    # Everything is checked before the first byte goes to output_dir: the resume target and its compatibility,
+    # the directory itself (another run, a file, no space, no permission).
     path = manager.resume_path(resume)
+    trainer = check_resume(run, path) if path else None
+    prepare_output_dir(cfg, bool(resume), comm)
+    seconds0 = 0.0
     if path:
-        trainer = load_checkpoint(engine, path)
+        load_checkpoint(engine, path)
         manager.best, seconds0 = trainer.get("best_dev"), trainer.get("seconds", 0.0)
         log.info("resumed from %s at step %d", path, engine.step_count)
     elif resume:
         log.warning("--resume: no complete checkpoint in %s, starting from step 0", out)
+    if run.rank == 0:
+        write_json_atomic(os.path.join(out, "config.json"), to_dict(cfg))
     writer = MetricsWriter(out, enabled=run.rank == 0, tensorboard=_tensorboard(cfg) and run.rank == 0)
     writer.truncate_after(engine.step_count)
+    # pi per block for `curvzo-ds plot` (docs/outputs.md); MeZO's is all 1, so it writes none
+    pi_log = PiWriter(out, [b.name for b in engine.blocks], enabled=run.rank == 0 and cfg.method != "mezo")
+    pi_log.truncate_after(engine.step_count)
     bar = make_progress(cfg, run.rank, engine.step_count)
     t0 = time.time()
     seconds = lambda: seconds0 + time.time() - t0
 
-    def save(best: bool = False) -> None:
+    def save(best: bool = False) -> str:
         state = {"best_dev": manager.best, "seconds": seconds(), "model": cfg.model, "lora": cfg.lora,
                  "task": cfg.task}
-        log.info("saved %s%s", manager.save(engine, state, run.write_extra), " (best dev so far)" if best else "")
+        saved_path = manager.save(engine, state, run.write_extra)
+        log.info("saved %s%s", saved_path, " (best dev so far)" if best else "")
+        return saved_path
 
-    saved = last_dev = None
     try:
-        while engine.step_count < cfg.max_steps:
-            r = engine.step(run.micro_batches(engine.step_count))
-            step = r.step
-            if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-                writer.write({**r.as_dict(), "seconds": seconds()})
-            if bar is not None:
-                bar.set_postfix(loss=f"{r.loss:.4f}" if r.loss is not None else "-",
-                                budget=f"{r.budget:.1f}", blocks=r.n_selected, refresh=False)
-                bar.update(1)
-            if "dev" in run.eval_data and cfg.eval_steps and step % cfg.eval_steps == 0:
-                last_dev = (step, run.evaluate("dev"))
-                writer.write({"step": step, "split": "dev", **last_dev[1]})
-                log.info("step %d: dev %s", step, _fmt(last_dev[1]))
-                if manager.track(step, last_dev[1]):
-                    save(best=True)
-                    saved = step
-            if (cfg.save_steps and step % cfg.save_steps == 0 or step == cfg.max_steps) and saved != step:
-                save()
-                saved = step
+        with progress_logging(bar), StopRequest() as stop:  # log lines go through the bar in a terminal
+            last_dev, saved = _loop(run, writer, pi_log, bar, manager, save, seconds, stop)
     finally:
+        pi_log.close()
         if bar is not None:
             bar.close()
     step = engine.step_count
@@ -189,7 +216,7 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
         "world_size": run.world,
         "method": cfg.method,
         "seed": cfg.seed,
-        "steps": cfg.max_steps,
+        "steps": step,  # the steps the weights have (a resume past max_steps is refused)
         "final": final,
         "best_dev": ({"step": best["step"], **best["metrics"]} if best else None),
         "test": test,
@@ -204,14 +231,155 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
     }
     if run.rank == 0:
         write_json_atomic(os.path.join(out, "summary.json"), summary)
-        log.info("done: %d steps, test %s %s, digest %s", cfg.max_steps, manager.metric,
-                 (test or {}).get(manager.metric), digest)
+        where = (f"at the best-dev checkpoint, step {best['step']} (MeZO's rule)" if best else "at the last step")
+        log.info("done: %d steps; test %s %s %s; digest %s", cfg.max_steps, manager.metric,
+                 _fmt_value((test or {}).get(manager.metric)), where, digest)
     comm.barrier()
     return summary
 
 
-def run_eval(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
-    """Evaluate a checkpoint (or the initial model) on dev and test; writes eval.json."""
+def _loop(run: Run, writer: MetricsWriter, pi_log: PiWriter, bar, manager: CheckpointManager, save, seconds,
+          stop: StopRequest):
+    """Step until max_steps, logging, evaluating on dev and saving as configured; returns (last dev, last save).
+
+    On a stop request (any rank's signal, agreed through the step's all-reduce) it saves and raises Preempted.
+    Every `consistency_steps` steps the ranks compare a hash of their ZO state and stop if they differ.
+    """
+    cfg, engine = run.cfg, run.engine
+    fault = Fault(run.rank)
+    engine.loss_fn = fault.wrap_loss(engine.loss_fn, engine)
+    saved = last_dev = None
+    flat = FlatLossWatch(cfg.flat_loss_steps)
+    while engine.step_count < cfg.max_steps:
+        upcoming = engine.step_count + 1  # the step the next update makes, as its metrics line counts it
+        fault.before_step(engine, upcoming)
+        if pi_log.enabled and (upcoming % cfg.logging_steps == 0 or upcoming == cfg.max_steps):
+            pi_log.write(upcoming, engine.sampler.probabilities(engine.step_count)[0])  # the pi this update draws from
+        r = engine.step(run.micro_batches(engine.step_count), stop_requested=stop.requested)
+        step = r.step
+        if step % cfg.logging_steps == 0 or step == cfg.max_steps or r.stop:
+            writer.write({**r.as_dict(), "seconds": seconds()})
+        if bar is not None:
+            bar.set_postfix(loss=f"{r.loss:.4f}" if r.loss is not None else "-",
+                            budget=f"{r.budget:.1f}", blocks=r.n_selected, refresh=False)
+            bar.update(1)
+        flat.observe(r)
+        if cfg.consistency_steps and step % cfg.consistency_steps == 0:
+            hashes = engine.comm.all_gather_object(engine.state_hash())
+            if len(set(hashes)) > 1:
+                raise RanksDisagree(f"ranks disagree on the ZO state at step {step} (hashes by rank: {hashes}): a "
+                                    "rank has another build, data or configuration; the run stops")
+        if r.stop:
+            path = save() if saved != step else manager.path_for(step)
+            raise Preempted(f"stopped on a signal ({stop.signal_name or 'received by another rank'}) at step {step}, "
+                            f"after saving {path}: resume with --resume")
+        if "dev" in run.eval_data and cfg.eval_steps and step % cfg.eval_steps == 0:
+            last_dev = (step, run.evaluate("dev"))
+            writer.write({"step": step, "split": "dev", **last_dev[1]})
+            log.info("step %d: dev %s", step, _fmt(last_dev[1]))
+            if manager.track(step, last_dev[1]):
+                save(best=True)
+                saved = step
+        if (cfg.save_steps and step % cfg.save_steps == 0 or step == cfg.max_steps) and saved != step:
+            save()
+            saved = step
+    return last_dev, saved
+
+
+class FlatLossWatch:
+    """Warns once when the loss stays exactly the same, with a projected gradient of 0, for `steps` steps in a row:
+    the perturbation never reaches the loss."""
+
+    def __init__(self, steps: int):
+        self.steps, self.run, self.last, self.warned = steps, 0, None, False
+
+    def observe(self, r) -> None:
+        if not self.steps or self.warned or r.loss is None:
+            return
+        self.run = self.run + 1 if (r.projected_grad == 0.0 and r.loss == self.last) else 0
+        self.last = r.loss
+        if self.run >= self.steps:
+            self.warned = True
+            log.warning("the loss has been exactly %.6g with a projected gradient of 0 for %d steps: the perturbation "
+                        "does not reach the loss. Likely causes: zo_eps below the weights' dtype spacing (raise "
+                        "zo_eps or use fp32_master_weights=true), label words that the tokenizer maps to the same "
+                        "tokens, or the trained parameters (LoRA targets) not on the loss's path", r.loss, self.run)
+
+
+def check_resume(run: Run, path: str) -> dict:
+    """The checkpoint's trainer state, after checking it can continue this run: the keys that change the trajectory
+    match its run config (config.RESUME_MAY_CHANGE lists those that may differ), and max_steps is not below its
+    step. Each mismatch is a one-line ConfigError naming the key."""
+    manifest = verify_checkpoint(path)
+    config_path = os.path.join(path, "run_config.json")
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            saved = json.load(f)
+        keys = [k for k in field_names() if k not in RESUME_MAY_CHANGE]
+        changed = differences(saved, to_dict(run.cfg), keys)
+        if changed:
+            raise ConfigError(f"--resume {path}: {'; '.join(changed)}: these keys change the trajectory and must "
+                              "match the checkpoint's run (max_steps, eval_steps, logging and the like may change)")
+    step = int(manifest.get("step", 0))
+    if step > run.cfg.max_steps:
+        raise ConfigError(f"--resume {path}: max_steps={run.cfg.max_steps} is below the checkpoint's step {step}: "
+                          f"set max_steps >= {step}")
+    try:
+        run.engine.check_state(manifest["engine"])
+    except ValueError as e:
+        raise ConfigError(f"--resume {path}: {e}") from None
+    return manifest.get("trainer", {})
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "tensorboard", "eval.json")
+
+
+def prepare_output_dir(cfg: TrainConfig, resuming: bool, comm) -> None:
+    """Refuse an output_dir that is a file, or that holds another run unless resumed or overwrite_output_dir; make
+    it (emptied of the old run when overwriting) and check it takes a small write, all before training."""
+    out = cfg.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"output_dir={out} is a file: choose a directory")
+    held = sorted(n for n in (os.listdir(out) if os.path.isdir(out) else [])
+                  if n in RUN_FILES or n.startswith("checkpoint-"))
+    if held and not resuming and not cfg.overwrite_output_dir:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise ConfigError(f"output_dir={out} already holds a run ({shown}): pass --resume to continue it, set "
+                          "overwrite_output_dir=true to replace it, or choose another output_dir")
+    error = None
+    if comm.rank == 0:
+        try:
+            if held and not resuming:  # overwrite_output_dir: the old run goes
+                for name in held:
+                    target = os.path.join(out, name)
+                    shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+                log.warning("overwrite_output_dir: removed %s from %s", ", ".join(held), out)
+            probe_write(out)
+        except OSError as e:
+            error = (f"output_dir={out} cannot be written ({e.strerror or e}): free space, fix its permissions, or "
+                     "choose another output_dir")
+    error = comm.broadcast_object(error)
+    if error:
+        raise ConfigError(error)
+
+
+def probe_write(directory: str, size: int = 1 << 16) -> None:
+    """Create `directory` and write, flush and remove a small file there (raises OSError when it cannot)."""
+    os.makedirs(directory, exist_ok=True)
+    probe = os.path.join(directory, f".write-probe-{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * size)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+
+
+def run_eval(cfg: TrainConfig, resume: str | bool | None = None) -> dict | None:
+    """Evaluate a checkpoint (or the initial model) on dev and test; rank 0 writes output_dir/eval.json and returns
+    the results (other ranks return None)."""
     run = Run(cfg)
     path = run.checkpoints().resume_path(resume)
     if path:
@@ -222,8 +390,13 @@ def run_eval(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
     if run.rank == 0:
         os.makedirs(run.cfg.output_dir, exist_ok=True)
         write_json_atomic(os.path.join(run.cfg.output_dir, "eval.json"), results)
-        print(json.dumps(results, indent=1))
-    return results
+        log.info("wrote %s", os.path.join(run.cfg.output_dir, "eval.json"))
+        return results
+    return None
+
+
+def _fmt_value(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _fmt(metrics: dict) -> str:

@@ -45,7 +45,7 @@ def tiny_model(kind):
 def test_label_span_decodes_to_the_label_word(tokenizer, name):
     task = get_task(name)
     bos = tokenizer.convert_tokens_to_ids(BOS[tokenizer.kind])
-    for example in load_splits(task, seed=0, num_train=6, num_dev=1, num_eval=2)["train"]:
+    for example in load_splits(task, seed=0, num_train=6, num_dev=1, num_eval=2, data_dir="samples")["train"]:
         enc = encode(task, tokenizer, example, max_length=512)
         candidates = task.candidates(example)
         assert len(enc["input_ids"]) == len(candidates) and enc["label"] == task.gold(example)
@@ -76,7 +76,7 @@ def test_label_span_survives_a_merge_across_the_boundary(tokenizer):
 
 def test_left_truncation_keeps_bos_and_answer(tokenizer):
     task = get_task("squad")
-    example = load_splits(task, seed=0, num_train=1, num_dev=1, num_eval=1)["train"][0]
+    example = load_splits(task, seed=0, num_train=1, num_dev=1, num_eval=1, data_dir="samples")["train"][0]
     full = encode(task, tokenizer, example, max_length=512)
     cut = encode(task, tokenizer, example, max_length=20, max_new_tokens=8)
     ids, full_ids = cut["input_ids"][0], full["input_ids"][0]
@@ -166,7 +166,7 @@ def reference_row_logprobs(model, ids, option_len):
 def test_losses_match_unpadded_reference(kind):
     tokenizer, model = load_tokenizer(kind), tiny_model(kind)
     task = get_task("cb")
-    examples = load_splits(task, seed=0, num_train=3, num_dev=1, num_eval=1)["train"]
+    examples = load_splits(task, seed=0, num_train=3, num_dev=1, num_eval=1, data_dir="samples")["train"]
     encoded = [encode(task, tokenizer, ex, max_length=128) for ex in examples]
     batch = collate(encoded, tokenizer.pad_token_id)
     assert (batch["attention_mask"] == 0).any()  # padding is present and must not matter
@@ -206,7 +206,7 @@ def test_newline_tokens_found(tokenizer):
 def test_generate_answers_is_greedy_and_cut_at_newline(kind):
     tokenizer, model = load_tokenizer(kind), tiny_model(kind)
     task = get_task("squad")
-    examples = load_splits(task, seed=0, num_train=2, num_dev=1, num_eval=1)["train"]
+    examples = load_splits(task, seed=0, num_train=2, num_dev=1, num_eval=1, data_dir="samples")["train"]
     prompts = [encode(task, tokenizer, ex, max_length=128, max_new_tokens=6)["prompt_ids"] for ex in examples]
     stops = set(newline_ids(tokenizer)) | {tokenizer.eos_token_id}
     expected = []
@@ -247,7 +247,7 @@ def test_logits_only_at_label_positions_equal_the_full_forward():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(demo_model_config("llama")).eval()
     task = get_task("sst2")
-    examples = load_splits(task, 0, 8, 2, 2, data_dir=task.data_dir)["train"]
+    examples = load_splits(task, 0, 8, 2, 2, data_dir="samples")["train"]
     batch = collate([encode(task, tok, ex, 64) for ex in examples], tok.pad_token_id)
     calls = []
     real = model.forward

@@ -20,7 +20,7 @@ LAYERS = {
     1: {"engine"},
     2: {"checkpoint"},
     3: {"run", "integrations", "hf_trainer", "evaluate", "models", "ds_config", "logs", "export", "plot", "bench",
-        "plan", "diagnose", "signals"},
+        "plan", "diagnose", "signals", "pilog"},
     4: {"cli", "__init__", "__main__"},
 }
 LAYER_OF = {unit: layer for layer, units in LAYERS.items() for unit in units}

@@ -1,6 +1,8 @@
 """Tasks, their prompts, the split rule, task directories and the bundled assets."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from curvzo_ds.tasks import (
     tokenizer_dir,
 )
 from curvzo_ds.tasks.task import BUNDLED_DATA
+from tests.helpers import ENV, ROOT
 
 
 def key(example):
@@ -28,7 +31,7 @@ def key(example):
 @pytest.mark.parametrize("name", TASK_NAMES)
 def test_builtin_task_loads_bundled_samples(name):
     task = get_task(name)
-    splits = load_splits(task, seed=0, num_train=4, num_dev=2, num_eval=3)
+    splits = load_splits(task, seed=0, num_train=4, num_dev=2, num_eval=3, data_dir="samples")
     assert [len(splits[s]) for s in ("train", "dev", "test")] == [4, 2, 3]
     for example in splits["train"] + splits["dev"] + splits["test"]:
         prompt = task.prompt(example)
@@ -147,15 +150,57 @@ def test_csv_data_dir(tmp_path):
     assert get_task("sst2").gold(example) == int(example["label"])
 
 
-def test_hub_failure_says_to_pass_data_dir(monkeypatch):
+def test_hub_failure_names_the_three_ways_out(monkeypatch):
     import datasets
 
     def offline(*args, **kwargs):
         raise ConnectionError("no network")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(ValueError, match="pass data_dir=DIR"):
-        load_splits("rte", seed=0, num_train=4, data_dir="hub")
+    with pytest.raises(ValueError, match="Three ways out: fill the cache .* data_dir=DIR .* data_dir=samples"):
+        load_splits("rte", seed=0, num_train=4)  # the default source of a built-in task is the hub
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_builtin_task_reads_its_hub_dataset_by_default(tmp_path):
+    """The hub path for real: `datasets.load_dataset` on the task's dataset (here a local dataset directory in
+    the hub's layout, since this machine has no hub), its validation split as the test pool."""
+    import dataclasses
+
+    rows = [{"sentence": f"s{i} .", "label": i % 2, "idx": i} for i in range(40)]
+    _jsonl(tmp_path / "train.jsonl", rows[:30])
+    _jsonl(tmp_path / "validation.jsonl", rows[30:])
+    task = dataclasses.replace(get_task("sst2"), hub=(str(tmp_path), None, None))
+    splits = load_splits(task, seed=0, num_train=20, num_dev=5, num_eval=None)
+    assert [len(splits[s]) for s in ("train", "dev", "test")] == [20, 5, 10]
+    assert {e["sentence"] for e in splits["test"]} == {f"s{i} ." for i in range(30, 40)}
+    samples = load_splits(task, seed=0, num_train=4, num_dev=2, num_eval=2, data_dir="samples")
+    assert not {e["sentence"] for e in samples["train"]} & {r["sentence"] for r in rows}
+
+
+def test_a_datasets_save_to_disk_directory(tmp_path):
+    import datasets
+
+    rows = [{"premise": f"p{i}", "hypothesis": f"h{i}", "label": i % 2, "idx": i} for i in range(30)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:20]),
+                          "validation": datasets.Dataset.from_list(rows[20:])}).save_to_disk(str(tmp_path / "rte"))
+    splits = load_splits("rte", seed=1, num_train=10, num_dev=4, num_eval=None, data_dir=tmp_path / "rte")
+    assert [len(splits[s]) for s in ("train", "dev", "test")] == [10, 4, 10]
+    assert {e["premise"] for e in splits["test"]} == {f"p{i}" for i in range(20, 30)}
+
+
+def test_offline_without_a_cache_is_one_line_with_exit_2(tmp_path):
+    """The real CLI, the real hub id, HF_DATASETS_OFFLINE=1 and an empty cache: one line, the three ways out."""
+    env = {**ENV, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-m", "curvzo_ds.cli", "train", "--set", "task=sst2", "--set",
+                           f"output_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=str(ROOT))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("curvzo-ds train: error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(errors) == 1 and "nyu-mll/glue" in errors[0] and "data_dir=samples" in errors[0], errors
 
 
 # ---- task directories ----

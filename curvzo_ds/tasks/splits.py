@@ -1,7 +1,10 @@
 """Where examples come from, and MeZO's rule for sampling train / dev / test from them.
 
-Sources: the bundled samples (the default), a local directory of JSONL or CSV files in the
-hub's fields, or the Hugging Face hub itself (`data_dir="hub"`).
+Sources (`data_dir`): unset, the Hugging Face hub dataset of a built-in task (through `datasets`, with
+its cache and HF_DATASETS_OFFLINE), or the files of a task directory or of the demo task; "samples", the
+10-16 examples bundled with each built-in task (for tests and a first look); a path, a local directory of
+train/validation (or test) JSONL or CSV files in the hub's fields, or a `datasets` directory written by
+`save_to_disk`.
 
 The split rule (MeZO, large_models/run.py): the train pool is permuted with
 `numpy.random.RandomState(seed)`; train is the first `num_train` of that order and dev
@@ -26,26 +29,37 @@ log = logging.getLogger(__name__)
 SPLIT_FILES = {"train": ("train",), "dev": ("dev",), "test": ("test", "validation")}
 
 
+def data_source(task: Task, data_dir: str | Path | None) -> str:
+    """Where the examples of `task` come from: "hub", "files" (the task's own), or "dir" (a path)."""
+    if data_dir is None:
+        return "hub" if task.hub is not None else "files"
+    if str(data_dir) == "hub":
+        return "hub"
+    if str(data_dir) == "samples":
+        return "files"
+    return "dir"
+
+
 def load_splits(task: Task | str, seed: int, num_train: int | None = None, num_dev: int | None = None,
                 num_eval: int | None = None, data_dir: str | Path | None = None) -> dict[str, list[dict]]:
     """Return {"train": [...], "dev": [...], "test": [...]}, lists of plain dict examples.
 
-    num_train=None takes what is left of train after dev (and test); num_dev=None is the
-    task's default (500, CB 100); num_eval=None is the whole test split (when test is drawn
-    from train: as many as dev). data_dir=None reads
-    the task's own files (the bundled samples of a built-in task, or a task directory),
-    "hub" loads the hub dataset, and a path reads train/dev/validation(or test).jsonl|.csv.
+    num_train=None takes what is left of train after dev (and test); num_dev=None is the task's default
+    (500, CB 100); num_eval=None is the whole test split (when test is drawn from train: as many as dev).
+    data_dir: see the module docstring.
     """
     task = get_task(task)
-    if data_dir is None and task.data_dir is None:
-        raise ValueError(f"task {task.name!r} has no files of its own; pass data_dir")
-    if str(data_dir) == "hub":
+    source = data_source(task, data_dir)
+    if source == "hub":
         pools = _read_hub(task)
+    elif source == "files":
+        if task.data_dir is None:
+            raise ValueError(f"task {task.name!r} has no files of its own; leave data_dir unset or pass a directory")
+        pools = read_split_files(task, task.data_dir)
+    elif (Path(data_dir) / "dataset_dict.json").is_file():
+        pools = _read_saved(task, Path(data_dir))
     else:
-        pools = read_split_files(task, Path(data_dir) if data_dir is not None else task.data_dir)
-        if data_dir is None and task.hub is not None:
-            log.warning("task %s: using the %d bundled sample examples; pass data_dir='hub' or a "
-                        "directory of the real data", task.name, len(pools["train"]))
+        pools = read_split_files(task, Path(data_dir))
     return split(pools, seed, num_train, task.num_dev if num_dev is None else num_dev, num_eval)
 
 
@@ -136,20 +150,42 @@ def read_csv(path: Path) -> list[tuple[int, dict]]:
 
 def _read_hub(task: Task) -> dict[str, list[dict]]:
     if task.hub is None:
-        raise ValueError(f"task {task.name!r} has no hub dataset; use its own files (data_dir unset)")
+        raise ValueError(f"task {task.name!r} has no hub dataset; leave data_dir unset to use its own files")
     path, name, revision = task.hub
     try:
         import datasets
 
         dataset = datasets.load_dataset(path, name, revision=revision)
     except Exception as err:  # offline, not cached, renamed: all end the same way for the user
+        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         raise ValueError(
-            f"task {task.name}: could not load {path} ({name}) from the Hugging Face hub "
-            f"({type(err).__name__}: {err}). Without the hub, pass data_dir=DIR where DIR holds "
-            f"train.jsonl and validation.jsonl (or .csv) in the hub's fields, or leave data_dir "
-            f"unset to use the small bundled samples") from None
-    pools = {"train": [dict(r) for r in dataset["train"]], "test": [dict(r) for r in dataset["validation"]]}
+            f"task {task.name}: could not load the dataset {path}{f' ({name})' if name else ''} from the Hugging "
+            f"Face hub or its cache ({reason}). Three ways out: fill the cache once with network access (then "
+            f"HF_DATASETS_OFFLINE=1 works), pass data_dir=DIR (train and validation .jsonl/.csv files in the "
+            f"hub's fields, or a datasets save_to_disk directory), or data_dir=samples for the bundled "
+            f"examples") from None
+    return _pools(task, dataset, path)
+
+
+def _read_saved(task: Task, directory: Path) -> dict[str, list[dict]]:
+    """A `datasets.DatasetDict.save_to_disk` directory with a train split and validation (or test, dev)."""
+    import datasets
+
+    return _pools(task, datasets.load_from_disk(str(directory)), str(directory))
+
+
+def _pools(task: Task, dataset, where: str) -> dict[str, list[dict]]:
+    """train, dev and test pools of a DatasetDict: its "validation" (or "test") split is the test pool (MeZO
+    evaluates on the hub's validation data), "dev" a dev pool when there is one."""
+    if "train" not in dataset:
+        raise ValueError(f"{where}: no train split (it has {', '.join(dataset)})")
+    pools = {"train": [dict(r) for r in dataset["train"]]}
+    test = next((s for s in ("validation", "test") if s in dataset), None)
+    if test:
+        pools["test"] = [dict(r) for r in dataset[test]]
+    if "dev" in dataset:
+        pools["dev"] = [dict(r) for r in dataset["dev"]]
     for split_name, examples in pools.items():
         for i, example in enumerate(examples):
-            task.check(example, f"{path} {split_name} row {i}")
+            task.check(example, f"{where} {split_name} row {i}")
     return pools

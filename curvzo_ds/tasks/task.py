@@ -54,6 +54,9 @@ class Task:
             if field not in example:
                 raise ValueError(f"{where}: missing field {field!r} that task {self.name!r} needs; "
                                  f"add it to every example (fields: {', '.join(self.fields)})")
+            if example[field] is None:
+                raise ValueError(f"{where}: field {field!r} is null; give it a value (a null would be shown as "
+                                 f"'None' in the prompt)")
         try:
             if self.is_classification:
                 gold = self.label(example)
@@ -224,6 +227,10 @@ def load_task_dir(path: str | Path) -> Task:
             or not all(isinstance(w, str) and w for w in label_words)):
         raise ValueError(f"{spec_path}: \"label_words\" must be a list of at least two non-empty "
                          f"strings, such as [\" terrible\", \" great\"]")
+    if len(set(label_words)) != len(label_words):
+        raise ValueError(f"{spec_path}: \"label_words\" {label_words} repeats a word; the classes would be "
+                         f"indistinguishable (the loss would stay at ln {len(label_words)}): give each class its own "
+                         "word")
     if metric not in TASK_DIR_METRICS:
         raise ValueError(f"{spec_path}: metric {metric!r} is not supported for a task directory; "
                          f"use {' or '.join(map(repr, TASK_DIR_METRICS))}")

@@ -62,7 +62,7 @@ def zero_init_scenario(world: int) -> dict:
 
     tokenizer = curvzo_ds.tasks.load_tokenizer("llama")
     task = curvzo_ds.tasks.get_task("squad")
-    splits = curvzo_ds.tasks.load_splits(task, 0, 1, 8, None)
+    splits = curvzo_ds.tasks.load_splits(task, 0, 1, 8, None, data_dir="samples")
     encoded = [D.encode(task, tokenizer, ex, 512, True, MAX_NEW_TOKENS) for ex in splits["dev"] + splits["test"]]
     ds_cfg = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
@@ -102,7 +102,7 @@ def run_scenario(task: str, rank: int) -> dict:
     curvzo_ds.run.load_splits = timed(real_splits, 0.3)
     try:
         num_train, num_dev = {"sst2": (4, 7), "squad": (2, 5)}[task]  # test: the whole validation file
-        cfg = TrainConfig(model="demo", task=task, num_train=num_train, num_dev=num_dev,
+        cfg = TrainConfig(model="demo", task=task, data_dir="samples", num_train=num_train, num_dev=num_dev,
                           global_batch_size=2, micro_batch_size=2, max_new_tokens=MAX_NEW_TOKENS,
                           disable_tqdm=True, report_to="none", log_level="warning")
         run = Run(cfg)

@@ -1,0 +1,300 @@
+"""Pre-emption, faults, output directories and resume compatibility, with real processes (docs/reliability.md).
+
+Every interrupted run must leave a checkpoint at a step boundary from which `--resume` reproduces the
+uninterrupted run's params_digest exactly. The runs use the demo model with the helpers' settings, 400 steps,
+so that a signal sent once metrics.jsonl has lines lands in the middle of training.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import CLI, COMMON, ENV, ROOT, free_port, launcher_cmd
+
+STEPS = ["--set", "max_steps=400", "--set", "save_steps=100", "--set", "eval_steps=200"]
+RUN = COMMON + STEPS
+
+
+def start(cmd: list[str], out: pathlib.Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    log = open(out.parent / f"{out.name}.log", "w")
+    return subprocess.Popen(cmd + RUN + ["--set", f"output_dir={out}", *extra], env=env or ENV, cwd=str(ROOT),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_steps(out: pathlib.Path, proc: subprocess.Popen, at_least: int, timeout: float = 300) -> None:
+    """Until metrics.jsonl has a train line with step >= at_least (the run is mid-training)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended early:\n{log_of(out)[-3000:]}"
+        path = out / "metrics.jsonl"
+        if path.exists():
+            steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines()[-5:] if line.strip()]
+            if steps and max(steps) >= at_least:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"no step {at_least} within {timeout} s:\n{log_of(out)[-3000:]}")
+
+
+def log_of(out: pathlib.Path) -> str:
+    path = out.parent / f"{out.name}.log"
+    return path.read_text() if path.exists() else ""
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def checkpoints(out: pathlib.Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if (p / "manifest.json").exists())
+
+
+def resume(out: pathlib.Path, *extra: str) -> dict:
+    proc = subprocess.run(CLI + RUN + ["--set", f"output_dir={out}", "--resume", *extra], env=ENV, cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    """params_digest of the uninterrupted 400-step run (one process; every world size gives the same)."""
+    out = tmp_path_factory.mktemp("reliability") / "straight"
+    proc = subprocess.run(CLI + RUN + ["--set", f"output_dir={out}"], env=ENV, cwd=str(ROOT), capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())["params_digest"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("target", ["launcher", "worker"])
+def test_sigterm_saves_at_a_step_boundary_and_resume_is_exact(reference, tmp_path, target):
+    """SIGTERM to torchrun (which passes it to both workers) or to one worker only: every rank stops at the same
+    step boundary, one checkpoint is written there, the job exits with code 3, and --resume gives the digest."""
+    out = tmp_path / target
+    proc = start(launcher_cmd("torchrun", 2, free_port()), out)
+    wait_for_steps(out, proc, 20)
+    if target == "launcher":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:
+        worker = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "curvzo_ds.cli"], capture_output=True,
+                                text=True).stdout.split()
+        assert worker, "no worker process found"
+        os.kill(int(worker[-1]), signal.SIGTERM)
+    code = finish(proc)
+    text = log_of(out)
+    assert code != 0 and "stopped by SIGTERM" in text or "stopped on a signal" in text, text[-3000:]
+    saved = checkpoints(out)
+    assert saved and 20 <= saved[-1] < 400 and saved[-1] % 100 != 0, saved  # a boundary, not a regular save
+    assert "exits with code 3" in text or "exit code 3" in text or "exitcode: 3" in text, text[-3000:]
+    assert resume(out)["params_digest"] == reference
+
+
+@pytest.mark.multirank
+def test_sigkill_of_one_rank_ends_the_job_quickly_and_the_last_checkpoint_resumes_exactly(reference, tmp_path):
+    out = tmp_path / "killed"
+    proc = start(launcher_cmd("torchrun", 2, free_port()), out)
+    wait_for_steps(out, proc, 120)  # past the checkpoint at step 100
+    workers = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "curvzo_ds.cli"], capture_output=True,
+                             text=True).stdout.split()
+    killed_at = time.monotonic()
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    assert finish(proc, timeout=60) != 0
+    assert time.monotonic() - killed_at < 60  # the whole job is gone, not waiting in a collective
+    assert 100 in checkpoints(out)
+    assert resume(out)["params_digest"] == reference
+
+
+@pytest.mark.multirank
+def test_a_rank_that_hangs_fails_the_job_within_ddp_timeout(tmp_path):
+    out = tmp_path / "hung"
+    env = {**ENV, "CURVZO_DS_FAULT": "hang@30:1"}
+    started = time.monotonic()
+    proc = start(launcher_cmd("torchrun", 2, free_port()), out, "--set", "ddp_timeout=20", env=env)
+    code = finish(proc, timeout=240)
+    assert code != 0, log_of(out)[-3000:]
+    assert time.monotonic() - started < 200  # bounded: start-up, 30 steps, then 20 s of timeout
+
+
+@pytest.mark.multirank
+def test_a_nan_on_one_rank_is_skipped_by_every_rank(tmp_path):
+    """Rank 1's loss is NaN at step 30: both ranks skip that step (the losses are reduced before the decision),
+    so the run continues with one skipped step and the ranks still agree (the consistency check would stop it)."""
+    out = tmp_path / "nan"
+    env = {**ENV, "CURVZO_DS_FAULT": "nan@30:1"}
+    proc = start(launcher_cmd("torchrun", 2, free_port()), out, "--set", "consistency_steps=10", env=env)
+    assert finish(proc) == 0, log_of(out)[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["step"] for r in rows if r.get("skipped")]
+    assert skipped == [30], skipped
+    assert json.loads((out / "summary.json").read_text())["skipped_steps"] == 1
+
+
+@pytest.mark.multirank
+def test_ranks_that_disagree_are_stopped_naming_the_step(tmp_path):
+    out = tmp_path / "desync"
+    env = {**ENV, "CURVZO_DS_FAULT": "desync@25:1"}
+    proc = start(launcher_cmd("torchrun", 2, free_port()), out, "--set", "consistency_steps=10", env=env)
+    assert finish(proc) != 0
+    assert "ranks disagree on the ZO state at step 30" in log_of(out), log_of(out)[-3000:]
+
+
+def _corrupt(ckpt: pathlib.Path) -> None:
+    rank_file = next(ckpt.glob("rank-*.safetensors"))
+    data = bytearray(rank_file.read_bytes())
+    data[-1] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_by_a_bare_resume(reference, tmp_path):
+    out = tmp_path / "corrupt"
+    proc = start(CLI, out, "--set", "max_steps=300")
+    assert finish(proc) == 0, log_of(out)[-2000:]
+    _corrupt(out / "checkpoint-300")
+    (out / "checkpoint-200" / "manifest.json").unlink()  # a partial one: no manifest
+    proc = subprocess.run(CLI + RUN + ["--set", f"output_dir={out}", "--resume"], env=ENV, cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"skipping checkpoint {out / 'checkpoint-300'}: checksum mismatch" in proc.stderr
+    assert f"resumed from {out / 'checkpoint-100'}" in proc.stderr
+    assert json.loads((out / "summary.json").read_text())["params_digest"] == reference
+    explicit = subprocess.run(CLI + RUN + ["--set", f"output_dir={out}", "--resume", str(out / "checkpoint-300")],
+                              env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
+    errors = [line for line in explicit.stderr.splitlines() if line.startswith("curvzo-ds train: error:")]
+    assert explicit.returncode == 2 and len(errors) == 1 and "checksum mismatch" in errors[0], explicit.stderr[-2000:]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of a given size in KiB (root only: CI runs as root; the test fails, never skips, otherwise)."""
+    mounts = []
+
+    def make(kib: int) -> pathlib.Path:
+        path = tmp_path / f"disk{len(mounts)}"
+        path.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(path)], capture_output=True,
+                              text=True)
+        assert proc.returncode == 0, f"cannot mount a tmpfs ({proc.stderr.strip()}): these tests need root"
+        mounts.append(path)
+        return path
+
+    yield make
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_full_disk_is_refused_before_training(small_disk):
+    disk = small_disk(64)
+    (disk / "filler").write_bytes(b"\0" * (60 * 1024))
+    out = disk / "run"
+    proc = subprocess.run(CLI + RUN + ["--set", f"output_dir={out}"], env=ENV, cwd=str(ROOT), capture_output=True,
+                          text=True, timeout=400)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("curvzo-ds train: error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "cannot be written" in errors[0], proc.stderr[-2000:]
+    assert "INFO step" not in proc.stderr  # no training started
+
+
+def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(reference, small_disk, tmp_path):
+    """Room for about one and a half checkpoints: the first save succeeds, the second runs out of space. The run
+    stops with one line, checkpoint-100 is intact, and resuming it elsewhere gives the uninterrupted digest."""
+    probe = tmp_path / "probe"
+    proc = start(CLI, probe, "--set", "max_steps=100", "--set", "eval_steps=0", "--set", "save_total_limit=1")
+    assert finish(proc) == 0
+    size = sum(f.stat().st_size for f in (probe / "checkpoint-100").iterdir())
+    disk = small_disk(int(size * 1.5 / 1024) + 64)
+    out = disk / "run"
+    proc = subprocess.run(CLI + RUN + ["--set", f"output_dir={out}", "--set", "eval_steps=0", "--set",
+                                       "save_total_limit=1", "--set", "report_to=none"], env=ENV, cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=400)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("curvzo-ds train: error:")]
+    assert proc.returncode != 0 and len(errors) == 1 and "No space left" in errors[0], proc.stderr[-3000:]
+    assert checkpoints(out) == [100]
+    moved = tmp_path / "moved"
+    subprocess.run(["cp", "-r", str(out), str(moved)], check=True)
+    for tmp in moved.glob("*.tmp"):
+        subprocess.run(["rm", "-rf", str(tmp)], check=True)
+    assert resume(moved)["params_digest"] == reference
+
+
+def test_an_output_dir_holding_another_run_is_refused_unless_resumed_or_overwritten(tmp_path):
+    out = tmp_path / "run"
+    first = subprocess.run(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "max_steps=6"], env=ENV,
+                           cwd=str(ROOT), capture_output=True, text=True, timeout=400)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    again = subprocess.run(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "task=sst2", "--set",
+                                           "data_dir=samples", "--set", "global_batch_size=4"],
+                           env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
+    assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr[-2000:]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # byte for byte
+    other_task = subprocess.run(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "task=sst2", "--set",
+                                                "data_dir=samples", "--set", "global_batch_size=4", "--resume"],
+                                env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
+    assert other_task.returncode == 2 and "task: 'demo' -> 'sst2'" in other_task.stderr, other_task.stderr[-2000:]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    shorter = subprocess.run(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "max_steps=3", "--resume"],
+                             env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
+    assert shorter.returncode == 2 and "max_steps=3 is below the checkpoint's step 6" in shorter.stderr
+    replaced = subprocess.run(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "max_steps=3", "--set",
+                                              "overwrite_output_dir=true"], env=ENV, cwd=str(ROOT),
+                              capture_output=True, text=True, timeout=400)
+    assert replaced.returncode == 0, replaced.stderr[-2000:]
+    assert checkpoints(out) == [3] and json.loads((out / "summary.json").read_text())["steps"] == 3
+
+
+def test_a_longer_resume_reports_the_steps_its_weights_have(tmp_path):
+    out = tmp_path / "run"
+    for steps, extra in ((6, []), (9, ["--resume"])):
+        proc = subprocess.run(CLI + COMMON + ["--set", f"output_dir={out}", "--set", f"max_steps={steps}", *extra],
+                              env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads((out / "summary.json").read_text())["steps"] == steps
+
+
+def test_a_pickled_or_escaping_checkpoint_is_refused(straight, tmp_path):
+    """Loading runs no code: a manifest naming a pickle, or a path out of the checkpoint, is refused in one line."""
+    import shutil
+
+    src = straight[0] / "checkpoint-12"
+    for name, bad in (("pickle", "rank-00000-of-00001.bin"), ("escape", "../rank-00000-of-00001.safetensors")):
+        ckpt = tmp_path / name / "checkpoint-12"
+        shutil.copytree(src, ckpt)
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        good = next(iter(manifest["files"]))
+        manifest["files"] = {bad: manifest["files"][good]}
+        manifest["slices"] = {bad: manifest["slices"][good]}
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+        proc = subprocess.run(CLI + COMMON + ["--set", f"output_dir={tmp_path / name}", "--resume", str(ckpt)],
+                              env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 2 and "only rank-NNNNN-of-NNNNN.safetensors files" in proc.stderr, name
+
+
+def test_files_are_created_with_the_users_umask(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(["bash", "-c", 'umask 027 && exec "$@"', "--", *CLI, *COMMON, "--set", f"output_dir={out}",
+                           "--set", "max_steps=3"], env=ENV, cwd=str(ROOT), capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for path in [out, *out.rglob("*")]:
+        assert path.stat().st_mode & 0o007 == 0, f"{path} is readable or writable by others"
+
+
+def test_launch_scripts_pass_values_with_spaces_and_dollars_through(tmp_path):
+    out = tmp_path / "a dir with $HOME in it"
+    env = {**ENV, "NPROC": "1", "MASTER_PORT": str(free_port()), "PATH": f"{pathlib.Path(sys.executable).parent}"
+           f"{os.pathsep}{ENV['PATH']}"}
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), *COMMON, "--set", f"output_dir={out}",
+                           "--set", "max_steps=2"], env=env, cwd=str(ROOT), capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "summary.json").exists()
