@@ -13,8 +13,11 @@ from curvzo_ds.checkpoint import CheckpointManager, load_checkpoint, save_checkp
 from curvzo_ds.config import ConfigError, ZOConfig
 from curvzo_ds.data.stream import MicroBatches, split_batch
 from curvzo_ds.engine import NonFiniteLossError, StepResult, ZOEngine
+from curvzo_ds.versions import check_versions
 
 __version__ = "0.1.0"
+
+check_versions()  # an unsupported torch, deepspeed, transformers, accelerate or peft is named here (versions.py)
 
 __all__ = [
     "ZOEngine", "ZOConfig", "MicroBatches", "split_batch", "StepResult", "save_checkpoint", "load_checkpoint",

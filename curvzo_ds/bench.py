@@ -22,6 +22,7 @@ from .config import ZOConfig
 from .data.stream import MicroBatches
 from .engine import StepTimer, ZOEngine
 from .jsonio import write_json_atomic
+from .noise import NoiseSource
 from .run import Run
 from .sysinfo import peak_rss_bytes, rss_bytes
 from .tasks import demo_model_config, get_task, load_splits
@@ -292,6 +293,31 @@ def python_overhead(blocks: int = 723, numel: int = 64, steps: int = 30) -> dict
     return out
 
 
+def noise_speed(numel: int = 1 << 24, rounds: int = 5, device: str = "cpu") -> dict:
+    """Normals per second on one core (one thread), in the same process: torch.randn, the generator's slice and
+    its fused in-place update (the engine's path), and the torch-eager reference of the same definition."""
+    from .kernels import cpu as cpu_kernel
+    from .kernels import reference
+
+    source, buf = NoiseSource(0), torch.zeros(numel, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    gen = torch.Generator(device=device).manual_seed(0)
+    fns = {
+        "torch_randn": lambda: torch.randn(numel, generator=gen, device=device),
+        "slice": lambda: source.slice(1, "w", numel, 0, numel, device=device),
+        "fused_axpy": lambda: source.axpy_(buf, 1, "w", 0, 1.0, 1e-3),
+        "torch_reference": lambda: reference.normals(*source.key(1, "w"), 0, min(numel, 1 << 22), device=device),
+    }
+    backend = ("triton" if device == "cuda" else "c" if cpu_kernel.available() else "torch-eager")
+    out = {"numel": numel, "threads": torch.get_num_threads(), "backend": backend}
+    for name, fn in fns.items():
+        n = min(numel, 1 << 22) if name == "torch_reference" else numel
+        out[f"{name}_normals_per_second"] = n / _median([_timed(sync, fn)[0] for _ in range(rounds)])
+    out["slice_over_torch_randn"] = out["slice_normals_per_second"] / out["torch_randn_normals_per_second"]
+    out["fused_axpy_over_torch_randn"] = out["fused_axpy_normals_per_second"] / out["torch_randn_normals_per_second"]
+    return out
+
+
 def rank_figures(seq: int, steps: int, batch: int, micro: int) -> dict:
     """One rank of a ZeRO-3 job (run under torchrun): owned bytes, step time, bytes all-reduced per step, and
     peak memory of ZO steps against inference-only forwards under the same config."""
@@ -370,6 +396,7 @@ def run_suite(out: str | None, seq_lens: list[int], rounds: int, world_sizes: li
                         str(rounds), str(batch)], env=env, check=True)
         timing = json.loads(open(part).read())
         report["seq_lens"], report["python_overhead"] = timing["seq_lens"], timing["python_overhead"]
+        report["noise"] = timing["noise"]
         report["model"]["parameters"] = timing["parameters"]
         for world in world_sizes:
             part = os.path.join(tmp, f"ranks-{world}.json")
@@ -406,6 +433,14 @@ def format_report(report: dict) -> str:
     lines.append(f"Python overhead at G = {po['blocks']} tiny blocks: MeZO {1e3 * mezo['step_seconds']:.1f} ms/step "
                  f"({mezo['microseconds_per_selected_block']:.0f} us per selected block), CurvZO at 0.3 G "
                  f"{1e3 * fixed['step_seconds']:.1f} ms/step")
+    nz = report.get("noise")
+    if nz:
+        lines.append(f"noise ({nz['backend']}, {nz['threads']} thread): torch.randn "
+                     f"{nz['torch_randn_normals_per_second'] / 1e6:.0f} M normals/s, slice "
+                     f"{nz['slice_normals_per_second'] / 1e6:.0f} M/s ({nz['slice_over_torch_randn']:.2f}x), fused "
+                     f"update {nz['fused_axpy_normals_per_second'] / 1e6:.0f} M/s "
+                     f"({nz['fused_axpy_over_torch_randn']:.2f}x), torch-eager reference "
+                     f"{nz['torch_reference_normals_per_second'] / 1e6:.0f} M/s")
     for world, w in report["world_sizes"].items():
         for rank, r in enumerate(w["ranks"]):
             mezo, fixed = r["methods"]["mezo"], r["methods"]["curvzo_fixed_0.3"]
@@ -423,6 +458,7 @@ def _worker(argv: list[str]) -> None:
         seq_lens, rounds, batch = [int(x) for x in argv[2].split(",")], int(argv[3]), int(argv[4])
         device = "cuda" if torch.cuda.is_available() else "cpu"
         result = {"seq_lens": time_methods(seq_lens, rounds, batch, device), "python_overhead": python_overhead(),
+                  "noise": noise_speed(rounds=rounds, device=device),
                   "parameters": sum(p.numel() for p in suite_model("meta").parameters())}
         write_json_atomic(out, result)
     elif kind == "ranks":

@@ -59,7 +59,26 @@ def save_checkpoint(engine: ZOEngine, output_dir: str, trainer_state: dict | Non
 
 def write_checkpoint(engine: ZOEngine, final: str, trainer_state: dict | None = None,
                      write_extra: Callable[[str], None] | None = None) -> str:
-    """Collective: the checkpoint at exactly `final` (written as `final.tmp`, renamed when complete)."""
+    """Collective: the checkpoint at exactly `final` (written as `final.tmp`, renamed when complete).
+
+    With replica groups (hybrid sharding) every group holds the same shards: group 0 writes them, and the
+    others learn from it whether that worked."""
+    if engine.replicas == 1:
+        return _write_group(engine, final, trainer_state, write_extra)
+    error = None
+    if engine.replica == 0:
+        try:
+            _write_group(engine, final, trainer_state, write_extra)
+        except CheckpointWriteError as e:
+            error = str(e)
+    error = engine.world.broadcast_object(error)
+    if error:
+        raise CheckpointWriteError(error)
+    return final
+
+
+def _write_group(engine: ZOEngine, final: str, trainer_state: dict | None,
+                 write_extra: Callable[[str], None] | None) -> str:
     comm = engine.comm
     step = engine.step_count
     tmp = final + ".tmp"
@@ -347,7 +366,7 @@ def load_checkpoint(engine: ZOEngine, path: str) -> dict:
             else:
                 e.write(0, values)
     engine.load_state_dict(manifest["engine"])
-    engine.comm.barrier()
+    engine.world.barrier()
     return manifest.get("trainer", {})
 
 

@@ -1,4 +1,4 @@
-"""`curvzo-ds`: train | eval | export | plot | bench | plan (docs/contracts.md).
+"""`curvzo-ds`: train | eval | export | plot | bench | plan | diagnose (docs/contracts.md).
 
 `train` and `eval` run inside the current process: alone it is a one-rank job, under
 deepspeed / torchrun / accelerate launch / mpirun / srun it is one rank of the job.
@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import faulthandler
 import json
+import logging
 import os
 import re
 import sys
@@ -27,6 +28,7 @@ from .config import (
     field_names,
     key_docs,
 )
+from .signals import EXIT_PREEMPTED
 
 
 def _keys_help() -> str:
@@ -160,6 +162,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="gpu", choices=["gpu", "cpu"],
                    help="cpu: plan a CPU run, where --gpu-memory means the process's memory")
     p.add_argument("--label-positions", type=int, default=1, help="logit positions per sequence (the loss's)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model directory's own Python code to read its config (off by default)")
+    p = sub.add_parser("diagnose", help="do the scores track curvature? CurvZO steps next to the backprop gradient",
+                       description="One process, plain model (no DeepSpeed): for each estimator, --steps CurvZO steps "
+                                   "of the configured run; every --probe-every steps, the backprop gradient on the "
+                                   "same batch. Prints the correlations of pi and S with the block energies and "
+                                   "writes diagnose.json and one PNG per estimator to --out (docs/algorithm.md).")
+    p.add_argument("--config", help="a YAML file of key: value")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config key")
+    p.add_argument("--estimators", default="normalized,unbiased_element",
+                   help="score_estimator values, comma-separated")
+    p.add_argument("--steps", type=int, default=200, help="steps per estimator")
+    p.add_argument("--probe-every", type=int, default=10, help="steps between two backprop probes")
+    p.add_argument("--out", required=True, help="directory for diagnose.json and the PNGs")
     argv = sys.argv[1:] if argv is None else argv
     # The deepspeed launcher inserts --local_rank=N (before the subcommand); LOCAL_RANK has it too.
     argv = [a for a in argv if not re.match(r"--local[-_]rank=\d+$", a)]
@@ -199,25 +215,39 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 run_suite(args.out, _ints(args.seq_lens, "--seq-lens"), args.rounds,
                           _ints(args.world_sizes, "--world-sizes"))
+        elif args.command == "diagnose":
+            from .diagnose import diagnose
+
+            cfg = load_config(args.config, args.set, None)
+            for line in diagnose(cfg, [x.strip() for x in args.estimators.split(",") if x.strip()], args.steps,
+                                 args.probe_every, args.out):
+                print(line)
         elif args.command == "plan":
             from .plan import plan
 
             plan(model=args.model, world_size=args.world_size, shard_group_size=args.shard_group_size,
                  dtype=args.dtype, offload=args.offload, batch=args.batch, seq_len=args.seq_len,
                  gpu_memory=args.gpu_memory, fp32_master=args.fp32_master_weights, deepspeed=args.deepspeed,
-                 device=args.device, label_positions=args.label_positions)
+                 device=args.device, label_positions=args.label_positions, trust_remote_code=args.trust_remote_code)
     except (ConfigError, FileNotFoundError) as e:
-        print(f"curvzo-ds {args.command}: error: {e}", file=sys.stderr)
+        _say(f"curvzo-ds {args.command}: error: {e}")
         return 2
     except RunEnded as e:  # the run stopped for a stated reason: one line (the log above has the context)
-        print(f"curvzo-ds {args.command}: {'' if e.exit_code == 3 else 'error: '}{e}", file=sys.stderr)
+        _say(f"curvzo-ds {args.command}: {'' if e.exit_code == 3 else 'error: '}{e}")
         return e.exit_code
     except ValueError as e:  # a checkpoint or run directory that is not what the command needs (export, plot)
         if args.command not in ("export", "plot"):
             raise
-        print(f"curvzo-ds {args.command}: error: {e}", file=sys.stderr)
+        _say(f"curvzo-ds {args.command}: error: {e}")
         return 2
     return 0
+
+
+def _say(line: str) -> None:
+    """One write per line, so that the lines of ranks sharing a terminal or log file never run together (a message
+    from a library that spans lines is joined into one)."""
+    sys.stderr.write(" ".join(part.strip() for part in line.splitlines()) + "\n")
+    sys.stderr.flush()
 
 
 @contextlib.contextmanager
@@ -252,7 +282,13 @@ def entry() -> None:
     """The console script and `python -m curvzo_ds.cli`: a crash in native code (a segfault or an abort in a
     communication library) prints every thread's Python stack to stderr, so a cluster job's log shows where."""
     faulthandler.enable()
-    sys.exit(main())
+    code = main()
+    if code == EXIT_PREEMPTED:  # every rank is here at once (run_train's barrier): leave without the interpreter's
+        logging.shutdown()      # teardown, which can take seconds, so that srun --kill-on-bad-exit ends no rank
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Any
 from .ds_policy import REFUSAL_BY_KEY
 
 METHODS = ("curvzo", "mezo", "us_ab", "fixed")
-SCORE_ESTIMATORS = ("normalized", "raw", "unbiased")
+SCORE_ESTIMATORS = ("normalized", "raw", "unbiased", "unbiased_element", "per_element", "ht")
 GRANULARITIES = ("tensor", "layer", "chunk")
 
 
@@ -66,7 +66,9 @@ class ZOConfig:
     budget_unit: str = key("blocks", "or 'params': the budget counts expected perturbed parameters")
     score_beta: float = key(0.1, "EMA rate of the scores (Eq. 8)")
     budget_floor: float = key(0.1, "gamma: pi = (1-gamma) pi_curv + gamma B/G")
-    score_estimator: str = key("normalized", "Eq. 27 (paper default), 'raw' (block Eq. 5), 'unbiased' (App. B)")
+    score_estimator: str = key("normalized", "Eq. 27 (paper default), 'raw' (block Eq. 5), 'unbiased' (App. B), "
+                                             "'unbiased_element' (App. B / n_i), 'per_element' (Eq. 27 / n_i), 'ht' "
+                                             "(Eq. 27 / pi_i); docs/algorithm.md, 'Scores that track curvature?'")
     score_init: Any = key("warmup", "'warmup' or a number: the scores at t = 0")
     score_warmup_steps: int = key(20, "uniform sampling before S := mean observed score")
     block_granularity: str = key("tensor", "'tensor' (paper), 'layer', 'chunk'")
@@ -78,6 +80,8 @@ class ZOConfig:
     fp32_master_weights: Any = key("auto", "fp32 copy of the owned slice of bf16/fp16 weights: auto (1-D tensors "
                                            "only: norms and biases, which bf16 cannot perturb by eps), true (all), "
                                            "false (none)")
+    num_directions: int = key(1, "q: SPSA directions per step, their updates averaged (each costs two forwards; "
+                                 "spread over the replica groups when shard_group_size < world size)")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value, its valid range and the fix."""
@@ -121,6 +125,7 @@ class ZOConfig:
              "auto, true or false")
         need(isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1,
              "max_consecutive_skips", "an integer >= 1")
+        need(_posint(self.num_directions), "num_directions", "an integer >= 1")
 
 
 @dataclass
@@ -134,6 +139,8 @@ class TrainConfig(ZOConfig):
 
     model: str = key("demo", "hub id, local path, or the built-in 'demo' (tiny Llama) / 'demo-opt'")
     tokenizer: str | None = key(None, "defaults to the model's")
+    trust_remote_code: bool = key(False, "run the Python code that a hub model or tokenizer ships (transformers' "
+                                         "name); off: only the classes in transformers are used")
     task: str = key("demo", "built-in task name or a task directory")
     data_dir: str | None = key(None, "unset: the hub dataset of a built-in task; samples: its bundled examples; "
                                      "DIR: local train/validation JSONL or CSV, or a datasets save_to_disk dir")
@@ -169,6 +176,8 @@ class TrainConfig(ZOConfig):
                                       "differ (0: never)")
     flat_loss_steps: int = key(20, "warn when the loss stays exactly the same with a projected gradient of 0 for N "
                                    "steps (0: never)")
+    shard_group_size: int | None = key(None, "ranks that share one ZeRO-3 partition (hybrid sharding: ZeRO-3 inside "
+                                             "a group, replicas across groups); null: the world size")
     ddp_timeout: int = key(1800, "seconds a collective may wait before the job fails, so that a hung rank ends the "
                                  "job (Hugging Face's name and default)")
     log_level: str = key("info", "debug, info, warning or error (rank 0; other ranks log warnings)")
@@ -180,6 +189,14 @@ class TrainConfig(ZOConfig):
             if not ok:
                 raise ConfigError(f"{key}={getattr(self, key)!r} is invalid: it must be {rng}")
 
+        # A ZO update moves each weight by learning_rate * projected_grad * z, and the perturbation is zo_eps * z.
+        if self.learning_rate is not None and not (_finite(self.learning_rate) and 0 < self.learning_rate < 1):
+            raise ConfigError(f"learning_rate={self.learning_rate!r} is invalid: it must be a number in (0, 1); a ZO "
+                              "update moves each weight by learning_rate * projected_grad * z, so 0 trains nothing "
+                              "and 1 or more wrecks the weights in a step (MeZO: 1e-7 to 1e-4)")
+        if self.zo_eps is not None and not (_finite(self.zo_eps) and 0 < self.zo_eps < 1):
+            raise ConfigError(f"zo_eps={self.zo_eps!r} is invalid: it must be a number in (0, 1); each weight is "
+                              "perturbed by zo_eps * z, so 1 or more swamps the weights (MeZO: 1e-3)")
         for key in ("global_batch_size", "micro_batch_size", "num_train", "num_eval", "max_length",
                     "max_new_tokens", "lora_r", "lora_alpha", "logging_steps"):
             need(_posint(getattr(self, key)), key, "an integer >= 1")
@@ -203,6 +220,8 @@ class TrainConfig(ZOConfig):
             need(isinstance(getattr(self, key_name), int) and getattr(self, key_name) >= 0, key_name,
                  "an integer >= 0 (0: never)")
         need(_posint(self.ddp_timeout), "ddp_timeout", "an integer number of seconds >= 1")
+        if self.shard_group_size is not None:
+            need(_posint(self.shard_group_size), "shard_group_size", "an integer >= 1 that divides the world size")
         need(_finite(self.progress_interval) and self.progress_interval >= 0, "progress_interval", "a number >= 0")
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level", "debug, info, warning or error")
         if self.lora_target_modules is not None:
@@ -293,12 +312,16 @@ EVAL_FROM_CHECKPOINT = ("model", "tokenizer", "task", "data_dir", "lora", "lora_
 RESUME_MAY_CHANGE = ("max_steps", "eval_steps", "save_steps", "save_total_limit", "logging_steps", "report_to",
                      "disable_tqdm", "progress_interval", "log_level", "output_dir", "overwrite_output_dir", "threads",
                      "ddp_timeout", "deepspeed", "zero_stage", "offload_param", "num_eval", "visibility_steps",
-                     "visibility_warn", "max_consecutive_skips")
+                     "visibility_warn", "max_consecutive_skips", "trust_remote_code",
+                     "shard_group_size")
 
 
 def differences(saved: dict[str, Any], values: dict[str, Any], keys) -> list[str]:
-    """"key: saved -> new" for each of `keys` whose value in `values` differs from the checkpoint's `saved`."""
-    return [f"{k}: {saved.get(k)!r} -> {values[k]!r}" for k in keys if k in values and values[k] != saved.get(k)]
+    """"key: saved -> new" for each of `keys` whose value in `values` differs from the checkpoint's `saved`. A key
+    that `saved` lacks (one added to curvzo_ds after the checkpoint was written) counts as its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    old = {k: saved.get(k, defaults.get(k)) for k in keys}
+    return [f"{k}: {old[k]!r} -> {values[k]!r}" for k in keys if k in values and values[k] != old[k]]
 
 
 def to_dict(cfg) -> dict[str, Any]:

@@ -118,3 +118,54 @@ def pin_threads(threads: int | None) -> int:
         threads = 1 if get_accelerator().device_name() == "cpu" else torch.get_num_threads()
     torch.set_num_threads(threads)
     return threads
+
+
+def shard_groups(size: int | None):
+    """Hybrid sharding: (this rank's shard group, ranks g*K .. g*K+K-1 for K = `size`; its replica group, the
+    ranks that hold the same shard: k, k+K, k+2K, ...). Every rank creates every group, in the same order, as
+    torch.distributed requires. (None, None) when the shard group is the whole world."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if size is None or size == world:
+        return None, None
+    if size > world or world % size:
+        raise ValueError(f"shard_group_size={size} must divide the world size {world}")
+    rank = dist.get_rank()
+    shard = replica = None
+    for g in range(world // size):
+        group = dist.new_group(list(range(g * size, (g + 1) * size)))
+        if g == rank // size:
+            shard = group
+    for k in range(size):
+        group = dist.new_group(list(range(k, world, size)))
+        if k == rank % size:
+            replica = group
+    return shard, replica
+
+
+class GroupMPU:
+    """What `deepspeed.initialize(mpu=...)` reads: ZeRO-3 partitions over `group` (the shard group); no model
+    parallelism."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def get_data_parallel_group(self):
+        return self.group
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.group)
+
+    def get_model_parallel_group(self):
+        return None  # read by DeepSpeed's checkpoint barriers only, which curvzo_ds does not use
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0

@@ -69,6 +69,51 @@ def is_available(p: torch.nn.Parameter) -> bool:
     return getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE and p.data.numel() == full_numel(p)
 
 
+@contextlib.contextmanager
+def zero_init_group(group, mpu=None):
+    """While open, every `deepspeed.zero.Init` (transformers' `from_pretrained` opens one under ZeRO-3) partitions
+    over `group` instead of the whole world: hybrid sharding for hub models. transformers passes no group, so
+    the class is swapped for one that fills in `data_parallel_group` and `mpu` (DeepSpeed's own arguments for
+    this; the mpu makes its batch-size check count the group's ranks)."""
+    if group is None:
+        yield
+        return
+    import deepspeed
+
+    original = deepspeed.zero.Init
+
+    class GroupInit(original):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("data_parallel_group", group)
+            kwargs.setdefault("mpu", mpu)
+            super().__init__(*args, **kwargs)
+
+    deepspeed.zero.Init = GroupInit
+    try:
+        yield
+    finally:
+        deepspeed.zero.Init = original
+
+
+def sync_replicas(module: torch.nn.Module, replica_group) -> None:
+    """Copy replica group 0's weights to the other groups: each rank receives its shard (or whole tensor) from the
+    rank of group 0 that holds the same one. transformers' ZeRO-3 loading fills the partitions from global rank
+    0's reads only, which leaves the other shard groups unset."""
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(replica_group, 0)
+    for p in module.parameters():
+        dist.broadcast(p.ds_tensor if is_partitioned(p) else p.data, src=src, group=replica_group)
+
+
+def gather_persistent(params) -> None:
+    """Gather ZeRO-3 persistent parameters that no forward has gathered yet (a collective of the shard group).
+    They then stay gathered, as after their first forward."""
+    missing = [p for p in params if is_partitioned(p) and is_persistent(p) and not is_available(p)]
+    if missing:
+        missing[0].all_gather(param_list=missing)
+
+
 def gathered(params, modifier_rank=None):
     """Gather the full values of ZeRO-3 parameters for the body of a `with` (a collective)."""
     params = [p for p in params if is_partitioned(p)]
@@ -83,7 +128,8 @@ def engine_settings(engine) -> dict:
     """The settings of a built DeepSpeed engine that ds_policy.REFUSALS names, as a nested config dict."""
     stage = engine.zero_optimization_stage()
     zero: dict = {"stage": stage}
-    zc = engine.zero_optimization() if stage else None
+    # The engine's DeepSpeedZeroConfig (engine.zero_optimization() is only a bool: whether ZeRO is on).
+    zc = engine._config.zero_config if stage else None
     if zc is not None:
         for r in REFUSALS:
             parts = r.key.split(".")

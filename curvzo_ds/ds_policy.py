@@ -42,6 +42,9 @@ REFUSALS = (  # checked in this order: parallelism first, then ZeRO
     Refusal("zero_optimization.zero_hpz_partition_size", _int_above_one,
             "hpZ gathers read a secondary copy of the weights that the engine's in-place edits of each rank's "
             "primary shard never reach", "Remove zero_hpz_partition_size or set it to 1"),
+    Refusal("zero_optimization.mics_shard_size", lambda v: _int_above_one(v) or v == 1,
+            "MiCS was removed from DeepSpeed 0.19.8; curvzo_ds's hybrid sharding does the same",
+            "Remove mics_shard_size and set shard_group_size to that value (docs/scaling.md)"),
     Refusal("zero_optimization.zero_quantized_weights", lambda v: v is True,
             "the shards are int8 and cannot take the engine's small in-place perturbations",
             "Set zero_quantized_weights to false"),

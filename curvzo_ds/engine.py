@@ -125,7 +125,17 @@ class ZOEngine:
         if ds_compat.is_ds_engine(model):
             ds_compat.check_engine_supported(model)
         self.loss_fn = loss_fn
-        self.comm = Comm(group)
+        self.comm = Comm(group)  # the shard group: ZeRO-3's partition, the micro-batches
+        # Hybrid sharding: `group` is one of R equal, contiguous shard groups; the step's all-reduce spans them all.
+        self.world = Comm(None) if group is not None else self.comm
+        self.replicas = self.world.world_size // self.comm.world_size
+        self.replica = self.world.rank // self.comm.world_size
+        if self.replicas * self.comm.world_size != self.world.world_size or \
+                self.world.rank % self.comm.world_size != self.comm.rank:
+            raise ValueError("hybrid sharding needs equal, contiguous shard groups (ranks g*K .. g*K+K-1)")
+        if cfg.num_directions % self.replicas:
+            raise ValueError(f"num_directions={cfg.num_directions} must be a multiple of the number of replica "
+                             f"groups ({self.replicas}), so that every group evaluates the same number of directions")
         self.entries: list[ParamEntry] = collect_entries(self.module, replicated_rank=self.comm.rank,
                                                          fp32_master=cfg.fp32_master_weights)
         if not self.entries:
@@ -184,33 +194,52 @@ class ZOEngine:
             self._end_step(plan, None, None)
             stop = self._agree(stop_requested) if stop_requested is not None else False
             return StepResult(t + 1, None, None, None, None, skipped="empty_mask", stop=stop, **base)
+        if self.replicas > 1 and not isinstance(batch, MicroBatches):
+            raise ValueError("with replica groups, step() takes the global batch as MicroBatches (every group "
+                             "evaluates the same data)")
         pieces = self._local_pieces(plan.mask)
-        eps = cfg.zo_eps
+        eps, q = cfg.zo_eps, cfg.num_directions
+        # With q > 1 every direction starts from the same w: the edited values are kept and put back exactly,
+        # in every copy (so persistent parameters are gathered first, as the first forward would do).
+        if q > 1 and self.partitioned:
+            ds_compat.gather_persistent([e.param for e in self.entries])
+        saved = self._snapshot(pieces) if q > 1 else None
         was_training = self.module.training
         self.module.eval()  # dropout would give the two forwards different masks
-        watch = self._visibility_watch(t, pieces)
+        evals = []  # (direction, block sums of z^2, L+ slots, L- slots) of the directions this group evaluates
+        # The visibility counts come from direction 0 (replica group 0); the other groups send zeros.
+        watch = self._visibility_watch(t, pieces if self.replica == 0 else [])
+        changed = None if self.replica == 0 else self._visibility_count(watch)
         try:
-            with self._section("perturb_stats"):
-                block_fixed = self._perturb(t, pieces, 0.0, eps, stats=self.scored)
-            changed = self._visibility_count(watch)
-            with self._section("forwards"):
-                plus = self._forwards(batch)
-            with self._section("perturb"):
-                self._perturb(t, pieces, eps, -eps)
-            with self._section("forwards"):
-                minus = self._forwards(batch)
+            for d in range(self.replica, q, self.replicas):
+                with self._section("perturb_stats"):
+                    block_fixed = self._perturb(t, pieces, 0.0, eps, stats=self.scored, direction=d)
+                if d == 0:
+                    changed = self._visibility_count(watch)
+                with self._section("forwards"):
+                    plus = self._forwards(batch)
+                with self._section("perturb"):
+                    self._perturb(t, pieces, eps, -eps, direction=d)
+                with self._section("forwards"):
+                    minus = self._forwards(batch)
+                if saved is not None:
+                    self._restore(pieces, saved)
+                evals.append((d, block_fixed, plus, minus))
         finally:
             self.module.train(was_training)
         with self._section("reduce"):
-            loss_plus, loss_minus, block_sq, changed, stop = self._reduce(
-                block_fixed, plus, minus, self._slot_count(batch), changed, stop_requested)
+            losses, block_sq, changed, stop = self._reduce(evals, self._slot_count(batch), changed,
+                                                            stop_requested)
         base["stop"] = stop
         if changed is not None:
             base.update(self._visibility(changed, plan.mask))
-        delta = (loss_plus - loss_minus) / (2 * eps)
+        deltas = [(lp - lm) / (2 * eps) for lp, lm in losses]
+        loss_plus, loss_minus = (sum(x[i] for x in losses) / q for i in (0, 1))
+        delta = sum(deltas) / q
         loss = 0.5 * (loss_plus + loss_minus)
-        if not all(math.isfinite(x) for x in (loss_plus, loss_minus, delta)):
-            self._perturb(t, pieces, -eps, 0.0)
+        if not all(math.isfinite(x) for x in (loss_plus, loss_minus, delta, *deltas)):
+            if saved is None:
+                self._perturb(t, pieces, -eps, 0.0)
             self._end_step(plan, None, None)
             self.skips_in_row += 1
             self.skipped_total += 1
@@ -223,10 +252,15 @@ class ZOEngine:
             return StepResult(t + 1, _finite_or_none(loss), _finite_or_none(loss_plus),
                               _finite_or_none(loss_minus), None, skipped="non_finite_loss", **base)
         self.skips_in_row = 0
-        steps, keeps = self.sampler.update_coefficients(plan, delta, lr, cfg.weight_decay)
         with self._section("update"):
-            self._update(t, pieces, steps.tolist(), keeps.tolist())
-        self._end_step(plan, delta, block_sq)
+            if q == 1:
+                steps, keeps = self.sampler.update_coefficients(plan, delta, lr, cfg.weight_decay)
+                self._update(t, pieces, steps.tolist(), keeps.tolist())
+            else:
+                keeps = self.sampler.update_coefficients(plan, 0.0, lr, cfg.weight_decay)[1].tolist()
+                steps = [self.sampler.update_coefficients(plan, x, lr / q)[0].tolist() for x in deltas]
+                self._update_directions(t, pieces, steps, keeps)
+        self._end_step(plan, delta if q == 1 else deltas, block_sq)
         return StepResult(t + 1, loss, loss_plus, loss_minus, delta, **base)
 
     def _visibility_watch(self, t: int, pieces) -> list | None:
@@ -305,7 +339,7 @@ class ZOEngine:
         return out
 
     def _axpy(self, t: int, e: ParamEntry, buf: torch.Tensor, start: int, scale: float, alpha: float,
-              sums: torch.Tensor | None = None, block: int = 0) -> None:
+              sums: torch.Tensor | None = None, block: int = 0, direction: int = 0) -> None:
         """buf (global elements [start, start + len)) <- scale * buf + alpha * z, fused on buf's device.
 
         With `sums`, the fixed-point sum of z^2 over the part this rank owns is added to sums[block], from
@@ -314,15 +348,16 @@ class ZOEngine:
         end = start + buf.numel()
         o_lo, o_hi = intersect((start, end), e.owned) if sums is not None else (start, start)
         if o_hi <= o_lo:
-            self.noise.axpy_(buf, t, e.name, start, scale, alpha)
+            self.noise.axpy_(buf, t, e.name, start, scale, alpha, direction=direction)
             return
         for lo, hi, count in ((start, o_lo, False), (o_lo, o_hi, True), (o_hi, end, False)):
             if hi > lo:
-                total = self.noise.axpy_(buf[lo - start: hi - start], t, e.name, lo, scale, alpha, want_sq=count)
+                total = self.noise.axpy_(buf[lo - start: hi - start], t, e.name, lo, scale, alpha, want_sq=count,
+                                         direction=direction)
                 if count:
                     sums[block] += total
 
-    def _perturb(self, t: int, pieces, at: float, to: float, stats: bool = False):
+    def _perturb(self, t: int, pieces, at: float, to: float, stats: bool = False, direction: int = 0):
         """Move the selected weights from w + at z to w + to z (the fp32 master copy, when kept, is w).
         With `stats`, also return the fixed-point sums of z^2 over the owned elements of each block."""
         sums = torch.zeros(self.num_blocks, dtype=torch.int64, device=self.device) if stats else None
@@ -332,12 +367,43 @@ class ZOEngine:
                 m = e.master[a: a + hi - lo]
                 buf = m.clone()
                 if to or stats:
-                    self._axpy(t, e, buf, lo, 1.0, to, sums, b)
+                    self._axpy(t, e, buf, lo, 1.0, to, sums, b, direction)
                 e.write(a, buf)
                 continue
             for i, (view, start) in enumerate(e.copies(a, hi - lo)):
-                self._axpy(t, e, view, start, 1.0, to - at, sums if i == 0 else None, b)
+                self._axpy(t, e, view, start, 1.0, to - at, sums if i == 0 else None, b, direction)
         return sums
+
+    def _snapshot(self, pieces) -> list[list[torch.Tensor] | None]:
+        """The values of every stored copy of the selected pieces (none where the fp32 master copy holds w)."""
+        return [None if e.master is not None else [view.clone() for view, _ in e.copies(lo - e.region[0], hi - lo)]
+                for _, e, lo, hi in pieces]
+
+    def _restore(self, pieces, saved) -> None:
+        for (_, e, lo, hi), values in zip(pieces, saved):
+            a = lo - e.region[0]
+            if values is None:
+                e.write(a, e.master[a: a + hi - lo])
+                continue
+            for (view, _), kept in zip(e.copies(a, hi - lo), values):
+                view.copy_(kept)
+
+    def _update_directions(self, t: int, pieces, steps: list[list[float]], keeps: list[float]) -> None:
+        """From w (restored): w <- keep_i w - sum_d (step_d,i) z_d, one direction after the other in the order
+        d = 0 .. q-1 on every rank and group layout, so that the result is the same bit for bit."""
+        wd = self.cfg.weight_decay
+        for b, e, lo, hi in pieces:
+            a = lo - e.region[0]
+            keep = keeps[b] if e.decay and wd else 1.0
+            if e.master is not None:
+                m = e.master[a: a + hi - lo]
+                for d, step in enumerate(steps):
+                    self._axpy(t, e, m, lo, keep if d == 0 else 1.0, -step[b], direction=d)
+                e.write(a, m)
+                continue
+            for view, start in e.copies(a, hi - lo):
+                for d, step in enumerate(steps):
+                    self._axpy(t, e, view, start, keep if d == 0 else 1.0, -step[b], direction=d)
 
     def _update(self, t: int, pieces, steps: list[float], keeps: list[float]) -> None:
         """w <- keep_i w - step_i z for the selected blocks (the sampler's Eq. 28 coefficients).
@@ -384,34 +450,39 @@ class ZOEngine:
 
     def _agree(self, flag: bool) -> bool:
         """True on every rank if `flag` is set on any (a step without forwards has no all-reduce to carry it)."""
-        return bool(self.comm.all_reduce_sum_int64(torch.tensor([int(flag)], dtype=torch.int64)).item())
+        return bool(self.world.all_reduce_sum_int64(torch.tensor([int(flag)], dtype=torch.int64)).item())
 
-    def _reduce(self, block_fixed, plus, minus, total: int, changed=None, stop_requested=None):
-        """One all-reduce of int64: the G block sums (none for MeZO), on visibility steps the G counts of moved
-        bf16/fp16 elements, then (L+, L-, count) of every micro-batch slot as float64 bit patterns (each slot
-        is written by one rank, zero elsewhere, so the integer sum returns it exactly). The all-reduce's result
-        is the step's only read back to the host; with `stop_requested`, one more value carries the stop flag.
-        Returns (L+, L-, block sums of z^2, moved counts or None, whether any rank asked to stop)."""
-        g = self.num_blocks if block_fixed is not None else 0
+    def _reduce(self, evals, total: int, changed=None, stop_requested=None):
+        """One all-reduce of int64 over every rank (all replica groups): for each of the q directions its G block
+        sums (none for MeZO); on visibility steps the G counts of moved bf16/fp16 elements; then for each
+        direction (L+, L-, count) of every micro-batch slot as float64 bit patterns (each slot of a direction is
+        written by one rank of the group that evaluated it, zero elsewhere, so the integer sum returns it
+        exactly). The all-reduce's result is the step's only read back to the host; with `stop_requested`, one
+        more value carries the stop flag. Returns ([(L+, L-)] per direction, block sums of z^2 [G] or [q, G],
+        moved counts or None, whether any rank asked to stop)."""
+        q, g = self.cfg.num_directions, (self.num_blocks if self.scored else 0)
         c = self.num_blocks if changed is not None else 0
-        losses = g + c  # layout: [block sums (g) | moved counts (c) | 3 values per slot | stop flag (0 or 1)]
-        flag = losses + 3 * total
+        losses = q * g + c  # layout: [q x block sums (g) | moved counts (c) | q x 3 values per slot | stop flag]
+        flag = losses + 3 * q * total
         vec = torch.zeros(flag + (stop_requested is not None), dtype=torch.int64, device=self.device)
-        if block_fixed is not None:
-            vec[:g] = block_fixed
+        for d, block_fixed, plus, minus in evals:
+            if g:
+                vec[d * g: (d + 1) * g] = block_fixed
+            for (slot, lp), (_, lm) in zip(plus, minus):
+                at = losses + 3 * (d * total + slot)
+                vec[at: at + 3] = float64_bits(torch.stack([lp[0], lm[0], lp[1]]))
         if changed is not None:
-            vec[g:losses] = changed
-        for (slot, lp), (_, lm) in zip(plus, minus):
-            vec[losses + 3 * slot: losses + 3 * slot + 3] = float64_bits(torch.stack([lp[0], lm[0], lp[1]]))
+            vec[q * g: losses] = changed
         if stop_requested is not None:
             vec[flag] = int(stop_requested)
-        vec = self.comm.all_reduce_sum_int64(vec)
-        vals = bits_float64(vec[losses:flag]).view(total, 3).tolist()
-        block_sq = (vec[:g].to(torch.float64) / 2.0**FIXED_POINT_BITS if g
-                    else torch.zeros(self.num_blocks, dtype=torch.float64))
-        moved = vec[g:losses].to(torch.float64) if c else None
+        vec = self.world.all_reduce_sum_int64(vec)
+        vals = bits_float64(vec[losses:flag]).view(q, total, 3).tolist()
+        block_sq = (vec[:q * g].to(torch.float64) / 2.0**FIXED_POINT_BITS if g
+                    else torch.zeros(q * self.num_blocks, dtype=torch.float64))
+        moved = vec[q * g: losses].to(torch.float64) if c else None
         stop = bool(vec[flag]) if stop_requested is not None else False
-        return _ratio(vals, 0, 2), _ratio(vals, 1, 2), block_sq, moved, stop
+        return ([(_ratio(v, 0, 2), _ratio(v, 1, 2)) for v in vals], block_sq if q > 1 else block_sq[:self.num_blocks],
+                moved, stop)
 
     # ----------------------------------------------------------------- state
     def state_hash(self) -> str:
@@ -456,11 +527,11 @@ class ZOEngine:
 
     def _check_ranks_agree(self) -> None:
         """Fail on every rank, at start-up, if ranks disagree on seed, config or model."""
-        if self.comm.world_size == 1:
+        if self.world.world_size == 1:
             return
         mine = {"config": dataclasses.asdict(self.cfg), "noise": self.noise.describe(),
                 "blocks": [(b.name, b.size) for b in self.blocks]}
-        everyone = self.comm.all_gather_object(mine)
+        everyone = self.world.all_gather_object(mine)
         for rank, theirs in enumerate(everyone):
             if theirs != everyone[0]:
                 diff = sorted(k for k in set(theirs["config"]) | set(everyone[0]["config"])

@@ -60,7 +60,9 @@ def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False) -> li
     lines = [f"wrote the LoRA adapter to {adapter_dir} (base model {base_ref}): "
              f"AutoPeftModelForCausalLM.from_pretrained({adapter_dir!r})"]
     if merge_lora:
-        base = base if base is not None else AutoModelForCausalLM.from_pretrained(base_ref, dtype=DTYPES[cfg.dtype])
+        if base is None:
+            base = AutoModelForCausalLM.from_pretrained(base_ref, dtype=DTYPES[cfg.dtype],
+                                                        trust_remote_code=cfg.trust_remote_code)
         with torch.no_grad():
             merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
         merged.save_pretrained(out)

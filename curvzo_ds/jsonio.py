@@ -37,13 +37,19 @@ def write_json_atomic(path: str, obj: Any) -> None:
     replace_atomic(path, dumps(obj, indent=2) + "\n")
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only portable way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
 def replace_atomic(path: str, text: str) -> None:
     """A reader sees the old file or the new one, never a half-written one (os.replace is atomic)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be read by others
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a plain open() would honour the umask
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

@@ -5,6 +5,7 @@ Only rank 0 writes: other ranks build a `MetricsWriter(..., enabled=False)`, who
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -136,10 +137,43 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def setup_logging(rank: int, level: str) -> None:
-    lvl = getattr(logging, level.upper()) if rank == 0 else logging.WARNING
+    """The console shows `level` on rank 0 and warnings on the other ranks. Every rank keeps its records at `level`
+    (up to 10000 of them) until log_to_file opens its own log file, once the output directory has been checked."""
+    lvl = getattr(logging, level.upper())
     logging.basicConfig(level=lvl, format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", force=True)
+    root = logging.getLogger()
+    console = root.handlers[0]
+    console.setLevel(lvl if rank == 0 else logging.WARNING)
+    pending = PendingRecords()
+    pending.setFormatter(console.formatter)
+    root.addHandler(pending)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class PendingRecords(logging.Handler):
+    """Holds the records logged before this rank's log file opens (the newest `limit`)."""
+
+    def __init__(self, limit: int = 10000):
+        super().__init__()
+        self.records: collections.deque = collections.deque(maxlen=limit)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def log_to_file(path: str, append: bool) -> None:
+    """Send this rank's records, at the level setup_logging set, to `path` too (appended to on a resume), starting
+    with those logged before (in setup_logging's format)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    root = logging.getLogger()
+    handler = logging.FileHandler(path, mode="a" if append else "w", encoding="utf-8")
+    for pending in [h for h in root.handlers if isinstance(h, PendingRecords)]:
+        root.removeHandler(pending)
+        handler.setFormatter(pending.formatter)
+        for record in pending.records:
+            handler.handle(record)
+    root.addHandler(handler)
 
 
 class LogProgress:

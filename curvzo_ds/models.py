@@ -16,6 +16,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
+from . import ds_compat
 from .config import DEMO_MODELS, ConfigError, TrainConfig
 from .tasks import demo_model_config
 from .tasks import load_tokenizer as load_demo_tokenizer
@@ -33,25 +34,40 @@ def model_hidden_size(cfg: TrainConfig) -> int | None:
     if cfg.model in DEMO_MODELS:
         return demo_model_config(demo_kind(cfg.model)).hidden_size
     try:
-        conf = AutoConfig.from_pretrained(cfg.model)
+        conf = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     except OSError as e:
         raise FileNotFoundError(f"model={cfg.model!r}: no such local directory, and the hub could not be reached "
                                 f"({e.__class__.__name__}); pass a local path") from None
+    except ValueError as e:
+        raise refused("model", cfg.model, e) from None
     return getattr(conf, "hidden_size", None) or getattr(conf, "d_model", None)
+
+
+def refused(key: str, value: str, e: ValueError) -> ConfigError:
+    """transformers' refusal to load `value` (often several lines), as one line naming the key."""
+    if "trust_remote_code" in str(e):
+        return ConfigError(f"{key}={value!r} ships its own Python code, which runs only with trust_remote_code=true: "
+                           "set it if you trust that code")
+    return ConfigError(f"{key}={value!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
 
 def load_tokenizer(cfg: TrainConfig):
     if cfg.tokenizer is None and cfg.model in DEMO_MODELS:
         tok = load_demo_tokenizer(demo_kind(cfg.model))
     else:
-        tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
+        try:
+            tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
+        except ValueError as e:
+            raise refused("tokenizer" if cfg.tokenizer else "model", cfg.tokenizer or cfg.model, e) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     return tok
 
 
-def build_model(cfg: TrainConfig, ds_config: dict):
-    """(model, keep_alive): the causal LM, LoRA-wrapped when asked, ready for deepspeed.initialize."""
+def build_model(cfg: TrainConfig, ds_config: dict, group=None, mpu=None):
+    """(model, keep_alive): the causal LM, LoRA-wrapped when asked, ready for deepspeed.initialize.
+
+    `group` (hybrid sharding): the shard group that `zero.Init` partitions a hub model over while it loads."""
     dtype = DTYPES[cfg.dtype]
     keep_alive = None
     if cfg.model in DEMO_MODELS:
@@ -60,7 +76,9 @@ def build_model(cfg: TrainConfig, ds_config: dict):
     else:
         if ds_config.get("zero_optimization", {}).get("stage") == 3:
             keep_alive = HfDeepSpeedConfig(ds_config)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
+        with ds_compat.zero_init_group(group if keep_alive is not None else None, mpu):
+            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype,
+                                                         trust_remote_code=cfg.trust_remote_code)
         whole = [n for n, p in model.named_parameters() if not hasattr(p, "ds_id")] if keep_alive is not None else []
         if whole:  # zero.Init did not take: every rank would hold the full model
             raise RuntimeError(f"{cfg.model} loaded without zero.Init partitioning ({len(whole)} tensors whole, "

@@ -8,6 +8,7 @@ default), w bytes per element of the weights' dtype, B sequences per forward on 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import os
@@ -22,6 +23,12 @@ from .tasks import demo_model_config
 
 GiB = 2**30
 NOISE_PIECE = 1 << 22  # the engine's noise piece (engine._PIECE): elements of noise materialised at once
+# A CPU run only (--device cpu), both measured here (docs/plan.md): the process memory a run adds above the
+# imported libraries besides its tensors (DeepSpeed's engine and hooks, tokenizer, data, compiled noise kernel),
+# and glibc's largest mmap threshold: freed blocks below it stay in the heap for reuse, so the process keeps
+# its high-water mark of them.
+RUNTIME_CPU = 35 * 2**20
+SMALL_BLOCK = 32 * 2**20
 WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -52,7 +59,7 @@ def published_key(name: str) -> str:
     return re.sub(r"^llama-2", "llama2", key)
 
 
-def model_config(model: str):
+def model_config(model: str, trust_remote_code: bool = False):
     """(transformers config, bytes of its checkpoint files or None if unknown, "demo" | "dir" | "hub").
 
     `model` is "demo"/"demo-opt", a local model directory (with config.json), a name of `PUBLISHED`, or a hub id
@@ -66,13 +73,17 @@ def model_config(model: str):
             raise ConfigError(f"--model {model}: the directory has no config.json; pass a Hugging Face model "
                               f"directory, or one of {names}")
         files = glob.glob(os.path.join(model, "*.safetensors")) or glob.glob(os.path.join(model, "*.bin"))
-        return AutoConfig.from_pretrained(model), sum(os.path.getsize(f) for f in files) or None, "dir"
+        try:
+            conf = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        except ValueError as e:  # e.g. a model that ships its own code, without --trust-remote-code
+            raise ConfigError(f"--model {model}: {' '.join(str(e).split())}") from None
+        return conf, sum(os.path.getsize(f) for f in files) or None, "dir"
     if published_key(model) in PUBLISHED:
         cls, fields = PUBLISHED[published_key(model)]
         conf = cls(**fields)
         return conf, 2 * n_params(conf), "hub"  # float16 files
     try:
-        return AutoConfig.from_pretrained(model), None, "hub"
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code), None, "hub"
     except (OSError, ValueError):
         raise ConfigError(f"--model {model}: not a local model directory, and not a built-in name ({names}, demo); "
                           "hub ids cannot be fetched here, pass a directory holding its config.json") from None
@@ -146,12 +157,17 @@ class Plan:
     persistent: int  # w * persistent_elements: whole on every rank from the second forward on (0 at K = 1)
     master: int  # 4 * region of each bf16/fp16 tensor with an fp32 copy (region: its shard, or all if persistent)
     master_rule: str
-    gathered: int  # w * (min(M, live + t) + min(M, max(bucket, t))) at K > 1; M: non-persistent elements, t: largest
+    gathered: int  # the peak of gathered parameters over one forward at K > 1 (`gather_peak`)
+    allocator: int  # CPU: the high-water mark of gathered blocks under SMALL_BLOCK, kept by the allocator
+    tied: int  # w * shard of each tied duplicate: from_pretrained partitions it, then ties it away; its shard
+    #            stays in a reference cycle until Python's next full collection
+    runtime: int  # CPU: RUNTIME_CPU; 0 on a GPU
     per_row: int  # activation bytes of one sequence of T tokens (`activation_bytes`)
     noise: int  # 4 * min(2^22, largest fp32-copied region): the master path's one noise piece; 0 otherwise
     zo_state: int  # 16 float64 per block: scores, sizes, warm-up sums, and the step's pi, mask and all-reduce
     checkpoint: int  # rank 0 while loading: the checkpoint's bytes (from_pretrained maps every file on rank 0)
-    load: int  # rank 0's peak while loading: checkpoint + shard + 2 * w * largest module (gathered, K > 1)
+    load: int  # rank 0's peak while loading: checkpoint + shard + w * largest module (twice at K > 1: gathered
+    #            and copied) + runtime
     adamw_states: int  # DeepSpeed's ZeRO-3 model-state estimate for AdamW (GPU bytes)
     adamw_per_row: int  # activations of one sequence kept for backward (`training_activation_bytes`)
 
@@ -173,15 +189,19 @@ class Plan:
     def _fixed(self) -> int:
         """What does not grow with B, in the memory the verdict is about."""
         shard = self.shard if self.offload == "none" else 0
-        fixed = shard + self.persistent + self.gathered + self.zo_state
+        fixed = shard + self.persistent + self.gathered + self.allocator + self.tied + self.zo_state + self.runtime
         return fixed + self.host if self.device == "cpu" else fixed
+
+    @property
+    def steady(self) -> int:
+        """The peak after loading: what the steps need."""
+        return self._fixed() + self.activations
 
     @property
     def total(self) -> int:
         """The peak to fit: GPU memory after loading; on a CPU run (--device cpu) all the process holds after
         loading, or rank 0's loading peak when that is larger."""
-        steady = self._fixed() + self.activations
-        return max(steady, self.load) if self.device == "cpu" else steady
+        return max(self.steady, self.load) if self.device == "cpu" else self.steady
 
     @property
     def fits(self) -> bool:
@@ -202,8 +222,9 @@ class Plan:
             (f"persistent parameters, whole ({self.persistent_elements / 1e6:.2f} M elements, each <= "
              f"{self.persistence:.0e})", self.persistent),
             (f"fp32 copy ({self.master_rule}){host}", self.master),
-            (f"gathered parameters (transient; largest module {self.largest_module / 1e6:.1f} M elements, "
-             f"prefetch bucket {self.bucket:.0e}, live limit {self.live:.0e})", self.gathered),
+            (f"gathered parameters (peak over a forward; prefetch bucket {self.bucket:.0e}, live limit "
+             f"{self.live:.0e})", self.gathered),
+            ("tied duplicate left by loading (until Python's next full collection)", self.tied),
             (f"forward activations ({self.batch} x {self.seq_len} tokens)", self.activations),
             (f"noise buffer (one piece on the fp32-copy path){host}", self.noise),
             ("ZO state (16 float64 per block)", self.zo_state),
@@ -212,7 +233,9 @@ class Plan:
             rows += [("host memory beside the GPU (offloaded shard, fp32 copy, noise)", self.host),
                      ("host memory on rank 0 while loading (the checkpoint)", self.checkpoint)]
         else:
-            rows.append(("peak while loading, rank 0 (checkpoint + shard + gathered module)", self.load))
+            rows += [("allocator: freed gathered blocks under 32 MiB kept in the heap", self.allocator),
+                     ("runtime: the run's objects besides tensors (measured)", self.runtime),
+                     ("peak while loading, rank 0 (checkpoint + shard + largest module)", self.load)]
         rows += [("total CurvZO per rank", self.total),
                  (f"first-order AdamW, same ZeRO-3 (DeepSpeed {self.adamw_states / GiB:.2f} GiB + activations "
                   f"for backward; {self.adamw / max(self.total, 1):.1f}x)", self.adamw)]
@@ -225,6 +248,89 @@ class Plan:
         lines.append(f"{'fits' if self.fits else 'does not fit'}: {self.total / GiB:.2f} GiB of "
                      f"{self.memory / GiB:.1f} GiB per rank")
         return "\n".join(lines)
+
+
+def gather_peak(calls: list[list[int]], numels: list[int], persistent: set[int], group: int, zero,
+                width: int, gloo: bool = False) -> tuple[int, int]:
+    """(peak bytes of gathered parameters, peak bytes of them in blocks under SMALL_BLOCK) during one forward.
+
+    DeepSpeed's parameter coordinator (partitioned_param_coordinator.py) replayed over `calls`, the own parameters
+    of each module in call order, with a complete trace: fetch the module's parameters; wait for them; prefetch
+    from the trace while under the live limit, up to one bucket (stopping after the tensor that passes it);
+    after the module, release its parameters unless they are used again within max_reuse_distance elements.
+    What is held: each all-gather's flat output (K * ceil(numel / K) per tensor) until its last tensor is
+    fetched; a gather of several tensors is copied out of its buffer at the first wait (one tensor is used in
+    place, its buffer freed at release); with gloo (CPU) also the all-gather's own output-sized temporary
+    until the wait. Python integers throughout: exact beyond 2^31 elements.
+    """
+    status = ["held" if i in persistent else "out" for i in range(len(numels))]
+    queue = collections.deque((i, s) for s, own in enumerate(calls) for i in own)
+    last_use = collections.defaultdict(lambda: -1)  # DeepSpeed's most recent step each parameter was fetched for
+    flat, unwaited, copies, handle_of = {}, set(), {}, {}  # handle -> bytes; waited copies; param -> handle
+    members: dict[int, set[int]] = {}
+    live = [0]
+    peak = small = 0
+
+    def gather(params):
+        params = [i for i in params if status[i] == "out"]
+        if params:
+            h = len(members) + 1
+            members[h] = set(params)
+            flat[h] = width * group * sum(shard_elements(numels[i], group) for i in params)
+            unwaited.add(h)
+            for i in params:
+                status[i], handle_of[i] = "flight", h
+                live[0] += numels[i]
+
+    def note():
+        nonlocal peak, small
+        held = list(flat.values()) + list(copies.values())
+        peak = max(peak, sum(held) + (sum(flat[h] for h in unwaited) if gloo else 0))
+        small = max(small, sum(b for b in held if b < SMALL_BLOCK))
+
+    for step, own in enumerate(calls):
+        gather(own)
+        note()
+        for i in own:
+            h = handle_of.pop(i, None)
+            if h is None:
+                continue
+            if h in unwaited:
+                unwaited.discard(h)
+                for j in members[h]:
+                    status[j] = "held"
+                    if len(members[h]) > 1:
+                        copies[j] = width * numels[j]
+                note()
+            if len(members[h]) > 1 and not any(handle_of.get(j) == h for j in members[h]):
+                del flat[h]
+        ahead = sum(1 for i in own if last_use[i] < step)
+        for _ in range(min(ahead, len(queue))):
+            i, at = queue.popleft()
+            last_use[i] = at
+        room, picked, count = min(zero.max_live_parameters - live[0], zero.prefetch_bucket_size), [], 0
+        while queue and count < room:
+            i, at = queue.popleft()
+            last_use[i] = max(last_use[i], at)
+            if status[i] == "out" and i not in picked:
+                picked.append(i)
+                count += numels[i]
+        gather(picked)
+        note()
+        release = {i for i in own if i not in persistent and last_use[i] <= step + 1}
+        seen = 0
+        for later in calls[step + 1:]:
+            if seen >= zero.max_reuse_distance:
+                break
+            release -= set(later)
+            seen += sum(numels[i] for i in later)
+        for i in release:
+            if status[i] == "held":
+                status[i] = "out"
+                live[0] -= numels[i]
+                if copies.pop(i, None) is None:  # used in place: its buffer goes
+                    flat.pop(next(h for h, m in members.items() if m == {i} and h in flat), None)
+    return peak, small
 
 
 def activation_bytes(conf, names: list[str], seq_len: int, width: int, label_positions: int = 1) -> int:
@@ -257,7 +363,7 @@ def training_activation_bytes(conf, seq_len: int, width: int, label_positions: i
 def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int | None = None,
                 dtype: str = "bfloat16", offload: str = "none", batch: int = 4, seq_len: int = 512,
                 gpu_memory: int | str = 80 * GiB, fp32_master: bool | str = "auto", deepspeed: str | None = None,
-                device: str = "gpu", label_positions: int = 1) -> Plan:
+                device: str = "gpu", label_positions: int = 1, trust_remote_code: bool = False) -> Plan:
     """The plan of one rank (rank 0, the largest). Raises ConfigError for what cannot be planned."""
     dtype = DTYPE_NAMES.get(dtype, dtype)
     if dtype not in WIDTH:
@@ -279,7 +385,7 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
         raise ConfigError(f"--offload {offload} / --device {device}: use none or cpu / gpu or cpu")
     memory = parse_memory(gpu_memory) if isinstance(gpu_memory, str) else int(gpu_memory)
 
-    conf, checkpoint, source = model_config(model)
+    conf, checkpoint, source = model_config(model, trust_remote_code)
     zero, dtype, offload = zero_settings(deepspeed, dtype, offload, world_size,
                                          getattr(conf, "hidden_size", None) or getattr(conf, "d_model", None))
     width = WIDTH[dtype]
@@ -298,7 +404,6 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
     ids = {id(p): i for i, (_, p) in enumerate(named)}
     module_sizes = [[ids[id(p)] for p in m.parameters(recurse=False)] for m in net.modules()]
     largest_module = max((sum(numels[i] for i in m) for m in module_sizes), default=0)
-    largest_module_np = max((sum(numels[i] for i in m if i not in persistent) for m in module_sizes), default=0)
 
     shard = width * sum(shard_elements(k, group) for k in numels)
     whole = width * sum(numels[i] for i in persistent) if group > 1 else 0
@@ -311,24 +416,21 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
     if dtype == "float32":
         rule = "none: float32 is edited exactly"
 
-    gathered = 0
+    gathered = allocator = 0
     if group > 1:
-        rest = [k for i, k in enumerate(numels) if i not in persistent]
-        m_np, t = sum(rest), max(rest, default=0)
-        if zero.prefetch_bucket_size > 0:
-            # The prefetcher adds up to one bucket of coalesced all-gathers at every module call until the gathered
-            # count passes the live limit (by at most one tensor): flat buffers of the buckets in flight. Waiting on
-            # a bucket copies each of its tensors out of the flat buffer, which lives on until the bucket's last
-            # tensor is used: one more bucket (at least one tensor).
-            gathered = min(m_np, zero.max_live_parameters + t) + min(m_np, max(zero.prefetch_bucket_size, t))
-        else:  # one module at a time: its flat buffer and the copies
-            gathered = 2 * largest_module_np
-        gathered *= width
+        calls = [[ids[id(p)] for p in m.parameters(recurse=False)] for m in net.modules()]
+        gathered, small = gather_peak(calls, numels, persistent, group, zero, width, gloo=device == "cpu")
+        allocator = small if device == "cpu" else 0
+    tied = 0
+    if source != "demo":
+        every = [p for _, p in net.named_parameters(remove_duplicate=False)]
+        tied = width * sum(shard_elements(numels[ids[id(p)]], group) for p in every) - shard
+    runtime = RUNTIME_CPU if device == "cpu" else 0
 
     per_row = activation_bytes(conf, [nm for nm, _ in named], seq_len, width, label_positions)
     if source == "demo" or checkpoint is None:  # a demo model is built whole on every rank, then partitioned
         checkpoint = width * n
-    load = checkpoint + shard + (2 * width * largest_module if group > 1 else 0)
+    load = checkpoint + shard + (2 if group > 1 else 1) * width * largest_module + runtime
 
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
@@ -344,7 +446,8 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
         device=device, batch=batch, seq_len=seq_len, memory=memory, bucket=zero.prefetch_bucket_size,
         live=zero.max_live_parameters, persistence=zero.param_persistence_threshold,
         persistent_elements=sum(numels[i] for i in persistent), largest_module=largest_module, shard=shard,
-        persistent=whole, master=4 * sum(masters), master_rule=rule, gathered=gathered, per_row=per_row,
+        persistent=whole, master=4 * sum(masters), master_rule=rule, gathered=gathered, allocator=allocator,
+        tied=tied, runtime=runtime, per_row=per_row,
         noise=4 * min(NOISE_PIECE, max(masters)) if masters else 0, zo_state=16 * 8 * len(numels),
         checkpoint=checkpoint, load=load, adamw_states=adamw_states,
         adamw_per_row=training_activation_bytes(conf, seq_len, width, label_positions))
@@ -359,18 +462,18 @@ def plan(**kwargs) -> Plan:
 
 def summary_table(models: list[str], world_sizes: list[int], **kwargs) -> str:
     """A Markdown table of plans: per model and world size, the per-rank figures in GiB and the verdict."""
-    rows = ["| model | W | shard | persistent | gathered | activations | fp32 copy (host) | CurvZO total | "
-            "AdamW (DeepSpeed + act.) | fits | largest batch |", "|" + "---|" * 11]
+    rows = ["| model | W | shard | gathered | tied dup. | activations | fp32 copy (host) | CurvZO total | "
+            "AdamW (DeepSpeed + act.) | verdict | largest batch |", "|" + "---|" * 11]
     for name in models:
         for w in world_sizes:
             p = plan_memory(name, w, **kwargs)
             g = lambda b: f"{b / GiB:.2f}"  # noqa: E731
-            rows.append(f"| {name} | {w} | {g(p.shard)} | {g(p.persistent)} | {g(p.gathered)} | {g(p.activations)} | "
+            rows.append(f"| {name} | {w} | {g(p.shard)} | {g(p.gathered)} | {g(p.tied)} | {g(p.activations)} | "
                         f"{g(p.master)} | {g(p.total)} | {g(p.adamw)} | {'fits' if p.fits else 'does not fit'} | "
                         f"{p.max_batch} |")
     return "\n".join(rows)
 
 
 __all__ = ["Plan", "plan", "plan_memory", "summary_table", "PUBLISHED", "shard_elements", "parse_memory",
-           "activation_bytes"]
+           "activation_bytes", "gather_peak"]
 

@@ -13,11 +13,13 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
 
 import deepspeed
 
 from . import data as D
+from . import ds_compat
 from .checkpoint import CheckpointManager, load_checkpoint, verify_checkpoint
 from .comm import Comm, main_process_first
 from .config import (
@@ -32,17 +34,17 @@ from .config import (
 )
 from .data.stream import MicroBatches, micro_batch_indices
 from .digest import params_digest
-from .distributed import init_distributed, pin_threads
+from .distributed import GroupMPU, init_distributed, pin_threads, shard_groups
 from .ds_config import load_ds_config, resolve_ds_config
 from .engine import ZOEngine
 from .evaluate import evaluate
 from .integrations import accelerate_ds_config
-from .jsonio import write_json_atomic
-from .logs import MetricsWriter, make_progress, progress_logging, setup_logging
+from .jsonio import dumps, write_json_atomic
+from .logs import MetricsWriter, log_to_file, make_progress, progress_logging, setup_logging
 from .models import build_model, load_tokenizer, model_hidden_size
 from .pilog import PiWriter
 from .signals import Fault, Preempted, RanksDisagree, StopRequest
-from .sysinfo import peak_rss_bytes, versions
+from .sysinfo import device_name, peak_rss_bytes, versions
 from .tasks import get_task, load_splits
 from .tasks.splits import data_source
 
@@ -58,8 +60,17 @@ class Run:
         self.threads = pin_threads(cfg.threads)
         cfg = resolve_presets(cfg)
         cfg.validate()
+        group_size = cfg.shard_group_size or self.world
+        if self.world % group_size or cfg.num_directions % (self.world // group_size):
+            raise ConfigError(f"shard_group_size={group_size} must divide the world size {self.world}, and "
+                              f"num_directions={cfg.num_directions} must be a multiple of the number of replica "
+                              f"groups ({self.world // group_size if self.world % group_size == 0 else '?'}): every "
+                              "group evaluates its own directions")
+        # None, None: ZeRO-3 over the whole world (the default)
+        self.shard_group, self.replica_group = shard_groups(group_size)
         user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()
-        self.ds_config, notes = resolve_ds_config(user_ds, cfg, self.world, model_hidden_size(cfg))
+        # Each replica group processes the whole global batch: DeepSpeed's data-parallel world is the group.
+        self.ds_config, notes = resolve_ds_config(user_ds, cfg, group_size, model_hidden_size(cfg))
         for note in notes:
             log.warning("deepspeed config: %s", note)
         cfg.validate()
@@ -81,14 +92,17 @@ class Run:
             self._check_batch_fits()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        model, self._keep_alive = build_model(cfg, self.ds_config)
+        mpu = GroupMPU(self.shard_group) if self.shard_group is not None else None
+        model, self._keep_alive = build_model(cfg, self.ds_config, self.shard_group, mpu)
+        if self.replica_group is not None:
+            ds_compat.sync_replicas(model, self.replica_group)
         self.is_lora = cfg.lora
-        self.ds_engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)
+        self.ds_engine, *_ = deepspeed.initialize(model=model, config=self.ds_config, mpu=mpu)
         self.device = self.ds_engine.device
         loss = D.loss_fn_for(self.task, cfg.train_as_classification)
         self.loss_fn = lambda m, mb: loss(m, D.to_device(mb, self.device))
         self.base_loss = loss
-        self.engine = ZOEngine(self.ds_engine, self.loss_fn, zo_part(cfg))
+        self.engine = ZOEngine(self.ds_engine, self.loss_fn, zo_part(cfg), group=self.shard_group)
         self._check_data_agrees()
         log.info("model %s: %d trainable tensors (%d blocks, %d parameters), world size %d, %d threads per rank",
                  cfg.model, len(self.engine.entries), self.engine.num_blocks, self.engine.num_params,
@@ -113,7 +127,7 @@ class Run:
 
     def _check_data_agrees(self) -> None:
         h = hashlib.sha256(json.dumps([self.train_data, self.eval_data], sort_keys=True).encode()).hexdigest()
-        hashes = self.engine.comm.all_gather_object(h)
+        hashes = self.engine.world.all_gather_object(h)
         if len(set(hashes)) != 1:
             raise RuntimeError(f"ranks tokenized different data (hashes {sorted(set(hashes))}): check that every "
                                "rank reads the same files with the same tokenizer")
@@ -126,11 +140,11 @@ class Run:
 
     def evaluate(self, split: str) -> dict:
         return evaluate(self.ds_engine, self.task, self.tokenizer, self.eval_data[split], self.cfg.micro_batch_size,
-                        self.engine.comm, self.device, self.cfg.max_new_tokens, self.base_loss)
+                        self.engine.world, self.device, self.cfg.max_new_tokens, self.base_loss)
 
     def checkpoints(self) -> CheckpointManager:
         cfg = self.cfg
-        return CheckpointManager(cfg.output_dir, self.engine.comm, save_total_limit=cfg.save_total_limit,
+        return CheckpointManager(cfg.output_dir, self.engine.world, save_total_limit=cfg.save_total_limit,
                                  metric=self.task.metrics[0])
 
     def write_extra(self, directory: str) -> None:
@@ -148,7 +162,7 @@ class Run:
 def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
     start = time.time()
     run = Run(cfg)
-    cfg, engine, comm = run.cfg, run.engine, run.engine.comm
+    cfg, engine, comm = run.cfg, run.engine, run.engine.world
     out = cfg.output_dir
     manager = run.checkpoints()
     # Everything is checked before the first byte goes to output_dir: the resume target and its compatibility,
@@ -156,6 +170,7 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
     path = manager.resume_path(resume)
     trainer = check_resume(run, path) if path else None
     prepare_output_dir(cfg, bool(resume), comm)
+    log_to_file(os.path.join(out, "logs", f"rank-{run.rank:05d}.log"), append=bool(resume))
     seconds0 = 0.0
     if path:
         load_checkpoint(engine, path)
@@ -210,7 +225,9 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
         load_checkpoint(engine, best["checkpoint"])  # MeZO: report test at the best dev point
         test = run.evaluate("test")
     writer.close()
-    rss = comm.all_gather_object(peak_rss_bytes())
+    # One entry per rank of the whole job (engine.world; comm is the shard group).
+    ranks = engine.world.all_gather_object((peak_rss_bytes(), socket.gethostname(), device_name(run.device)))
+    rss, hostnames, device_names = (list(column) for column in zip(*ranks))
     summary = {
         "params_digest": digest,
         "world_size": run.world,
@@ -228,6 +245,10 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
         "peak_rss_bytes": rss,
         "threads": run.threads,
         "versions": versions(),
+        "hostnames": hostnames,
+        "device_names": device_names,
+        "noise_generator": engine.noise.ident,
+        "config_hash": config_hash(to_dict(cfg)),
     }
     if run.rank == 0:
         write_json_atomic(os.path.join(out, "summary.json"), summary)
@@ -265,12 +286,13 @@ def _loop(run: Run, writer: MetricsWriter, pi_log: PiWriter, bar, manager: Check
             bar.update(1)
         flat.observe(r)
         if cfg.consistency_steps and step % cfg.consistency_steps == 0:
-            hashes = engine.comm.all_gather_object(engine.state_hash())
+            hashes = engine.world.all_gather_object(engine.state_hash())
             if len(set(hashes)) > 1:
                 raise RanksDisagree(f"ranks disagree on the ZO state at step {step} (hashes by rank: {hashes}): a "
                                     "rank has another build, data or configuration; the run stops")
         if r.stop:
             path = save() if saved != step else manager.path_for(step)
+            engine.world.barrier()  # leave together: under srun --kill-on-bad-exit the first exit ends the rest
             raise Preempted(f"stopped on a signal ({stop.signal_name or 'received by another rank'}) at step {step}, "
                             f"after saving {path}: resume with --resume")
         if "dev" in run.eval_data and cfg.eval_steps and step % cfg.eval_steps == 0:
@@ -331,7 +353,7 @@ def check_resume(run: Run, path: str) -> dict:
     return manifest.get("trainer", {})
 
 
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "tensorboard", "eval.json")
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "tensorboard", "eval.json", "logs")
 
 
 def prepare_output_dir(cfg: TrainConfig, resuming: bool, comm) -> None:
@@ -393,6 +415,12 @@ def run_eval(cfg: TrainConfig, resume: str | bool | None = None) -> dict | None:
         log.info("wrote %s", os.path.join(run.cfg.output_dir, "eval.json"))
         return results
     return None
+
+
+def config_hash(config: dict) -> str:
+    """The run config's hash: "sha256:" + the hex SHA-256 of its canonical JSON (sorted keys, no spaces, ASCII),
+    as recomputed from config.json with json.load and json.dumps(..., sort_keys=True, separators=(",", ":"))."""
+    return "sha256:" + hashlib.sha256(dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _fmt_value(value) -> str:

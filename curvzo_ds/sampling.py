@@ -141,21 +141,30 @@ def block_scores(delta: float, block_sq: torch.Tensor, mask: torch.Tensor, pi: t
     - "normalized": s~_i = ||v_Gi||^2 / ||v||^2 Delta^2 (Eq. 27, the block form of Eq. 7; the paper's default);
     - "raw": s_i = Delta^2 ||v_Gi||^2 (the block form of Eq. 5, whose mean is Eq. 6);
     - "unbiased": (Delta^2 ||v_Gi||^2 - pi_i n_i Delta^2) / (pi_i (n_i + 2 - pi_i n_i)), the block
-      form of Appendix B's s'_i, whose mean is ||g_i||^2. It can be negative (clamped later).
+      form of Appendix B's s'_i, whose mean is ||g_i||^2. It can be negative (clamped later);
+    - "unbiased_element": the same divided by n_i, whose mean is the per-element energy ||g_i||^2 / n_i;
+    - "per_element": Eq. 27 divided by n_i; "ht": Eq. 27 divided by pi_i (Horvitz-Thompson on the score,
+      the mean of Eq. 27 given that block i is drawn). docs/algorithm.md derives the mean of each and
+      where the sampler settles with it ("Scores that track curvature?").
     An empty mask gives all zeros. Leading dimensions are steps: [N, G] inputs with [N, 1] deltas
     give N steps' scores at once (the statistical tests use that); one step is [G] and a float.
     """
     d2 = delta * delta
     v_sq = torch.where(mask, block_sq, torch.zeros_like(block_sq))
-    if estimator == "normalized":
+    n = sizes.to(torch.float64)
+    if estimator in ("normalized", "per_element", "ht"):
         total = v_sq.sum(-1, keepdim=True)
-        return torch.where(total > 0, v_sq / total * d2, torch.zeros_like(v_sq))
+        normalized = torch.where(total > 0, v_sq / total * d2, torch.zeros_like(v_sq))
+        if estimator == "ht":  # 0 where not drawn, also where pi = 0 (budget_floor = 0)
+            return torch.where(mask, normalized / pi, torch.zeros_like(normalized))
+        return normalized if estimator == "normalized" else normalized / n
     if estimator == "raw":
         return v_sq * d2
-    if estimator == "unbiased":
-        n = sizes.to(torch.float64)
-        return (d2 * v_sq - pi * n * d2) / (pi * (n + 2 - pi * n))
-    raise ValueError(f"score_estimator={estimator!r}: use normalized, raw or unbiased")
+    if estimator in ("unbiased", "unbiased_element"):
+        unbiased = (d2 * v_sq - pi * n * d2) / (pi * (n + 2 - pi * n))
+        return unbiased if estimator == "unbiased" else unbiased / n
+    raise ValueError(f"score_estimator={estimator!r}: use normalized, raw, unbiased, unbiased_element, "
+                     "per_element or ht")
 
 
 def ema(scores: torch.Tensor, new: torch.Tensor, beta: float) -> torch.Tensor:
@@ -264,9 +273,16 @@ class CurvZOSampler:
         keep = torch.where(plan.mask, 1.0 - lr * weight_decay / plan.pi, torch.ones_like(plan.pi))
         return step, keep
 
-    def observe(self, plan: StepPlan, delta: float, block_sq: torch.Tensor) -> None:
-        """Fold the step's block scores (Eq. 27 by default) into S: summed during warm-up, else EMA (Eq. 8)."""
-        new = block_scores(delta, block_sq, plan.mask, plan.pi, self.sizes, self.cfg.score_estimator)
+    def observe(self, plan: StepPlan, delta: float | list[float], block_sq: torch.Tensor) -> None:
+        """Fold the step's block scores (Eq. 27 by default) into S: summed during warm-up, else EMA (Eq. 8).
+
+        With q directions (num_directions), `delta` is a list of q values and `block_sq` is [q, G]: the step's
+        score is the mean of the q per-direction scores, which keeps the estimator's mean and divides its
+        variance by about q (docs/algorithm.md)."""
+        deltas = delta if isinstance(delta, list) else [delta]
+        rows = block_sq.reshape(len(deltas), -1)
+        new = sum(block_scores(d, sq, plan.mask, plan.pi, self.sizes, self.cfg.score_estimator)
+                  for d, sq in zip(deltas, rows)) / len(deltas)
         if plan.warmup:
             self.warmup_sum += new
         else:

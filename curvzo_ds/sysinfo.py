@@ -45,3 +45,13 @@ def versions() -> dict[str, str | None]:
     if found["curvzo_ds"] is None:
         found["curvzo_ds"] = getattr(sys.modules.get(__package__), "__version__", None)
     return found
+
+
+def device_name(device) -> str:
+    """What this rank computes on: the GPU's model name (torch.cuda.get_device_name), else the device type ("cpu")."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device.type

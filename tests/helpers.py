@@ -8,9 +8,11 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The project's outside contract check (../shared); a clean clone elsewhere uses the copy kept in tests/.
@@ -23,6 +25,10 @@ ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPAT
 CLI = [sys.executable, "-m", "curvzo_ds.cli", "train"]
 # For the scripts in launch/: their `python` is this interpreter.
 SCRIPT_PATH = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{ENV.get('PATH', '')}"
+# No launcher variables from the calling shell; this interpreter's bin directory first (`python` in launch/).
+BASE_ENV = {k: v for k, v in ENV.items() if not k.startswith("SLURM_")
+            and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+BASE_ENV["PATH"] = SCRIPT_PATH
 LAUNCH_TIMEOUT = 400  # seconds for one launch (a warm 2-rank run takes 15-30 s here)
 
 _given: set[int] = set()
@@ -105,3 +111,54 @@ def metrics_lines(out: pathlib.Path) -> list[dict]:
     """metrics.jsonl without wall-clock fields and end-of-run evaluations (for comparing runs)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if k != "seconds"} for r in rows if not r.get("final")]
+
+
+# Interrupted runs (test_reliability, test_launchers): 400 steps of the demo model with the COMMON settings, so
+# that a signal sent once metrics.jsonl has lines lands in the middle of training.
+STEPS = ["--set", "max_steps=400", "--set", "save_steps=100", "--set", "eval_steps=200", "--set", "save_total_limit=3"]
+RUN = COMMON + STEPS
+
+
+def start(cmd: list[str], out: pathlib.Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    log = open(out.parent / f"{out.name}.log", "w")
+    return subprocess.Popen(cmd + RUN + ["--set", f"output_dir={out}", *extra], env=env or ENV, cwd=str(ROOT),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_steps(out: pathlib.Path, proc: subprocess.Popen, at_least: int, timeout: float = 300) -> None:
+    """Until metrics.jsonl has a train line with step >= at_least (the run is mid-training)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended early:\n{log_of(out)[-3000:]}"
+        path = out / "metrics.jsonl"
+        if path.exists():
+            steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines()[-5:] if line.strip()]
+            if steps and max(steps) >= at_least:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"no step {at_least} within {timeout} s:\n{log_of(out)[-3000:]}")
+
+
+def log_of(out: pathlib.Path) -> str:
+    path = out.parent / f"{out.name}.log"
+    return path.read_text() if path.exists() else ""
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def checkpoints(out: pathlib.Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if (p / "manifest.json").exists())
+
+
+def resume(out: pathlib.Path, *extra: str) -> dict:
+    proc = subprocess.run(CLI + RUN + ["--set", f"output_dir={out}", "--resume", *extra], env=ENV, cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "summary.json").read_text())

@@ -59,6 +59,11 @@ def test_the_readme_main_job_runs(tmp_path):
     assert (summary["world_size"], summary["steps"], summary["method"]) == (2, 6, "curvzo")
     check = subprocess.run([sys.executable, str(CHECK), str(tmp_path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
+    # One log file per rank: rank 1's INFO lines, which its console leaves out, are in its own file.
+    assert summary["device_names"] == ["cpu", "cpu"] and len(summary["hostnames"]) == 2
+    rank1 = (tmp_path / "logs" / "rank-00001.log").read_text()
+    assert "[rank 1] INFO model demo:" in rank1 and "[rank 1] INFO" not in proc.stderr
+    assert "[rank 0] INFO done:" in (tmp_path / "logs" / "rank-00000.log").read_text()
 
 
 @pytest.mark.multirank

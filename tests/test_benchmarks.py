@@ -19,6 +19,22 @@ def test_gpu_benchmark_script_runs_its_cpu_path(tmp_path):
             assert row[method]["step_seconds"] > 0 and row[method]["noise_and_update_seconds"] > 0
 
 
+@pytest.mark.multirank
+def test_width70b_script_runs_at_tiny_widths(tmp_path):
+    """benchmarks/width70b.py at tiny widths, 1 and 2 ranks: each rank owns 1/W of the model, the digests
+    after the steps agree, and every reported figure is there."""
+    out = tmp_path / "w.json"
+    run_checked([sys.executable, str(ROOT / "benchmarks" / "width70b.py"), "--tiny", "--world-sizes", "1,2",
+                 "--steps", "1", "--out", str(out)], {k: v for k, v in ENV.items() if k != "MASTER_PORT"}, timeout=300)
+    report = json.loads(out.read_text())
+    assert report["digests_equal"] and [r["world_size"] for r in report["runs"]] == [1, 2]
+    for run in report["runs"]:
+        assert all(abs(f - 1) <= 0.02 for f in run["owned_fraction_times_w"])
+        assert run["planned_step_peak_bytes"] > 0 and all(r["step_peak_bytes"] > 0 for r in run["ranks"])
+        assert run["step_seconds"] > 0 and run["seconds"]["forwards"] > 0
+    assert report["python_overhead"]["blocks"] == 723
+
+
 @pytest.mark.slow
 def test_bench_suite_writes_every_contract_field(tmp_path):
     """`curvzo-ds bench --out`: per sequence length and method ratio_to_two_forwards, our_mezo_over_reference,
@@ -37,3 +53,7 @@ def test_bench_suite_writes_every_contract_field(tmp_path):
     assert len(ranks) == 2 and abs(ranks[0]["owned_bytes"] / report["world_sizes"]["1"]["ranks"][0]["owned_bytes"]
                                    - 0.5) < 0.02
     assert ranks[0]["methods"]["mezo"]["all_reduced_bytes_per_step"] == 8 * 3 * 4  # 4 micro-batches, no scores
+    noise = report["noise"]  # the generator against torch.randn, on one thread in the same process
+    assert noise["threads"] == 1 and noise["backend"] == "c"
+    for name in ("torch_randn", "slice", "fused_axpy", "torch_reference"):
+        assert noise[f"{name}_normals_per_second"] > 0

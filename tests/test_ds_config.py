@@ -236,9 +236,9 @@ def test_a_users_own_engine_is_refused_when_shard_local_edits_cannot_serve_it(st
 
     from curvzo_ds.ds_compat import check_engine_supported
 
-    stub = SimpleNamespace(zero_optimization_stage=lambda: stage,
-                           zero_optimization=lambda: SimpleNamespace(**zero))
+    stub = SimpleNamespace(zero_optimization_stage=lambda: stage,  # as DeepSpeedEngine (tests/test_ds_contract.py)
+                           _config=SimpleNamespace(zero_config=SimpleNamespace(**zero)))
     with pytest.raises(ValueError, match=words):
         check_engine_supported(stub)
     check_engine_supported(SimpleNamespace(zero_optimization_stage=lambda: 3,
-                                           zero_optimization=lambda: SimpleNamespace()))  # plain stage 3 passes
+                                           _config=SimpleNamespace(zero_config=SimpleNamespace())))  # plain stage 3

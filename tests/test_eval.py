@@ -112,7 +112,7 @@ def test_ranks_with_different_tokenized_data_are_refused():
             def all_gather_object(self, h):
                 return [h, other_hash or h]
 
-        return SimpleNamespace(**data, engine=SimpleNamespace(comm=Comm()))
+        return SimpleNamespace(**data, engine=SimpleNamespace(world=Comm()))
 
     Run._check_data_agrees(fake_run(None))  # the same data everywhere
     with pytest.raises(RuntimeError, match="ranks tokenized different data .* same files with the same tokenizer"):

@@ -1,7 +1,7 @@
 """Launcher coverage of the ZeRO-3 engine: real SLURM jobs and simulated two-node jobs.
 
 Every run uses test_app's COMMON settings, so every one must give the one-process params_digest.
-- SLURM: a module fixture starts a one-node cluster for this machine (munged, slurmctld, slurmd; DESIGN.md §3),
+- SLURM: a session fixture (conftest.py, tests/slurm_cluster.py) starts a one-node cluster on this machine,
   then `launch/srun.sh` (srun with 2 tasks), `launch/slurm.sbatch` under `sbatch --wait`, and DeepSpeed's hostfile
   launcher with `--launcher slurm` run on it. Without the SLURM packages the tests fail, they do not skip.
 - Two nodes on loopback: two `torchrun --nnodes 2` (static and c10d rendezvous) or two
@@ -14,49 +14,30 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.helpers import CLI, COMMON, ENV, LAUNCH_TIMEOUT, ROOT, SCRIPT_PATH, check_contract, free_port, run_checked
+from tests.helpers import (
+    BASE_ENV,
+    CLI,
+    COMMON,
+    LAUNCH_TIMEOUT,
+    ROOT,
+    check_contract,
+    checkpoints,
+    finish,
+    free_port,
+    log_of,
+    resume,
+    run_checked,
+    start,
+    wait_for_steps,
+)
 
 BIN = pathlib.Path(sys.executable).parent
-# No launcher variables from the calling shell; this interpreter's bin directory first (`python` in launch/).
-BASE_ENV = {k: v for k, v in ENV.items() if not k.startswith("SLURM_")
-            and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-BASE_ENV["PATH"] = SCRIPT_PATH
-
-SLURM_CONF = """\
-ClusterName=curvzo-test
-SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
-SlurmUser=root
-AuthType=auth/munge
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-MpiDefault=none
-SchedulerParameters=batch_sched_delay=0
-SlurmdParameters=config_overrides
-ReturnToService=2
-StateSaveLocation={dir}/state
-SlurmdSpoolDir={dir}/spool
-SlurmctldPidFile={dir}/slurmctld.pid
-SlurmdPidFile={dir}/slurmd.pid
-SlurmctldLogFile={dir}/slurmctld.log
-SlurmdLogFile={dir}/slurmd.log
-NodeName=localhost NodeHostname={host} NodeAddr=127.0.0.1 CPUs=4 RealMemory=1000 State=UNKNOWN
-PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP
-"""
-# The node is named localhost (slurmd -N localhost), so `scontrol show hostnames` gives a name that resolves,
-# whatever this machine's hostname is. CPUs=4 lets 2 single-CPU tasks start on a 2-core machine.
 
 
 def summary_of(out: pathlib.Path) -> dict:
@@ -107,67 +88,6 @@ def one_rank(tmp_path_factory) -> str:
     return summary["params_digest"]
 
 
-def _stop(pid_file: pathlib.Path) -> None:
-    if not pid_file.exists():
-        return
-    pid = int(pid_file.read_text().split()[0])
-    try:
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(100):
-            os.kill(pid, 0)
-            time.sleep(0.1)
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    """A one-node SLURM cluster on this machine for the module; yields the environment that reaches it."""
-    missing = [b for b in ("munge", "munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "scontrol", "scancel")
-               if shutil.which(b) is None]
-    if missing:
-        pytest.fail(f"SLURM is not installed ({', '.join(missing)} not found): apt-get install slurmctld slurmd "
-                    "slurm-client munge (.ci/run does it)")
-    if os.geteuid() != 0:
-        pytest.fail("the SLURM tests start munged, slurmctld and slurmd, and need root")
-    d = tmp_path_factory.mktemp("slurm")
-    for sub in ("state", "spool"):
-        (d / sub).mkdir()
-    conf = d / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(host=socket.gethostname().split(".")[0], dir=d, ctld_port=free_port(),
-                                      slurmd_port=free_port()))
-    env = {**BASE_ENV, "SLURM_CONF": str(conf)}
-    munge_pid = None
-    try:
-        if subprocess.run(["munge", "-n"], capture_output=True).returncode != 0:  # no munged answering yet
-            subprocess.run(["install", "-d", "-o", "munge", "-g", "munge", "/run/munge"], check=True)
-            subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True, timeout=30)
-            munge_pid = pathlib.Path("/run/munge/munged.pid")
-        subprocess.run(["slurmctld", "-c", "-f", str(conf)], env=env, check=True, timeout=30)
-        subprocess.run(["slurmd", "-f", str(conf), "-N", "localhost"], env=env, check=True, timeout=30)
-        state = ""
-        for _ in range(120):
-            state = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=env, capture_output=True,
-                                   text=True).stdout.strip()
-            if state == "idle":
-                break
-            time.sleep(0.5)
-        else:
-            logs = "".join(f"\n--- {n}\n" + (d / n).read_text()[-3000:] for n in ("slurmctld.log", "slurmd.log")
-                           if (d / n).exists())
-            pytest.fail(f"the SLURM node did not become idle in 60 s (sinfo: {state!r}){logs}")
-        yield env
-    finally:
-        subprocess.run(["scancel", "--full", "--user", "root"], env=env, capture_output=True, timeout=30)
-        _stop(d / "slurmd.pid")
-        _stop(d / "slurmctld.pid")
-        if munge_pid is not None:
-            _stop(munge_pid)
-        for sub in ("state", "spool"):
-            shutil.rmtree(d / sub, ignore_errors=True)
-
-
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_srun_two_tasks_give_the_one_process_result(slurm, one_rank, tmp_path):
@@ -191,6 +111,63 @@ def test_sbatch_script_gives_the_one_process_result(slurm, one_rank, tmp_path):
            "--time=10", f"--output={log}", f"--chdir={ROOT}", str(script)]
     summary = launch(cmd, tmp_path / "sbatch", {**slurm, "MASTER_PORT": str(free_port())}, log=log)
     assert_two_ranks_match(summary, one_rank)
+
+
+def _sbatch(log: pathlib.Path, *options: str) -> list[str]:
+    """sbatch --wait of launch/slurm.sbatch made test-sized (its own resources are 2 nodes x 8 GPUs)."""
+    return ["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0",
+            "--time=30", f"--output={log}", f"--chdir={ROOT}", *options, str(ROOT / "launch" / "slurm.sbatch")]
+
+
+def _job_id(env: dict) -> str:
+    jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout.split()
+    assert len(jobs) == 1, jobs
+    return jobs[0]
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("how", ["srun", "sbatch"])
+def test_sigterm_under_slurm_saves_at_a_step_boundary_and_resume_is_exact(slurm, reference, tmp_path, how):
+    """SIGTERM to launch/srun.sh (srun passes it to every task), or to the batch script of launch/slurm.sbatch
+    (its trap passes it on, as it does the --signal=B:USR1 warning): a checkpoint at a step boundary, exit 3,
+    and --resume gives the uninterrupted run's digest."""
+    out, job_log = tmp_path / how, tmp_path / "job.out"
+    env = {**slurm, "NPROC": "2", "MASTER_PORT": str(free_port())}
+    cmd = ["bash", str(ROOT / "launch" / "srun.sh")] if how == "srun" else _sbatch(job_log)
+    proc = start(cmd, out, env=env)
+    wait_for_steps(out, proc, 20)
+    if how == "srun":
+        os.kill(proc.pid, signal.SIGTERM)  # srun.sh execs srun
+    else:
+        subprocess.run(["scancel", "--batch", "--signal=TERM", _job_id(slurm)], env=slurm, check=True)
+    code = finish(proc)
+    text = log_of(out) + (job_log.read_text() if job_log.exists() else "")
+    assert code == 3 and "stopped on a signal (SIG" in text, f"exit {code}:\n{text[-3000:]}"
+    saved = checkpoints(out)
+    assert saved and 20 <= saved[-1] < 400 and saved[-1] % 100 != 0, saved  # a boundary, not a regular save
+    assert resume(out)["params_digest"] == reference
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_a_requeued_sbatch_job_resumes_by_itself(slurm, reference, tmp_path):
+    """The time-limit warning (--signal=B:USR1, sent here by scancel) with CURVZO_REQUEUE=1: the job saves, requeues
+    itself, and its second run resumes from the checkpoint (SLURM_RESTART_COUNT) to the uninterrupted digest."""
+    out, job_log = tmp_path / "requeue", tmp_path / "job.out"
+    env = {**slurm, "MASTER_PORT": str(free_port()), "CURVZO_REQUEUE": "1"}
+    proc = start(_sbatch(job_log, "--open-mode=append"), out, env=env)
+    wait_for_steps(out, proc, 20)
+    job = _job_id(slurm)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True)
+    deadline = time.monotonic() + 600
+    while not (out / "summary.json").exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    finish(proc, timeout=60)
+    text = log_of(out) + (job_log.read_text() if job_log.exists() else "")
+    assert (out / "summary.json").exists(), text[-4000:]
+    assert "requeueing job" in text and "resumed from" in text, text[-4000:]
+    assert json.loads((out / "summary.json").read_text())["params_digest"] == reference
 
 
 @pytest.mark.multirank

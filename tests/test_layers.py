@@ -16,7 +16,7 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "curvzo_ds"
 LAYERS = {
     0: {"config", "ds_policy", "sampling", "noise", "kernels", "params", "comm", "ds_compat", "digest", "jsonio",
-        "sysinfo", "distributed", "tasks", "data"},
+        "sysinfo", "distributed", "tasks", "data", "versions"},
     1: {"engine"},
     2: {"checkpoint"},
     3: {"run", "integrations", "hf_trainer", "evaluate", "models", "ds_config", "logs", "export", "plot", "bench",

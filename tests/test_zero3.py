@@ -25,7 +25,8 @@ SCENARIOS = [
     {"name": "lora", "steps": 60, "n_micro": 2, "lora": True, "persist": 100000,
      "zo": {**ZO, "method": "curvzo", "learning_rate": 1e-2}},
     # bf16 shards, edited in place or through an fp32 master copy of the owned slice only.
-    {"name": "bf16", "steps": 15, "n_micro": 2, "bf16": True, "zo": {**ZO, "method": "curvzo", "zo_eps": 1e-2}},
+    {"name": "bf16", "steps": 15, "n_micro": 2, "bf16": True,
+     "zo": {**ZO, "method": "curvzo", "zo_eps": 1e-2, "fp32_master_weights": False}},
     {"name": "bf16_master", "steps": 15, "n_micro": 2, "bf16": True,
      "zo": {**ZO, "method": "curvzo", "zo_eps": 1e-2, "fp32_master_weights": True}},
     {"name": "stage3_short", "steps": 10, "n_micro": 3, "zo": {**ZO, "method": "curvzo"}},

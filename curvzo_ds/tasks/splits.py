@@ -17,6 +17,7 @@ result is a pure function of the inputs, so every rank of any world size sees th
 """
 
 import csv
+import io
 import json
 import logging
 from pathlib import Path
@@ -129,8 +130,13 @@ def read_split_files(task: Task, directory: Path) -> dict[str, list[dict]]:
 def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     """(line number, object) for each non-blank line; a bad line raises naming its number."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path} line {line_no}: byte {raw[err.start]:#04x} at column {err.start + 1} is not "
+                                 "UTF-8; save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -143,9 +149,15 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
 
 def read_csv(path: Path) -> list[tuple[int, dict]]:
     """Rows of a CSV file with a header line; cells stay strings (the task converts them)."""
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
-        return [(reader.line_num, dict(row)) for row in reader]
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_no = raw.count(b"\n", 0, err.start) + 1
+        raise ValueError(f"{path} line {line_no}: byte {raw[err.start]:#04x} is not "
+                         "UTF-8; save the file as UTF-8") from None
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    return [(reader.line_num, dict(row)) for row in reader]
 
 
 def _read_hub(task: Task) -> dict[str, list[dict]]:

@@ -200,8 +200,8 @@ def load_task_dir(path: str | Path) -> Task:
                          f"(optionally dev.jsonl, test.jsonl)")
     try:
         spec = json.loads(spec_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{spec_path}: not valid JSON ({err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{spec_path}: not valid UTF-8 JSON ({err})") from None
     if not isinstance(spec, dict):
         raise ValueError(f"{spec_path}: expected a JSON object with name, template, label_words, metric")
     example = {"name": "my-task", "template": "{text} It was", "label_words": [" terrible", " great"],

@@ -1,0 +1,279 @@
+"""Issue 19's experiment, one command: does any score estimator make CurvZO beat MeZO?
+
+    nice -n 10 python experiments/pipeline.py --config full      # the issue's plan (about 90 minutes on 2 cores)
+    nice -n 10 python experiments/pipeline.py --config reduced   # what RESULTS.md reports (see its header)
+    python experiments/pipeline.py --config ci --out /tmp/x      # the end-to-end test's (one task, one seed)
+
+1. pre-train a Llama-style model (about 1M parameters) by backprop on the generated language
+   (experiments/language.py) and save it, with its tokenizer, as a Hugging Face directory;
+2. write the three classification tasks as task directories;
+3. for each task, form (full, LoRA) and method: a learning-rate grid with seed 0, the best rate by final dev
+   loss, then that rate with the other seeds; dev loss every `eval_every` steps, test accuracy at the end;
+4. the diagnostic (`curvzo-ds diagnose`'s code) on the pre-trained model, for the paper's and the new estimator;
+5. RESULTS.md-ready tables and plots in --out (tables.md, *.png).
+Every run is cached as runs/<hash of its settings>.json, so a rerun only computes what changed; progress.log
+has one line per run. One process, one thread per run (torch.set_num_threads(1)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import language  # noqa: E402
+
+from curvzo_ds.config import TrainConfig  # noqa: E402
+from curvzo_ds.diagnose import PlainRun, diagnose  # noqa: E402
+from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
+
+# Methods: (name, method, budget, score_estimator). "new" is the estimator the derivation recommends.
+METHODS = {"mezo": ("mezo", 0.5, "normalized"), "us_ab": ("us_ab", 0.5, "normalized"),
+           "fixed-0.1": ("fixed", 0.1, "normalized"), "fixed-0.4": ("fixed", 0.4, "normalized"),
+           "fixed-0.7": ("fixed", 0.7, "normalized"), "curvzo-paper": ("curvzo", 0.5, "normalized"),
+           "curvzo-unbiased": ("curvzo", 0.5, "unbiased"), "curvzo-element": ("curvzo", 0.5, "unbiased_element")}
+CONFIGS = {
+    "full": dict(tasks=["sentiment", "agreement", "topic"], forms=["full", "lora"], methods=list(METHODS),
+                 seeds=[0, 1, 2], steps=1000, eval_every=100, grid={"full": [1e-4, 3e-4, 1e-3],
+                                                                   "lora": [1e-3, 3e-3, 1e-2]},
+                 pretrain_steps=1500, diagnose_steps=300),
+    "reduced": dict(tasks=["sentiment", "agreement", "topic"], forms=["full"],
+                    methods=["mezo", "fixed-0.4", "curvzo-paper", "curvzo-element"], seeds=[0, 1], steps=400,
+                    eval_every=50, grid={"full": [1e-4, 3e-4]}, pretrain_steps=1500, diagnose_steps=200),
+    "ci": dict(tasks=["sentiment"], forms=["full"], methods=["mezo", "curvzo-paper"], seeds=[0], steps=20,
+               eval_every=10, grid={"full": [1e-3]}, pretrain_steps=10, diagnose_steps=12),
+}
+MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+             intermediate_size=352, max_position_embeddings=128, tie_word_embeddings=False)
+DATA = dict(num_train=512, num_dev=256, num_test=512, batch=16, eps=1e-3)
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Log:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, line: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {line}"
+        print(line, flush=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+
+def pretrain(out: str, steps: int, log: Log, seed: int = 0) -> str:
+    """The model directory (cached by its settings): a Llama trained by AdamW on the language's corpus.
+
+    A checkpoint every 100 steps lets an interrupted run (a time limit) go on where it stopped."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    key = digest(dict(MODEL, steps=steps, seed=seed, vocab=language.vocabulary(), corpus=language.CORPUS_VERSION))
+    path = os.path.join(out, f"model-{key}")
+    if os.path.exists(os.path.join(path, "done")):
+        return path
+    language.write_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    conf = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id, **MODEL)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(conf)
+    n_params = sum(p.numel() for p in model.parameters())
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    first, ckpt = 0, os.path.join(path, "pretrain.pt")
+    if os.path.exists(ckpt):
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        rng.setstate(state["rng"])
+        first = state["step"]
+        log(f"pretrain: resuming at step {first}")
+    seq, batch = 64, 32
+    start = time.time()
+    for step in range(first, steps):
+        rows = []
+        for _ in range(batch):
+            ids = []
+            while len(ids) < seq:
+                ids += tok.encode(language.corpus_line(rng)) + [tok.eos_token_id]
+            rows.append(ids[:seq])
+        x = torch.tensor(rows)
+        for group in opt.param_groups:
+            group["lr"] = 2e-3 * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * (1 - step / steps))
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if (step + 1) % 100 == 0 or step == steps - 1:
+            log(f"pretrain step {step + 1}/{steps}: loss {loss.item():.3f} ({time.time() - start:.0f}s)")
+            torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), rng=rng.getstate(), step=step + 1),
+                       ckpt + ".tmp")
+            os.replace(ckpt + ".tmp", ckpt)
+    model.save_pretrained(path)
+    os.remove(ckpt)
+    with open(os.path.join(path, "done"), "w") as f:
+        json.dump({"params": n_params, "final_loss": loss.item(), "steps": steps}, f)
+    log(f"pretrained {n_params} parameters -> {path}")
+    return path
+
+
+def run_config(model: str, task_dir: str, method: str, form: str, lr: float, seed: int, steps: int) -> TrainConfig:
+    kind, budget, estimator = METHODS[method]
+    return TrainConfig(model=model, task=task_dir, method=kind, budget=budget, score_estimator=estimator,
+                       learning_rate=lr, zo_eps=DATA["eps"], seed=seed, max_steps=steps, lora=form == "lora",
+                       num_train=DATA["num_train"], num_dev=DATA["num_dev"], num_eval=DATA["num_test"],
+                       global_batch_size=DATA["batch"], micro_batch_size=DATA["batch"], max_length=64)
+
+
+def train(cfg: TrainConfig, eval_every: int) -> dict:
+    """ZO steps; dev loss and accuracy every `eval_every` steps and at the end; test at the end."""
+    run = PlainRun(cfg)
+    curve = [dict(step=0, **run.evaluate("dev"))]
+    start = time.time()
+    budgets = []
+    for t in range(cfg.max_steps):
+        r = run.engine.step(run.batch(t))
+        budgets.append(r.budget / run.engine.num_blocks)
+        if (t + 1) % eval_every == 0 or t + 1 == cfg.max_steps:
+            curve.append(dict(step=t + 1, **run.evaluate("dev")))
+            if not math.isfinite(curve[-1]["loss"]):
+                break
+    return dict(curve=curve, test=run.evaluate("test"), seconds=time.time() - start,
+                budget_mean=float(np.mean(budgets)), blocks=run.engine.num_blocks)
+
+
+def one_run(out: str, plan: dict, model: str, task: str, task_dir: str, form: str, method: str, lr: float,
+            seed: int, log: Log) -> dict:
+    """One training run, from runs/<hash>.json when its settings were run before."""
+    settings = dict(model=os.path.basename(model), task=task, form=form, method=method, lr=lr, seed=seed,
+                    steps=plan["steps"], eval_every=plan["eval_every"], data=DATA)
+    path = os.path.join(out, "runs", digest(settings) + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    cfg = run_config(model, task_dir, method, form, lr, seed, plan["steps"])
+    result = dict(settings=settings, **train(cfg, plan["eval_every"]))
+    write_json_atomic(path, result)
+    final = result["curve"][-1]
+    log(f"run {task} {form} {method} lr={lr:g} seed={seed}: dev loss {final['loss']:.4f} acc "
+        f"{final['accuracy']:.3f}, test acc {result['test']['accuracy']:.3f} ({result['seconds']:.0f}s)")
+    return result
+
+
+def run_all(plan: dict, out: str, log: Log) -> dict:
+    """{(task, form, method): {"lr": best, "grid": {lr: dev loss}, "runs": [result per seed]}}."""
+    os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    model = pretrain(out, plan["pretrain_steps"], log)
+    tasks = {t: language.write_task(os.path.join(out, "tasks"), t, 0, DATA["num_train"], DATA["num_dev"],
+                                    DATA["num_test"]) for t in plan["tasks"]}
+    results = {}
+    for task, task_dir in tasks.items():
+        for form in plan["forms"]:
+            for method in plan["methods"]:
+                args = (out, plan, model, task, task_dir, form, method)
+                grid = {lr: one_run(*args, lr, plan["seeds"][0], log) for lr in plan["grid"][form]}
+                finite = {lr: r["curve"][-1]["loss"] for lr, r in grid.items() if math.isfinite(r["curve"][-1]["loss"])}
+                best = min(finite, key=finite.get) if finite else plan["grid"][form][0]
+                runs = [grid[best]] + [one_run(*args, best, s, log) for s in plan["seeds"][1:]]
+                results[(task, form, method)] = dict(lr=best, grid=finite, runs=runs)
+    return dict(model=model, tasks=tasks, results=results)
+
+
+def steps_to_reach(curve: list[dict], target: float) -> float:
+    """The first evaluated step whose dev loss is <= target (inf if none)."""
+    return next((c["step"] for c in curve if c["loss"] <= target), math.inf)
+
+
+def mean_sd(values) -> str:
+    v = np.array(values, dtype=float)
+    return f"{v.mean():.4f} ± {v.std(ddof=1):.4f}" if len(v) > 1 else f"{v.mean():.4f}"
+
+
+def tables(plan: dict, done: dict) -> list[str]:
+    """Markdown: test accuracy and final dev loss (mean ± sd over seeds), steps to MeZO's final dev loss."""
+    lines = ["| task | form | method | lr (dev) | test accuracy | final dev loss | steps to MeZO's final dev loss "
+             "(mean, range over seeds) | B/G |", "|---|---|---|---|---|---|---|---|"]
+    for task in plan["tasks"]:
+        for form in plan["forms"]:
+            mezo = done["results"].get((task, form, "mezo"))
+            target = float(np.mean([r["curve"][-1]["loss"] for r in mezo["runs"]])) if mezo else None
+            for method in plan["methods"]:
+                res = done["results"][(task, form, method)]
+                acc = [r["test"]["accuracy"] for r in res["runs"]]
+                dev = [r["curve"][-1]["loss"] for r in res["runs"]]
+                reach = [steps_to_reach(r["curve"], target) for r in res["runs"]] if target is not None else []
+                finite = [s for s in reach if math.isfinite(s)]
+                reach_text = (f"{np.mean(finite):.0f} [{min(finite)}, {max(finite)}]" if len(finite) == len(reach)
+                              and reach else f"{len(finite)}/{len(reach)} seeds reach it")
+                budget = np.mean([r["budget_mean"] for r in res["runs"]])
+                lines.append(f"| {task} | {form} | {method} | {res['lr']:g} | {mean_sd(acc)} | {mean_sd(dev)} | "
+                             f"{reach_text} | {budget:.2f} |")
+    return lines
+
+
+def plot_curves(plan: dict, done: dict, out: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for form in plan["forms"]:
+        fig, axes = plt.subplots(1, len(plan["tasks"]), figsize=(5 * len(plan["tasks"]), 4), squeeze=False)
+        for ax, task in zip(axes[0], plan["tasks"]):
+            for method in plan["methods"]:
+                runs = done["results"][(task, form, method)]["runs"]
+                steps = [c["step"] for c in runs[0]["curve"]]
+                losses = np.array([[c["loss"] for c in r["curve"]] for r in runs if len(r["curve"]) == len(steps)])
+                ax.plot(steps, losses.mean(0), label=method)
+                if len(losses) > 1:
+                    ax.fill_between(steps, losses.min(0), losses.max(0), alpha=0.15)
+            ax.set(title=f"{task} ({form})", xlabel="step", ylabel="dev loss")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out, f"convergence_{form}.png")
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=list(CONFIGS), default="reduced")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    plan = CONFIGS[args.config]
+    os.makedirs(args.out, exist_ok=True)
+    log = Log(os.path.join(args.out, "progress.log"))
+    log(f"config {args.config}: {json.dumps(plan)}")
+    done = run_all(plan, args.out, log)
+    lines = tables(plan, done)
+    figures = plot_curves(plan, done, args.out)
+    diag_dir = os.path.join(args.out, "diagnose")
+    task = plan["tasks"][0]
+    cfg = run_config(done["model"], done["tasks"][task], "curvzo-paper", "full", plan["grid"]["full"][-1], 0,
+                     plan["diagnose_steps"])
+    diag = diagnose(cfg, ["normalized", "unbiased", "unbiased_element"], plan["diagnose_steps"],
+                    max(plan["diagnose_steps"] // 20, 1), diag_dir)
+    with open(os.path.join(args.out, "tables.md"), "w") as f:
+        f.write(f"config `{args.config}`: {json.dumps(plan)}\n\n" + "\n".join(lines) + "\n\n")
+        f.write(f"Diagnostic: task {task}, full, lr {plan['grid']['full'][-1]:g}, {plan['diagnose_steps']} steps\n\n")
+        f.write("\n".join(diag) + "\n\nFigures: " + ", ".join(os.path.basename(p) for p in figures) + "\n")
+    log("tables: " + os.path.join(args.out, "tables.md"))
+
+
+if __name__ == "__main__":
+    main()

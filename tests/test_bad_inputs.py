@@ -1,0 +1,224 @@
+"""Every bad input is one line and exit 2 (issue 20 §4), through the real CLI in a subprocess.
+
+Each case runs `python -m curvzo_ds.cli ...` and must exit with 2, print no traceback, print exactly one line
+"curvzo-ds <cmd>: error: ..." holding the case's words, and leave a finished run's output directory (`{done}`,
+which every train and eval case points at) byte for byte as it was. All fail in validation, before any step.
+"""
+
+import hashlib
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import COMMON, ENV, ROOT, run_checked
+
+pytestmark = pytest.mark.slow  # ~60 processes of 3-10 s each
+DS = ROOT / "tests" / "ds_configs"
+# Train and eval cases start from the finished run's own settings, so only the case's key differs.
+BASE = [*COMMON, "--set", "max_steps=3", "--set", "output_dir={done}"]
+GOOD_TASK = {"name": "t", "template": "{text} It was", "label_words": [" bad", " good"], "metric": "accuracy"}
+GOOD_LINES = [{"text": f"example {i}", "label": i % 2} for i in range(40)]
+
+# (id, command and arguments, words the error line must hold). {done}: the finished run; {tmp}: a scratch
+# directory with the prepared bad files; {ds}: tests/ds_configs.
+CASES = [
+    # config keys
+    ("unknown-key", ["train", "--set", "no_such_key=1"], "unknown key 'no_such_key'"),
+    ("typo-key", ["train", "--set", "learnin_rate=1e-3"], "did you mean 'learning_rate'"),
+    ("no-equals", ["train", "--set", "novalue"], "KEY=VALUE"),
+    ("max-steps-text", ["train", "--set", "max_steps=abc"], "max_steps"),
+    ("max-steps-negative", ["train", "--set", "max_steps=-1"], "max_steps"),
+    ("global-batch-zero", ["train", "--set", "global_batch_size=0"], "global_batch_size=0"),
+    ("global-batch-negative", ["train", "--set", "global_batch_size=-4"], "global_batch_size=-4"),
+    ("global-batch-float", ["train", "--set", "global_batch_size=2.5"], "must be an integer"),
+    ("micro-batch-zero", ["train", "--set", "micro_batch_size=0"], "micro_batch_size=0"),
+    ("global-batch-over-data", ["train", "--set", "global_batch_size=5000"], "lower global_batch_size"),
+    ("lr-huge", ["train", "--set", "learning_rate=1e30"], "learning_rate=1e+30"),
+    ("lr-zero", ["train", "--set", "learning_rate=0"], "learning_rate=0"),
+    ("lr-negative", ["train", "--set", "learning_rate=-1e-3"], "learning_rate"),
+    ("lr-nan", ["train", "--set", "learning_rate=.nan"], "learning_rate"),
+    ("lr-text", ["train", "--set", "learning_rate=fast"], "learning_rate"),
+    ("eps-zero", ["train", "--set", "zo_eps=0"], "zo_eps=0"),
+    ("eps-one", ["train", "--set", "zo_eps=1"], "zo_eps=1"),
+    ("eps-inf", ["train", "--set", "zo_eps=.inf"], "zo_eps"),
+    ("num-train-zero", ["train", "--set", "num_train=0"], "num_train=0"),
+    ("num-dev-negative", ["train", "--set", "num_dev=-1"], "num_dev=-1"),
+    ("method", ["train", "--set", "method=adam"], "method='adam'"),
+    ("budget-zero", ["train", "--set", "method=fixed", "--set", "budget=0"], "budget=0"),
+    ("budget-over-one", ["train", "--set", "budget=1.5"], "budget=1.5"),
+    ("budget-min-over-max", ["train", "--set", "budget_min=0.9", "--set", "budget_max=0.2"], "budget_min"),
+    ("budget-alpha", ["train", "--set", "budget_alpha=2"], "budget_alpha"),
+    ("score-beta", ["train", "--set", "score_beta=0"], "score_beta"),
+    ("score-estimator", ["train", "--set", "score_estimator=magic"], "score_estimator"),
+    ("seed-negative", ["train", "--set", "seed=-1"], "seed=-1"),
+    ("seed-float", ["train", "--set", "seed=1.5"], "seed"),
+    ("scheduler", ["train", "--set", "lr_scheduler_type=cosine"], "lr_scheduler_type"),
+    ("dtype", ["train", "--set", "dtype=int8"], "dtype"),
+    ("zero-stage-2", ["train", "--set", "zero_stage=2"], "zero_stage=2"),
+    ("lora-not-bool", ["train", "--set", "lora=maybe"], "lora"),
+    ("granularity", ["train", "--set", "block_granularity=row"], "block_granularity"),
+    ("save-total-limit", ["train", "--set", "save_total_limit=0"], "save_total_limit"),
+    ("report-to", ["train", "--set", "report_to=wandb"], "report_to"),
+    ("trust-remote-code", ["train", "--set", "trust_remote_code=yes please"], "trust_remote_code"),
+    ("config-missing", ["train", "--config", "{tmp}/none.yaml"], "none.yaml: no such file"),
+    ("config-bad-yaml", ["train", "--config", "{tmp}/bad.yaml"], "not valid YAML"),
+    ("config-a-list", ["train", "--config", "{tmp}/list.yaml"], "must be a mapping"),
+    ("task-upper-case", ["train", "--set", "task=SST2"], "names are lower case"),
+    ("model-missing", ["train", "--set", "model={tmp}/no-model"], "no-model"),
+    ("model-remote-code", ["train", "--set", "model={tmp}/remote-model"], "runs only with trust_remote_code=true"),
+    ("tokenizer-remote-code", ["train", "--set", "tokenizer={tmp}/remote-tokenizer"],
+     "runs only with trust_remote_code=true"),
+    ("data-dir-missing", ["train", "--set", "data_dir={tmp}/no-data"], "no such file or directory"),
+    ("output-dir-a-file", ["train", "--set", "output_dir={done}/summary.json"], "is a file"),
+    ("output-dir-holds-a-run", ["train"], "already holds a run"),
+    # --deepspeed files
+    ("ds-missing", ["train", "--deepspeed", "{tmp}/none.json"], "none.json"),
+    ("ds-invalid-json", ["train", "--deepspeed", "{tmp}/bad.json"], "not valid JSON"),
+    ("ds-a-list", ["train", "--deepspeed", "{tmp}/list.json"], "JSON object"),
+    ("ds-stage-1", ["train", "--deepspeed", "{ds}/zero1.json"], "zero_optimization.stage=1"),
+    ("ds-stage-2", ["train", "--deepspeed", "{ds}/zero2.json"], "zero_optimization.stage=2"),
+    ("ds-hpz", ["train", "--deepspeed", "{ds}/zeropp_hpz.json"], "zero_hpz_partition_size=8"),
+    ("ds-quantized-weights", ["train", "--deepspeed", "{ds}/zeropp_quantized_weights.json"], "zero_quantized_weights"),
+    ("ds-nvme", ["train", "--deepspeed", "{ds}/nvme_offload.json"], "nvme"),
+    ("ds-pipeline", ["train", "--deepspeed", "{ds}/pipeline.json"], "pipeline.stages=2"),
+    ("ds-tensor-parallel", ["train", "--deepspeed", "{ds}/tensor_parallel.json"], "autotp_size=2"),
+    ("ds-key-typo", ["train", "--deepspeed", "{ds}/zero_key_typo.json"], "stage3_prefetch_bucket"),
+    ("ds-bf16-and-fp16", ["train", "--deepspeed", "{ds}/bf16_and_fp16.json"], "bf16.enabled and fp16.enabled"),
+    ("ds-mics", ["train", "--deepspeed", "{tmp}/mics.json"], "mics_shard_size"),
+    ("ds-micro-batch-zero", ["train", "--deepspeed", "{tmp}/micro.json"], "train_micro_batch_size_per_gpu=0"),
+    # task directories
+    ("task-dir-missing", ["train", "--set", "task={tmp}/no-task"], "neither a built-in task"),
+    ("task-no-task-json", ["train", "--set", "task={tmp}/tasks/no-task-json"], "no task.json"),
+    ("task-no-train", ["train", "--set", "task={tmp}/tasks/no-train"], "no train.jsonl"),
+    ("task-duplicate-labels", ["train", "--set", "task={tmp}/tasks/duplicate-labels"], "repeats a word"),
+    ("task-null-field", ["train", "--set", "task={tmp}/tasks/null-field"], "line 3: field 'text' is null"),
+    ("task-missing-field", ["train", "--set", "task={tmp}/tasks/missing-field"], "line 2: missing field 'text'"),
+    ("task-label-range", ["train", "--set", "task={tmp}/tasks/label-range"], "line 4: label 5 is out of range"),
+    ("task-non-utf8", ["train", "--set", "task={tmp}/tasks/non-utf8"], "train.jsonl line 2: byte 0xff"),
+    ("task-json-non-utf8", ["train", "--set", "task={tmp}/tasks/task-json-non-utf8"], "task.json: not valid"),
+    ("task-bad-json-line", ["train", "--set", "task={tmp}/tasks/bad-json-line"], "line 2: not valid JSON"),
+    ("task-empty-train", ["train", "--set", "task={tmp}/tasks/empty-train"], "holds no examples"),
+    ("task-bad-metric", ["train", "--set", "task={tmp}/tasks/bad-metric"], "metric 'f1'"),
+    # --resume
+    ("resume-missing", ["train", "--resume", "{tmp}/no-checkpoint"], "no such checkpoint directory"),
+    ("resume-not-a-checkpoint", ["train", "--resume", "{done}"], "no manifest.json"),
+    ("resume-other-model", ["train", "--set", "model=demo-opt", "--resume", "{done}/checkpoint-3"],
+     "model: 'demo' -> 'demo-opt'"),
+    ("resume-other-lora", ["train", "--set", "lora=true", "--resume", "{done}/checkpoint-3"], "lora: False -> True"),
+    ("resume-other-task", ["train", "--set", "task=sst2", "--set", "data_dir=samples", "--set", "num_train=8",
+                           "--set", "global_batch_size=4", "--resume", "{done}/checkpoint-3"],
+     "task: 'demo' -> 'sst2'"),
+    ("resume-checksum", ["train", "--resume", "{tmp}/corrupt"], "checksum mismatch"),
+    ("resume-max-steps-below", ["train", "--set", "max_steps=2", "--resume", "{done}/checkpoint-3"],
+     "max_steps=2 is below"),
+    # eval
+    ("eval-bad-key", ["eval", "--set", "zo_eps=-1"], "zo_eps"),
+    ("eval-no-run-config", ["eval", "--resume", "{done}"], "no run_config.json"),
+    ("eval-checksum", ["eval", "--resume", "{tmp}/corrupt"], "checksum mismatch"),
+    ("eval-changes-model", ["eval", "--set", "model=demo-opt", "--resume", "{done}/checkpoint-3"], "model"),
+    # export
+    ("export-out-a-file", ["export", "{done}/checkpoint-3", "--out", "{done}/summary.json"], "existing file"),
+    ("export-merge-full", ["export", "{done}/checkpoint-3", "--out", "{tmp}/merged", "--merge-lora"],
+     "full fine-tuning checkpoint"),
+    ("export-not-a-checkpoint", ["export", "{done}", "--out", "{tmp}/export"], "no manifest.json"),
+    ("export-missing", ["export", "{tmp}/no-checkpoint", "--out", "{tmp}/export"], "no-checkpoint"),
+    ("export-checksum", ["export", "{tmp}/corrupt", "--out", "{tmp}/export"], "checksum mismatch"),
+    # plot
+    ("plot-empty-dir", ["plot", "{tmp}/empty"], "holds no metrics.jsonl"),
+    ("plot-missing-dir", ["plot", "{tmp}/no-run"], "no such directory"),
+    ("plot-out-txt", ["plot", "{done}", "--out", "{tmp}/x.txt"], ".png"),
+    # plan
+    ("plan-world-zero", ["plan", "--world-size", "0"], "world-size"),
+    ("plan-world-negative", ["plan", "--world-size", "-8"], "world-size"),
+    ("plan-group-not-dividing", ["plan", "--world-size", "4", "--shard-group-size", "3"], "shard-group-size"),
+    ("plan-no-config-json", ["plan", "--model", "{tmp}/empty", "--world-size", "2"], "config.json"),
+]
+
+
+def _snapshot(root: pathlib.Path) -> dict[str, str]:
+    """Every path under root: a directory's entry, or a file's SHA-256."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}
+
+
+def _task_dir(root: pathlib.Path, name: str, spec: dict | None = GOOD_TASK, train: bytes | None = None) -> None:
+    d = root / name
+    d.mkdir(parents=True)
+    if spec is not None:
+        (d / "task.json").write_text(json.dumps(spec))
+    if train is None:
+        train = "".join(json.dumps(x) + "\n" for x in GOOD_LINES).encode()
+    if train != b"-":
+        (d / "train.jsonl").write_bytes(train)
+
+
+def _lines(*rows) -> bytes:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory):
+    """{done}: a finished 3-step run; {tmp}: the bad files; {ds}: the repository's DeepSpeed configs."""
+    root = tmp_path_factory.mktemp("bad-inputs")
+    done = root / "done"
+    run_checked([sys.executable, "-m", "curvzo_ds.cli", "train", *[a.format(done=done) for a in BASE]])
+    tmp = root / "tmp"
+    tmp.mkdir()
+    (tmp / "empty").mkdir()
+    (tmp / "bad.yaml").write_text("learning_rate: [1e-3\n")
+    (tmp / "list.yaml").write_text("- learning_rate\n")
+    (tmp / "bad.json").write_text('{"zero_optimization": {"stage": 3},}\n')
+    (tmp / "list.json").write_text("[3]\n")
+    (tmp / "mics.json").write_text(json.dumps({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}))
+    (tmp / "micro.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 0}))
+    # Hub-style directories whose config names code of their own: it must never run (it would exit 1).
+    for name, config, module in (("remote-model", "config.json", "configuration_x"),
+                                 ("remote-tokenizer", "tokenizer_config.json", "tokenization_x")):
+        (tmp / name).mkdir()
+        auto_map = ({"AutoConfig": f"{module}.XConfig"} if name == "remote-model" else
+                    {"AutoTokenizer": [f"{module}.XTokenizer", None]})
+        (tmp / name / config).write_text(json.dumps({"model_type": "x", "auto_map": auto_map}))
+        (tmp / name / f"{module}.py").write_text("raise SystemExit('remote code ran')\n")
+    tasks = tmp / "tasks"
+    ok = GOOD_LINES[:3]
+    _task_dir(tasks, "no-task-json", spec=None)
+    _task_dir(tasks, "no-train", train=b"-")
+    _task_dir(tasks, "duplicate-labels", spec={**GOOD_TASK, "label_words": [" good", " good"]})
+    _task_dir(tasks, "null-field", train=_lines(*ok[:2], {"text": None, "label": 0}, *GOOD_LINES[3:]))
+    _task_dir(tasks, "missing-field", train=_lines(ok[0], {"label": 0}, *GOOD_LINES[2:]))
+    _task_dir(tasks, "label-range", train=_lines(*ok, {"text": "x", "label": 5}, *GOOD_LINES[4:]))
+    _task_dir(tasks, "non-utf8", train=_lines(ok[0]) + b'{"text": "caf\xff", "label": 1}\n' + _lines(*GOOD_LINES[2:]))
+    _task_dir(tasks, "bad-json-line", train=_lines(ok[0], '{"text": "a", "label": 0', *GOOD_LINES[2:]))
+    _task_dir(tasks, "empty-train", train=b"\n")
+    _task_dir(tasks, "bad-metric", spec={**GOOD_TASK, "metric": "f1"})
+    _task_dir(tasks, "task-json-non-utf8", spec=None)
+    (tasks / "task-json-non-utf8" / "task.json").write_bytes(json.dumps(GOOD_TASK).encode().replace(b"bad", b"b\xffd"))
+    corrupt = tmp / "corrupt"
+    shutil.copytree(done / "checkpoint-3", corrupt)
+    rank_file = next(corrupt.glob("rank-*.safetensors"))
+    data = bytearray(rank_file.read_bytes())
+    data[-1] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    return {"done": str(done), "tmp": str(tmp), "ds": str(DS)}
+
+
+@pytest.mark.parametrize("args,words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_bad_input_is_one_line_and_exit_2(places, args, words):
+    done = pathlib.Path(places["done"])
+    before = _snapshot(done)
+    command = args[0]
+    argv = [a.format(**places) for a in (args[:1] + BASE + args[1:] if command in ("train", "eval") else args)]
+    proc = subprocess.run([sys.executable, "-m", "curvzo_ds.cli", *argv], env=ENV, capture_output=True, text=True,
+                          timeout=300, cwd=str(ROOT))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(f"curvzo-ds {command}: error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and words.format(**places) in errors[0], proc.stderr[-3000:]
+    assert _snapshot(done) == before, f"{done} changed"
+
+
+def test_the_table_is_large_and_its_ids_unique():
+    assert len(CASES) >= 50 and len({c[0] for c in CASES}) == len(CASES)

@@ -1,0 +1,36 @@
+"""The end-to-end experiment of issue 19 in its CI size (experiments/pipeline.py --config ci): one task, one seed,
+a few steps. It checks the pipeline's shape, not its numbers: the tables, the figures, and the run cache.
+About 60 s on one shared core, so it is in the slow tier."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_pipeline():
+    spec = importlib.util.spec_from_file_location("pipeline", ROOT / "experiments" / "pipeline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_pipeline_ci_config_end_to_end(tmp_path):
+    pipeline = load_pipeline()
+    out = tmp_path / "out"
+    pipeline.main(["--config", "ci", "--out", str(out)])
+    tables = (out / "tables.md").read_text()
+    assert "| sentiment | full | mezo |" in tables and "| sentiment | full | curvzo-paper |" in tables
+    assert "| unbiased_element |" in tables  # the diagnostic's table
+    for name in ("convergence_full.png", "diagnose/diagnose_normalized.png", "diagnose/diagnose.json"):
+        assert (out / name).stat().st_size > 0
+    runs = sorted((out / "runs").glob("*.json"))
+    assert len(runs) == 2
+    assert all((out / "tasks" / "sentiment" / f).exists() for f in ("task.json", "train.jsonl", "dev.jsonl"))
+    log_lines = (out / "progress.log").read_text().count(" run ")
+    pipeline.main(["--config", "ci", "--out", str(out)])  # a rerun takes every run from the cache
+    assert (out / "progress.log").read_text().count(" run ") == log_lines
+    assert sorted((out / "runs").glob("*.json")) == runs

@@ -1,0 +1,84 @@
+"""Hybrid sharding and several directions per step (docs/scaling.md), with real processes.
+
+The same config with num_directions=2 gives the same params_digest bit for bit on 1 rank (the directions one
+after the other), on 2 ranks in one shard group, and on 4 ranks in 2 shard groups of 2 (one direction per
+group, in parallel), and a resume across layouts continues the same trajectory.
+"""
+
+import json
+
+import pytest
+
+from tests.helpers import CLI, COMMON, ENV, ROOT, run_checked, train
+
+Q2 = ["--set", "num_directions=2"]
+
+
+@pytest.fixture(scope="module")
+def one_rank_q2(tmp_path_factory) -> dict:
+    return train("python", 1, tmp_path_factory.mktemp("hybrid") / "one", *Q2)
+
+
+@pytest.mark.multirank
+def test_two_directions_match_at_one_rank_one_group_and_two_groups(one_rank_q2, tmp_path):
+    one_group = train("torchrun", 2, tmp_path / "two", *Q2)
+    two_groups = train("torchrun", 4, tmp_path / "four", *Q2, "--set", "shard_group_size=2")
+    assert one_group["world_size"] == 2 and two_groups["world_size"] == 4
+    assert one_rank_q2["params_digest"] == one_group["params_digest"] == two_groups["params_digest"]
+    # The directions differ from one direction per step (the update is their average).
+    plain = train("python", 1, tmp_path / "q1")
+    assert plain["params_digest"] != one_rank_q2["params_digest"]
+
+
+@pytest.mark.multirank
+def test_a_two_group_run_resumes_on_one_rank(one_rank_q2, tmp_path):
+    """shard_group_size may change on resume (RESUME_MAY_CHANGE): a checkpoint written by group 0 of a 4-rank
+    job continues on one process to the same digest."""
+    out = tmp_path / "run"
+    train("torchrun", 4, out, *Q2, "--set", "shard_group_size=2", "--set", "max_steps=6")
+    run_checked(CLI + COMMON + Q2 + ["--set", f"output_dir={out}", "--resume"], ENV)
+    assert json.loads((out / "summary.json").read_text())["params_digest"] == one_rank_q2["params_digest"]
+
+
+def test_bad_group_layouts_are_one_line(tmp_path):
+    """One process: shard_group_size must divide the world; q must be a multiple of the number of groups."""
+    import subprocess
+
+    for sets, words in ((["shard_group_size=2"], "must divide the world size 1"),
+                        (["shard_group_size=0"], "shard_group_size=0 is invalid"),
+                        (["num_directions=0"], "num_directions=0 is invalid")):
+        cmd = CLI + COMMON + [a for s in sets for a in ("--set", s)] + ["--set", f"output_dir={tmp_path / 'x'}"]
+        proc = subprocess.run(cmd, env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("curvzo-ds train: error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and words in errors[0], proc.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def tiny_opt_dir(tmp_path_factory):
+    """A Hugging Face model directory (a tiny OPT and its tokenizer), loaded by from_pretrained under zero.Init."""
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from curvzo_ds.tasks import load_tokenizer
+
+    path = tmp_path_factory.mktemp("tinyopt")
+    torch.manual_seed(0)
+    tok = load_tokenizer("opt")
+    OPTForCausalLM(OPTConfig(vocab_size=len(tok), hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=64)
+                   ).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.multirank
+def test_a_hub_model_loads_into_every_shard_group(tiny_opt_dir, tmp_path):
+    """from_pretrained under zero.Init partitions over each shard group, and group 0's weights reach the other
+    groups (transformers reads the files on global rank 0 only): 4 ranks in 2 groups, and 2 ranks in groups of one,
+    give the one-process digest."""
+    hub = [*Q2, "--set", f"model={tiny_opt_dir}", "--set", "learning_rate=1e-3", "--set", "zo_eps=1e-2"]
+    one = train("python", 1, tmp_path / "one", *hub)
+    two_groups = train("torchrun", 4, tmp_path / "four", *hub, "--set", "shard_group_size=2")
+    replicas = train("torchrun", 2, tmp_path / "two", *hub, "--set", "shard_group_size=1")
+    assert one["skipped_steps"] == 0
+    assert one["params_digest"] == two_groups["params_digest"] == replicas["params_digest"]
