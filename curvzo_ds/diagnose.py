@@ -27,9 +27,9 @@ from .data.stream import MicroBatches, micro_batch_indices
 from .engine import ZOEngine
 from .evaluate import evaluate
 from .jsonio import write_json_atomic
-from .models import build_model, load_tokenizer
+from .models import build_model
+from .run import load_data
 from .sampling import CurvZOSampler, adaptive_budget
-from .tasks import get_task, load_splits
 
 log = logging.getLogger("curvzo_ds")
 
@@ -136,12 +136,7 @@ class PlainRun:
         cfg = resolve_presets(copy.deepcopy(cfg))
         cfg.validate()
         self.cfg = cfg
-        self.task = get_task(cfg.task)
-        self.tokenizer = load_tokenizer(cfg)
-        splits = load_splits(self.task, cfg.seed, cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.data_dir)
-        enc = lambda ex, cls: D.encode(self.task, self.tokenizer, ex, cfg.max_length, cls, cfg.max_new_tokens)
-        self.train_data = [enc(ex, cfg.train_as_classification) for ex in splits["train"]]
-        self.eval_data = {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]}
+        self.task, self.tokenizer, self.train_data, self.eval_data = load_data(cfg)
         self.model, _ = build_model(cfg, {})
         self.loss = D.loss_fn_for(self.task, cfg.train_as_classification)
         self.engine = ZOEngine(self.model, self.loss, zo_part(cfg))
@@ -222,7 +217,8 @@ def summarize(rec: dict, cfg) -> dict:
     steps = [b / g for t, b in enumerate(rec["budget"]) if t >= rec["warmup_steps"] and b is not None]
     per_probe = [corr_log(pi[j], energy[j] / sizes) for j in range(len(after))]
     return dict(corr_pi_energy_per_element=corr_log(p, a / sizes), corr_pi_size=corr_log(p, sizes),
-                corr_scores_energy=corr_log(s, a), corr_pi_energy_per_element_per_probe=per_probe,
+                corr_scores_energy=corr_log(s, a), corr_scores_energy_per_element=corr_log(s, a / sizes),
+                corr_pi_energy_per_element_per_probe=per_probe,
                 budget_mean=float(np.mean(steps)) if steps else None, budget_sd=float(np.std(steps)) if steps else None,
                 budget_on_true_energy=rule(a), budget_on_true_energy_per_element=rule(a / sizes),
                 energy_mean=a.tolist(), pi_mean=p.tolist())
@@ -242,13 +238,14 @@ def diagnose(cfg: TrainConfig, estimators: list[str], steps: int, probe_every: i
         plot_trace(records[-1], os.path.join(out_dir, f"diagnose_{est}.png"))
     write_json_atomic(os.path.join(out_dir, "diagnose.json"), records)
     lines = ["| estimator | corr(log pi, log ||g_i||^2/n_i) | corr(log pi, log n_i) | corr(log S_i, log ||g_i||^2) | "
-             "B/G after warm-up: mean (sd) | B/G on the true energies: a, a/n | last loss |",
-             "|---|---|---|---|---|---|---|"]
+             "corr(log S_i, log ||g_i||^2/n_i) | B/G after warm-up: mean (sd) | B/G on the true energies: a, a/n | "
+             "last loss |", "|---|---|---|---|---|---|---|---|"]
     for r in records:
         budget = f"{r['budget_mean']:.3f} ({r['budget_sd']:.3f})" if r["budget_mean"] is not None else "-"
         lines.append(f"| {r['estimator']} | {r['corr_pi_energy_per_element']:+.2f} | {r['corr_pi_size']:+.2f} | "
-                     f"{r['corr_scores_energy']:+.2f} | {budget} | {r['budget_on_true_energy']:.3f}, "
-                     f"{r['budget_on_true_energy_per_element']:.3f} | {r['loss'][-1]:.4f} |")
+                     f"{r['corr_scores_energy']:+.2f} | {r['corr_scores_energy_per_element']:+.2f} | {budget} | "
+                     f"{r['budget_on_true_energy']:.3f}, {r['budget_on_true_energy_per_element']:.3f} | "
+                     f"{r['loss'][-1]:.4f} |")
     return lines
 
 

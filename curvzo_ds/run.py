@@ -51,6 +51,16 @@ from .tasks.splits import data_source
 log = logging.getLogger("curvzo_ds")
 
 
+def load_data(cfg: TrainConfig) -> tuple:
+    """(task, tokenizer, encoded train examples, {"dev"/"test": encoded examples}) as `curvzo-ds train` uses them."""
+    task = get_task(cfg.task)
+    tokenizer = load_tokenizer(cfg)
+    splits = load_splits(task, cfg.seed, cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.data_dir)
+    enc = lambda ex, cls: D.encode(task, tokenizer, ex, cfg.max_length, cls, cfg.max_new_tokens)  # noqa: E731
+    return (task, tokenizer, [enc(ex, cfg.train_as_classification) for ex in splits["train"]],
+            {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]})
+
+
 class Run:
     """Everything a train or eval job needs, built the same way on every rank."""
 
@@ -76,13 +86,8 @@ class Run:
         cfg.validate()
         self.cfg = cfg
         try:  # the task and its data are the user's: their errors are one line (exit 2), on every rank
-            with main_process_first(Comm()):  # the group of the engine's Comm below
-                self.task = get_task(cfg.task)
-                self.tokenizer = load_tokenizer(cfg)
-                splits = load_splits(self.task, cfg.seed, cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.data_dir)
-            enc = lambda ex, cls: D.encode(self.task, self.tokenizer, ex, cfg.max_length, cls, cfg.max_new_tokens)
-            self.train_data = [enc(ex, cfg.train_as_classification) for ex in splits["train"]]
-            self.eval_data = {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]}
+            with main_process_first(Comm()):  # rank 0 fills the download and tokenizer caches first
+                self.task, self.tokenizer, self.train_data, self.eval_data = load_data(cfg)
             cut = sum(ex["cut"] for data in (self.train_data, *self.eval_data.values()) for ex in data)
             if cut:
                 total = len(self.train_data) + sum(len(d) for d in self.eval_data.values())
