@@ -5,6 +5,7 @@ Each case runs `python -m curvzo_ds.cli ...` and must exit with 2, print no trac
 which every train and eval case points at) byte for byte as it was. All fail in validation, before any step.
 """
 
+import concurrent.futures
 import hashlib
 import json
 import pathlib
@@ -206,18 +207,34 @@ def places(tmp_path_factory):
     return {"done": str(done), "tmp": str(tmp), "ds": str(DS)}
 
 
-@pytest.mark.parametrize("args,words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_a_bad_input_is_one_line_and_exit_2(places, args, words):
-    done = pathlib.Path(places["done"])
-    before = _snapshot(done)
+@pytest.fixture(scope="module")
+def outcomes(places, tmp_path_factory) -> dict:
+    """Every case run once, two at a time (each process spends seconds importing torch and DeepSpeed). Each case
+    points at its own copy of the finished run, so that each copy can be compared with the original."""
+    root = tmp_path_factory.mktemp("cases")
+
+    def run(case):
+        name, args, _ = case
+        own = {**places, "done": str(root / name)}
+        shutil.copytree(places["done"], own["done"])
+        command = args[0]
+        argv = [a.format(**own) for a in (args[:1] + BASE + args[1:] if command in ("train", "eval") else args)]
+        proc = subprocess.run([sys.executable, "-m", "curvzo_ds.cli", *argv], env=ENV, capture_output=True,
+                              text=True, timeout=300, cwd=str(ROOT))
+        return proc, own, _snapshot(pathlib.Path(own["done"]))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip([c[0] for c in CASES], pool.map(run, CASES)))
+
+
+@pytest.mark.parametrize("name,args,words", CASES, ids=[c[0] for c in CASES])
+def test_a_bad_input_is_one_line_and_exit_2(places, outcomes, name, args, words):
+    proc, own, after = outcomes[name]
     command = args[0]
-    argv = [a.format(**places) for a in (args[:1] + BASE + args[1:] if command in ("train", "eval") else args)]
-    proc = subprocess.run([sys.executable, "-m", "curvzo_ds.cli", *argv], env=ENV, capture_output=True, text=True,
-                          timeout=300, cwd=str(ROOT))
     errors = [line for line in proc.stderr.splitlines() if line.startswith(f"curvzo-ds {command}: error:")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert len(errors) == 1 and words.format(**places) in errors[0], proc.stderr[-3000:]
-    assert _snapshot(done) == before, f"{done} changed"
+    assert len(errors) == 1 and words.format(**own) in errors[0], proc.stderr[-3000:]
+    assert after == _snapshot(pathlib.Path(places["done"])), f"{own['done']} changed"
 
 
 def test_the_table_is_large_and_its_ids_unique():

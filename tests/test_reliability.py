@@ -31,6 +31,8 @@ from tests.helpers import (
     wait_for_steps,
 )
 
+pytestmark = pytest.mark.slow  # every test here runs the CLI for hundreds of steps in real processes
+
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("target", ["launcher", "worker"])
