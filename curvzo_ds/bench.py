@@ -294,8 +294,9 @@ def python_overhead(blocks: int = 723, numel: int = 64, steps: int = 30) -> dict
 
 
 def noise_speed(numel: int = 1 << 24, rounds: int = 5, device: str = "cpu") -> dict:
-    """Normals per second on one core (one thread), in the same process: torch.randn, the generator's slice and
-    its fused in-place update (the engine's path), and the torch-eager reference of the same definition."""
+    """Normals per second on one core (one thread), in the same process: torch.randn, the generator's slice (into
+    a new tensor, as torch.randn, and into a reused buffer), its fused in-place update (the engine's path), and the
+    torch-eager reference of the same definition."""
     from .kernels import cpu as cpu_kernel
     from .kernels import reference
 
@@ -305,6 +306,7 @@ def noise_speed(numel: int = 1 << 24, rounds: int = 5, device: str = "cpu") -> d
     fns = {
         "torch_randn": lambda: torch.randn(numel, generator=gen, device=device),
         "slice": lambda: source.slice(1, "w", numel, 0, numel, device=device),
+        "slice_into_buffer": lambda: source.slice(1, "w", numel, 0, numel, out=buf),
         "fused_axpy": lambda: source.axpy_(buf, 1, "w", 0, 1.0, 1e-3),
         "torch_reference": lambda: reference.normals(*source.key(1, "w"), 0, min(numel, 1 << 22), device=device),
     }
@@ -314,6 +316,8 @@ def noise_speed(numel: int = 1 << 24, rounds: int = 5, device: str = "cpu") -> d
         n = min(numel, 1 << 22) if name == "torch_reference" else numel
         out[f"{name}_normals_per_second"] = n / _median([_timed(sync, fn)[0] for _ in range(rounds)])
     out["slice_over_torch_randn"] = out["slice_normals_per_second"] / out["torch_randn_normals_per_second"]
+    out["slice_into_buffer_over_torch_randn"] = (out["slice_into_buffer_normals_per_second"]
+                                                 / out["torch_randn_normals_per_second"])
     out["fused_axpy_over_torch_randn"] = out["fused_axpy_normals_per_second"] / out["torch_randn_normals_per_second"]
     return out
 
@@ -437,7 +441,8 @@ def format_report(report: dict) -> str:
     if nz:
         lines.append(f"noise ({nz['backend']}, {nz['threads']} thread): torch.randn "
                      f"{nz['torch_randn_normals_per_second'] / 1e6:.0f} M normals/s, slice "
-                     f"{nz['slice_normals_per_second'] / 1e6:.0f} M/s ({nz['slice_over_torch_randn']:.2f}x), fused "
+                     f"{nz['slice_normals_per_second'] / 1e6:.0f} M/s ({nz['slice_over_torch_randn']:.2f}x; into a "
+                     f"buffer {nz['slice_into_buffer_over_torch_randn']:.2f}x), fused "
                      f"update {nz['fused_axpy_normals_per_second'] / 1e6:.0f} M/s "
                      f"({nz['fused_axpy_over_torch_randn']:.2f}x), torch-eager reference "
                      f"{nz['torch_reference_normals_per_second'] / 1e6:.0f} M/s")

@@ -73,11 +73,15 @@ class NoiseSource:
         return key
 
     def slice(self, step: int, name: str, numel: int, start: int, length: int, device="cpu",
-              direction: int = 0) -> torch.Tensor:
-        """z[start: start + length] of tensor `name` (numel elements) at `step`, float32 on `device`."""
+              direction: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """z[start: start + length] of tensor `name` (numel elements) at `step`, float32 on `device` (into `out`,
+        a float32 tensor of `length` elements, when given)."""
         if start < 0 or length < 0 or start + length > numel:
             raise ValueError(f"noise slice [{start}, {start + length}) outside a tensor of {numel} elements")
-        out = torch.empty(length, dtype=torch.float32, device=device)
+        if out is None:
+            out = torch.empty(length, dtype=torch.float32, device=device)
+        elif out.dtype != torch.float32 or out.numel() != length:
+            raise ValueError(f"out must be a float32 tensor of {length} elements")
         self._run(self.key(step, name, direction), start, out, 0, 0.0, 0.0, False)
         return out
 

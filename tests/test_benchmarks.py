@@ -55,5 +55,5 @@ def test_bench_suite_writes_every_contract_field(tmp_path):
     assert ranks[0]["methods"]["mezo"]["all_reduced_bytes_per_step"] == 8 * 3 * 4  # 4 micro-batches, no scores
     noise = report["noise"]  # the generator against torch.randn, on one thread in the same process
     assert noise["threads"] == 1 and noise["backend"] == "c"
-    for name in ("torch_randn", "slice", "fused_axpy", "torch_reference"):
+    for name in ("torch_randn", "slice", "slice_into_buffer", "fused_axpy", "torch_reference"):
         assert noise[f"{name}_normals_per_second"] > 0

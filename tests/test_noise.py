@@ -63,6 +63,10 @@ def test_any_slice_is_the_slice_of_the_whole():
     cases += [tuple(sorted(torch.randint(0, numel + 1, (2,), generator=gen).tolist())) for _ in range(100)]
     for lo, hi in cases:
         assert torch.equal(src.slice(3, "layer.weight", numel, lo, hi - lo), whole[lo:hi]), (lo, hi)
+    buf = torch.full((1000,), float("nan"))  # into a given buffer: the same values, in place
+    assert src.slice(3, "layer.weight", numel, 500, 1000, out=buf) is buf and torch.equal(buf, whole[500:1500])
+    with pytest.raises(ValueError, match="float32 tensor of 10 elements"):
+        src.slice(3, "layer.weight", numel, 0, 10, out=torch.empty(11))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
