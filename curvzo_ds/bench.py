@@ -12,6 +12,9 @@ import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -387,10 +390,6 @@ def machine() -> dict:
 def run_suite(out: str | None, seq_lens: list[int], rounds: int, world_sizes: list[int], batch: int = 16,
               rank_seq: int = 64, rank_steps: int = 3) -> dict:
     """The whole suite, each part in a fresh process (one thread per rank): prints a table, writes `out`."""
-    import subprocess
-    import sys
-    import tempfile
-
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     report = {"machine": machine(), "model": {**SUITE_MODEL, "parameters": None}, "batch": batch,
               "rounds": rounds, "seq_lens": {}, "python_overhead": None, "world_sizes": {}}

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from .config import ConfigError, RunEnded
 from .engine import ZOEngine
+from .jsonio import replace_atomic
 from .params import intersect
 
 log = logging.getLogger("curvzo_ds")
@@ -266,14 +267,26 @@ class CheckpointManager:
         return True
 
     def save(self, engine, trainer_state: dict | None = None, write_extra: Callable[[str], None] | None = None,
-             path: str | None = None) -> str:
-        """Collective: write the checkpoint of the engine's current step, rotate, and meet at a barrier."""
+             path: str | None = None, mark_latest: bool = False) -> str:
+        """Collective: write the checkpoint of the engine's current step, rotate, and meet at a barrier.
+
+        `mark_latest`: also name it in `output_dir/latest` (DeepSpeed's convention, read by `tagged_latest`)."""
         path = write_checkpoint(engine, path or self.path_for(engine.step_count), trainer_state, write_extra)
         if self.comm.rank == 0:
             rotate_checkpoints(self.output_dir, self.save_total_limit,
                                protect=self.best["checkpoint"] if self.best else None)
+            if mark_latest:
+                replace_atomic(os.path.join(self.output_dir, "latest"), os.path.basename(path))
         self.comm.barrier()
         return path
+
+    def tagged_latest(self) -> str:
+        """The checkpoint `output_dir/latest` names (DeepSpeed's `load_checkpoint(dir)` with no tag)."""
+        latest = os.path.join(self.output_dir, "latest")
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"{self.output_dir} has no 'latest' file: pass tag=<checkpoint name>")
+        with open(latest) as f:
+            return os.path.join(self.output_dir, f.read().strip())
 
     def resume_path(self, resume) -> str | None:
         """The checkpoint a `--resume` means: None (no resume), the newest one that verifies (newer broken ones are

@@ -112,7 +112,8 @@ def eval_config(values: dict, resume) -> tuple[TrainConfig, str]:
     return cfg, str(path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `curvzo-ds` parser: one subcommand per front end, every option with its help text."""
     parser = argparse.ArgumentParser(prog="curvzo-ds", description="CurvZO zeroth-order fine-tuning on ZeRO-3.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "train a model (one rank of a launcher's job, or alone)"),
@@ -124,13 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
                        help="resume from CHECKPOINT, or from the newest complete one in output_dir")
     p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
-    p.add_argument("checkpoint")
-    p.add_argument("--out", required=True)
+    p.add_argument("checkpoint", help="a checkpoint directory (output_dir/checkpoint-N)")
+    p.add_argument("--out", required=True, help="the directory to write (from_pretrained loads it)")
     p.add_argument("--merge-lora", action="store_true",
                    help="LoRA runs: write the merged model to --out itself and the adapter to --out/adapter")
     p = sub.add_parser("plot", help="draw loss and evaluation curves of runs to a PNG")
-    p.add_argument("run_dirs", nargs="+")
-    p.add_argument("--out")
+    p.add_argument("run_dirs", nargs="+", help="one or more run directories (output_dir), compared by colour")
+    p.add_argument("--out", help="the PNG to write (default: metrics.png in the first run directory)")
     p = sub.add_parser("bench", help="the benchmark suite: step time against two forwards, noise, memory, ranks",
                        description="Without options: the suite (a 28M Llama, batch 16 x 64/256/1024 tokens, MeZO, "
                                    "CurvZO at 0.3 G and adaptive CurvZO, a MeZO-style reference step, peak memory "
@@ -176,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200, help="steps per estimator")
     p.add_argument("--probe-every", type=int, default=10, help="steps between two backprop probes")
     p.add_argument("--out", required=True, help="directory for diagnose.json and the PNGs")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     # The deepspeed launcher inserts --local_rank=N (before the subcommand); LOCAL_RANK has it too.
     argv = [a for a in argv if not re.match(r"--local[-_]rank=\d+$", a)]

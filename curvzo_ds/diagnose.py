@@ -81,7 +81,7 @@ def fixed_point(sizes: torch.Tensor, energy: torch.Tensor, cfg, iters: int = 100
     gen = torch.Generator().manual_seed(seed)
     g = sizes.numel()
     sampler = _sampler(cfg, sizes)
-    pi = sampler.probabilities(0)[0]  # S = 0: uniform pi at the rule's value, as in the warm-up
+    pi = sampler.probabilities(0).pi  # S = 0: uniform pi at the rule's value, as in the warm-up
     for k in range(iters + 1):
         masks = torch.rand(draws, g, generator=gen, dtype=torch.float64) < pi
         new = expected_scores(pi, sizes, energy, cfg.score_estimator, masks)
@@ -190,7 +190,7 @@ def trace(cfg: TrainConfig, steps: int, probe_every: int) -> dict:
                pi=[], budget=[], d_eff=[], entropy=[], loss=[], probe_step=[], energy=[], scores=[])
     for t in range(steps):
         batch = run.batch(t)
-        pi = engine.sampler.probabilities(t)[0]  # what the step's plan will use (a pure function of S)
+        pi = engine.sampler.probabilities(t).pi  # what the step's plan will use (a pure function of S)
         if t in probes:
             rec["probe_step"].append(t)
             rec["energy"].append(run.block_energy(batch).tolist())

@@ -32,7 +32,7 @@ from .config import RunEnded, ZOConfig
 from .data.stream import MicroBatches, round_robin_slots
 from .noise import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
 from .params import ParamEntry, collect_entries, intersect, make_blocks
-from .sampling import CurvZOSampler, StepPlan, lr_at
+from .sampling import CurvZOSampler, StepPlan
 
 log = logging.getLogger("curvzo_ds")
 
@@ -116,9 +116,6 @@ class ZOEngine:
             raise ValueError(f"{', '.join(missing)} unset: a TrainConfig's presets are resolved by the CLI "
                              "(config.resolve_presets); set them or pass a ZOConfig")
         cfg.validate()
-        if cfg.budget_floor == 0 and cfg.method in ("curvzo", "fixed"):
-            log.warning("budget_floor=0 is the paper's literal rule: a block whose pi reaches 0 is never drawn "
-                        "again (pi = 0 is absorbing). A floor > 0 is recommended.")
         self.cfg = cfg
         self.model = model
         self.module = ds_compat.module_of(model)
@@ -154,7 +151,6 @@ class ZOEngine:
         first = self.entries[0]
         self.device = self.comm.device if self.comm.world_size > 1 else ds_compat.storage_device(first.param)
         self.sampler = CurvZOSampler(cfg, self.sizes, self.noise.mask_uniforms)
-        self.scored = cfg.method != "mezo"  # MeZO perturbs every block and never reads the scores
         # Elements of each block stored in bf16/fp16 and edited without an fp32 copy: where +eps z can vanish.
         self.low_precision = torch.tensor([sum(hi - lo for ei, lo, hi in b.segments if _rounds_away(self.entries[ei]))
                                            for b in self.blocks], dtype=torch.float64)
@@ -184,7 +180,7 @@ class ZOEngine:
         """
         cfg = self.cfg
         t = self.step_count
-        lr = lr_at(t, cfg.learning_rate, cfg.lr_scheduler_type, cfg.max_steps)
+        lr = self.sampler.learning_rate(t)
         plan = self.sampler.plan(t)
         base = dict(budget=plan.budget, n_selected=plan.n_selected, param_fraction=plan.param_fraction(self.sizes),
                     max_inv_pi=plan.max_inv_pi, learning_rate=lr, d_eff=plan.d_eff, score_entropy=plan.entropy)
@@ -213,7 +209,7 @@ class ZOEngine:
         try:
             for d in range(self.replica, q, self.replicas):
                 with self._section("perturb_stats"):
-                    block_fixed = self._perturb(t, pieces, 0.0, eps, stats=self.scored, direction=d)
+                    block_fixed = self._perturb(t, pieces, 0.0, eps, stats=self.sampler.scored, direction=d)
                 if d == 0:
                     changed = self._visibility_count(watch)
                 with self._section("forwards"):
@@ -253,14 +249,12 @@ class ZOEngine:
                               _finite_or_none(loss_minus), None, skipped="non_finite_loss", **base)
         self.skips_in_row = 0
         with self._section("update"):
+            steps, keep = self.sampler.direction_updates(plan, deltas, lr, cfg.weight_decay)
             if q == 1:
-                steps, keeps = self.sampler.update_coefficients(plan, delta, lr, cfg.weight_decay)
-                self._update(t, pieces, steps.tolist(), keeps.tolist())
+                self._update(t, pieces, steps[0].tolist(), keep.tolist())
             else:
-                keeps = self.sampler.update_coefficients(plan, 0.0, lr, cfg.weight_decay)[1].tolist()
-                steps = [self.sampler.update_coefficients(plan, x, lr / q)[0].tolist() for x in deltas]
-                self._update_directions(t, pieces, steps, keeps)
-        self._end_step(plan, delta if q == 1 else deltas, block_sq)
+                self._update_directions(t, pieces, [s.tolist() for s in steps], keep.tolist())
+        self._end_step(plan, deltas, block_sq)
         return StepResult(t + 1, loss, loss_plus, loss_minus, delta, **base)
 
     def _visibility_watch(self, t: int, pieces) -> list | None:
@@ -303,7 +297,7 @@ class ZOEngine:
     def _section(self, name: str):
         return self.timer.section(name) if self.timer is not None else contextlib.nullcontext()
 
-    def _end_step(self, plan: StepPlan, delta: float | None, block_sq: torch.Tensor | None) -> None:
+    def _end_step(self, plan: StepPlan, delta: list[float] | None, block_sq: torch.Tensor | None) -> None:
         if delta is None:
             self.sampler.skip(plan)
         else:
@@ -460,7 +454,7 @@ class ZOEngine:
         exactly). The all-reduce's result is the step's only read back to the host; with `stop_requested`, one
         more value carries the stop flag. Returns ([(L+, L-)] per direction, block sums of z^2 [G] or [q, G],
         moved counts or None, whether any rank asked to stop)."""
-        q, g = self.cfg.num_directions, (self.num_blocks if self.scored else 0)
+        q, g = self.cfg.num_directions, (self.num_blocks if self.sampler.scored else 0)
         c = self.num_blocks if changed is not None else 0
         losses = q * g + c  # layout: [q x block sums (g) | moved counts (c) | q x 3 values per slot | stop flag]
         flag = losses + 3 * q * total

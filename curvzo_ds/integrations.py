@@ -134,22 +134,13 @@ def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
     """
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **_ignored):
         tag = str(tag) if tag is not None else f"global_step{engine.step_count}"
-        CheckpointManager(save_dir, engine.comm).save(engine, {"client_state": client_state or {}},
-                                                      path=os.path.join(save_dir, tag))
-        if save_latest and engine.comm.rank == 0:
-            with open(os.path.join(save_dir, "latest"), "w") as f:
-                f.write(tag)
-        engine.comm.barrier()
+        CheckpointManager(save_dir, engine.world).save(engine, {"client_state": client_state or {}},
+                                                       path=os.path.join(save_dir, tag), mark_latest=save_latest)
         return True
 
     def load_checkpoint(load_dir, tag=None, **_ignored):
-        if tag is None:
-            latest = os.path.join(load_dir, "latest")
-            if not os.path.isfile(latest):
-                raise FileNotFoundError(f"{load_dir} has no 'latest' file: pass tag=<checkpoint name>")
-            with open(latest) as f:
-                tag = f.read().strip()
-        path = os.path.join(load_dir, str(tag))
+        manager = CheckpointManager(load_dir, engine.world)
+        path = manager.tagged_latest() if tag is None else os.path.join(load_dir, str(tag))
         trainer = ckpt.load_checkpoint(engine, path)
         return path, trainer.get("client_state", {})
 
@@ -160,7 +151,7 @@ def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
 def _register_accelerate_hooks(accelerator, engine: ZOEngine) -> None:
     """Without DeepSpeed, save_state/load_state carry the ZO checkpoint in `<dir>/zo_checkpoint`."""
     def save(models, weights, output_dir):
-        ckpt.write_checkpoint(engine, os.path.join(output_dir, ZO_CHECKPOINT))
+        CheckpointManager(output_dir, engine.world).save(engine, path=os.path.join(output_dir, ZO_CHECKPOINT))
 
     def load(models, input_dir):
         ckpt.load_checkpoint(engine, os.path.join(input_dir, ZO_CHECKPOINT))

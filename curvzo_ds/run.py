@@ -124,7 +124,7 @@ class Run:
         if n >= cfg.num_train:
             fix = "lower global_batch_size or raise num_train"
         else:
-            fix = (f"{where} leaves only {n} after dev and test are drawn: lower global_batch_size, or give more "
+            fix = (f"only {n} are left after dev and test are drawn: lower global_batch_size, or give more "
                    "training data" + (" (leave data_dir unset for the hub dataset)" if cfg.data_dir == "samples"
                                       else ""))
         raise ConfigError(f"global_batch_size={cfg.global_batch_size} is larger than the {n} training examples "
@@ -165,30 +165,16 @@ class Run:
 
 
 def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
+    """The training run: set up (resume and output directory checked first), loop, final evaluations, summary."""
     start = time.time()
     run = Run(cfg)
-    cfg, engine, comm = run.cfg, run.engine, run.engine.world
-    out = cfg.output_dir
+    cfg, engine = run.cfg, run.engine
     manager = run.checkpoints()
-    # Everything is checked before the first byte goes to output_dir: the resume target and its compatibility,
-    # the directory itself (another run, a file, no space, no permission).
-    path = manager.resume_path(resume)
-    trainer = check_resume(run, path) if path else None
-    prepare_output_dir(cfg, bool(resume), comm)
-    log_to_file(os.path.join(out, "logs", f"rank-{run.rank:05d}.log"), append=bool(resume))
-    seconds0 = 0.0
-    if path:
-        load_checkpoint(engine, path)
-        manager.best, seconds0 = trainer.get("best_dev"), trainer.get("seconds", 0.0)
-        log.info("resumed from %s at step %d", path, engine.step_count)
-    elif resume:
-        log.warning("--resume: no complete checkpoint in %s, starting from step 0", out)
-    if run.rank == 0:
-        write_json_atomic(os.path.join(out, "config.json"), to_dict(cfg))
-    writer = MetricsWriter(out, enabled=run.rank == 0, tensorboard=_tensorboard(cfg) and run.rank == 0)
+    seconds0 = _start(run, manager, resume)
+    writer = MetricsWriter(cfg.output_dir, enabled=run.rank == 0, tensorboard=_tensorboard(cfg) and run.rank == 0)
     writer.truncate_after(engine.step_count)
     # pi per block for `curvzo-ds plot` (docs/outputs.md); MeZO's is all 1, so it writes none
-    pi_log = PiWriter(out, [b.name for b in engine.blocks], enabled=run.rank == 0 and cfg.method != "mezo")
+    pi_log = PiWriter(cfg.output_dir, [b.name for b in engine.blocks], enabled=run.rank == 0 and cfg.method != "mezo")
     pi_log.truncate_after(engine.step_count)
     bar = make_progress(cfg, run.rank, engine.step_count)
     t0 = time.time()
@@ -208,12 +194,40 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
         pi_log.close()
         if bar is not None:
             bar.close()
-    step = engine.step_count
-    if saved != step:
+    if saved != engine.step_count:
         save()
-    final_path = manager.path_for(step)
-    digest = params_digest(engine.entries, comm)
-    # End-of-run evaluations are marked "final": a resumed run drops them (a longer run has none).
+    digest = params_digest(engine.entries, engine.world)  # before the best checkpoint may be loaded for test
+    final, best, test = _final_evaluations(run, manager, writer, last_dev)
+    writer.close()
+    return _finish(run, manager, digest, final, best, test, time.time() - start)
+
+
+def _start(run: Run, manager: CheckpointManager, resume) -> float:
+    """Everything is checked before the first byte goes to output_dir: the resume target and its compatibility,
+    the directory itself (another run, a file, no space, no permission). Then the log file, the resumed state and
+    config.json. Returns the seconds the resumed run had already trained."""
+    cfg, engine = run.cfg, run.engine
+    path = manager.resume_path(resume)
+    trainer = check_resume(run, path) if path else None
+    prepare_output_dir(cfg, bool(resume), engine.world)
+    log_to_file(os.path.join(cfg.output_dir, "logs", f"rank-{run.rank:05d}.log"), append=bool(resume))
+    seconds0 = 0.0
+    if path:
+        load_checkpoint(engine, path)
+        manager.best, seconds0 = trainer.get("best_dev"), trainer.get("seconds", 0.0)
+        log.info("resumed from %s at step %d", path, engine.step_count)
+    elif resume:
+        log.warning("--resume: no complete checkpoint in %s, starting from step 0", cfg.output_dir)
+    if run.rank == 0:
+        write_json_atomic(os.path.join(cfg.output_dir, "config.json"), to_dict(cfg))
+    return seconds0
+
+
+def _final_evaluations(run: Run, manager: CheckpointManager, writer: MetricsWriter, last_dev) -> tuple:
+    """(final, best, test): the end-of-run dev and test evaluations (marked "final": a resumed run drops them, a
+    longer run has none), the best dev evaluation, and the test metrics at the best-dev checkpoint (MeZO's rule:
+    its weights are loaded for that when an earlier step was better)."""
+    step = run.engine.step_count
     final = {}
     if "dev" in run.eval_data:
         final["dev"] = last_dev[1] if last_dev and last_dev[0] == step else run.evaluate("dev")
@@ -225,12 +239,19 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
     test = final.get("test")
     best = manager.best
     if "dev" in final and (best is None or best["step"] == step or manager.is_better(final["dev"])):
-        best = {"step": step, "metrics": final["dev"], "checkpoint": final_path}
+        best = {"step": step, "metrics": final["dev"], "checkpoint": manager.path_for(step)}
     elif best and "test" in run.eval_data:
-        load_checkpoint(engine, best["checkpoint"])  # MeZO: report test at the best dev point
+        load_checkpoint(run.engine, best["checkpoint"])
         test = run.evaluate("test")
-    writer.close()
-    # One entry per rank of the whole job (engine.world; comm is the shard group).
+    return final, best, test
+
+
+def _finish(run: Run, manager: CheckpointManager, digest: str, final: dict, best: dict | None, test: dict | None,
+            wall_seconds: float) -> dict:
+    """summary.json (rank 0) and the done line; every rank returns the summary."""
+    cfg, engine = run.cfg, run.engine
+    step = engine.step_count
+    # One entry per rank of the whole job (engine.world; engine.comm is the shard group).
     ranks = engine.world.all_gather_object((peak_rss_bytes(), socket.gethostname(), device_name(run.device)))
     rss, hostnames, device_names = (list(column) for column in zip(*ranks))
     summary = {
@@ -245,8 +266,8 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
         "skipped_steps": engine.skipped_total,
         "num_blocks": engine.num_blocks,
         "num_params": engine.num_params,
-        "checkpoint": final_path,
-        "wall_seconds": time.time() - start,
+        "checkpoint": manager.path_for(step),
+        "wall_seconds": wall_seconds,
         "peak_rss_bytes": rss,
         "threads": run.threads,
         "versions": versions(),
@@ -256,11 +277,11 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
         "config_hash": config_hash(to_dict(cfg)),
     }
     if run.rank == 0:
-        write_json_atomic(os.path.join(out, "summary.json"), summary)
+        write_json_atomic(os.path.join(cfg.output_dir, "summary.json"), summary)
         where = (f"at the best-dev checkpoint, step {best['step']} (MeZO's rule)" if best else "at the last step")
         log.info("done: %d steps; test %s %s %s; digest %s", cfg.max_steps, manager.metric,
                  _fmt_value((test or {}).get(manager.metric)), where, digest)
-    comm.barrier()
+    engine.world.barrier()
     return summary
 
 
@@ -280,7 +301,7 @@ def _loop(run: Run, writer: MetricsWriter, pi_log: PiWriter, bar, manager: Check
         upcoming = engine.step_count + 1  # the step the next update makes, as its metrics line counts it
         fault.before_step(engine, upcoming)
         if pi_log.enabled and (upcoming % cfg.logging_steps == 0 or upcoming == cfg.max_steps):
-            pi_log.write(upcoming, engine.sampler.probabilities(engine.step_count)[0])  # the pi this update draws from
+            pi_log.write(upcoming, engine.sampler.probabilities(engine.step_count).pi)  # the pi this update draws from
         r = engine.step(run.micro_batches(engine.step_count), stop_requested=stop.requested)
         step = r.step
         if step % cfg.logging_steps == 0 or step == cfg.max_steps or r.stop:

@@ -10,11 +10,15 @@ restates each rule with its number.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def score_distribution(scores: torch.Tensor) -> torch.Tensor:
@@ -213,12 +217,24 @@ class StepPlan:
         return float((1.0 / self.pi).max())
 
 
+class Probabilities(NamedTuple):
+    """What the scores give for one step: pi [G] float64, the budget B (blocks), and the budget rule's inputs d_eff
+    and H (None where the method has no adaptive budget)."""
+
+    pi: torch.Tensor
+    budget: float
+    d_eff: float | None
+    entropy: float | None
+
+
 class CurvZOSampler:
     """The scores S, the score warm-up, the EMA, the method and the budget rule (paper Sec. 3).
 
     - `plan(step)`: pi from the scores after step - 1 (causal), the budget B and its inputs, and the
       block mask from uniforms that are the same on every rank;
+    - `learning_rate(step)`: the schedule's rate;
     - `update_coefficients(plan, delta, lr, weight_decay)`: Eq. 28's Horvitz-Thompson step per block;
+    - `direction_updates(plan, deltas, lr, weight_decay)`: the same for the q directions of a step (lr/q each);
     - `observe(plan, delta, block_sq)`: the block scores of a finished step into S (warm-up sum or EMA);
     - `skip(plan)`: a step that ended without a score (empty mask, non-finite loss).
     Methods: "curvzo" (adaptive B), "fixed" (B = budget G), "us_ab" (uniform pi, adaptive B), "mezo"
@@ -233,16 +249,24 @@ class CurvZOSampler:
         init = 0.0 if cfg.score_init == "warmup" else float(cfg.score_init)
         self.scores = torch.full((self.num_blocks,), init, dtype=torch.float64)
         self.warmup_sum = torch.zeros(self.num_blocks, dtype=torch.float64)
+        self.scored = cfg.method != "mezo"  # MeZO perturbs every block and never reads the scores
+        if cfg.budget_floor == 0 and cfg.method in ("curvzo", "fixed"):
+            log.warning("budget_floor=0 is the paper's literal rule: a block whose pi reaches 0 is never drawn "
+                        "again (pi = 0 is absorbing). A floor > 0 is recommended.")
+
+    def learning_rate(self, step: int) -> float:
+        cfg = self.cfg
+        return lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, cfg.max_steps)
 
     def in_warmup(self, step: int) -> bool:
         cfg = self.cfg
         return cfg.score_init == "warmup" and step < cfg.score_warmup_steps and cfg.method in ("curvzo", "fixed")
 
-    def probabilities(self, step: int) -> tuple[torch.Tensor, float, float | None, float | None]:
-        """(pi, B, d_eff, H) for `step` from the current scores."""
+    def probabilities(self, step: int) -> Probabilities:
+        """pi, B, d_eff and H for `step` from the current scores."""
         cfg, g = self.cfg, self.num_blocks
         if cfg.method == "mezo":
-            return torch.ones(g, dtype=torch.float64), float(g), None, None
+            return Probabilities(torch.ones(g, dtype=torch.float64), float(g), None, None)
         d_eff = h = None
         if cfg.method == "fixed":
             fraction = cfg.budget
@@ -250,12 +274,12 @@ class CurvZOSampler:
             b, d_eff, h = adaptive_budget(self.scores, cfg.budget_min * g, cfg.budget_max * g, cfg.budget_alpha)
             fraction = b / g
         if cfg.method == "us_ab" or self.in_warmup(step):
-            return torch.full((g,), fraction, dtype=torch.float64), fraction * g, d_eff, h
+            return Probabilities(torch.full((g,), fraction, dtype=torch.float64), fraction * g, d_eff, h)
         if cfg.budget_unit == "params":
             b = budget_for_param_fraction(self.scores, self.sizes, fraction, cfg.budget_floor)
         else:
             b = fraction * g
-        return inclusion_probabilities(self.scores, b, cfg.budget_floor), b, d_eff, h
+        return Probabilities(inclusion_probabilities(self.scores, b, cfg.budget_floor), b, d_eff, h)
 
     def plan(self, step: int) -> StepPlan:
         pi, budget, d_eff, h = self.probabilities(step)
@@ -272,6 +296,14 @@ class CurvZOSampler:
         step = torch.where(plan.mask, lr * delta / plan.pi, torch.zeros_like(plan.pi))
         keep = torch.where(plan.mask, 1.0 - lr * weight_decay / plan.pi, torch.ones_like(plan.pi))
         return step, keep
+
+    def direction_updates(self, plan: StepPlan, deltas: list[float], lr: float,
+                          weight_decay: float = 0.0) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The q directions of one step: Eq. 28's step of direction d with rate lr/q (the update is the mean of
+        the q estimates, applied from w direction by direction), and the decay factor, applied once."""
+        q = len(deltas)
+        keep = self.update_coefficients(plan, 0.0, lr, weight_decay)[1]
+        return [self.update_coefficients(plan, x, lr / q)[0] for x in deltas], keep
 
     def observe(self, plan: StepPlan, delta: float | list[float], block_sq: torch.Tensor) -> None:
         """Fold the step's block scores (Eq. 27 by default) into S: summed during warm-up, else EMA (Eq. 8).

@@ -1,7 +1,7 @@
 """Issue 19's experiment, one command: does any score estimator make CurvZO beat MeZO?
 
-    nice -n 10 python experiments/pipeline.py --config full      # the issue's plan (about 90 minutes on 2 cores)
-    nice -n 10 python experiments/pipeline.py --config reduced   # what RESULTS.md reports (see its header)
+    nice -n 10 python experiments/pipeline.py --config full --jobs 2   # the issue's plan; what RESULTS.md reports
+    nice -n 10 python experiments/pipeline.py --config reduced   # a subset (full-parameter, 4 methods, 2 seeds)
     python experiments/pipeline.py --config ci --out /tmp/x      # the end-to-end test's (one task, one seed)
 
 1. pre-train a Llama-style model (about 1M parameters) by backprop on the generated language
@@ -12,7 +12,8 @@
 4. the diagnostic (`curvzo-ds diagnose`'s code) on the pre-trained model, for the paper's and the new estimator;
 5. RESULTS.md-ready tables and plots in --out (tables.md, *.png).
 Every run is cached as runs/<hash of its settings>.json, so a rerun only computes what changed; progress.log
-has one line per run. One process, one thread per run (torch.set_num_threads(1)).
+has one line per run. One thread per run (torch.set_num_threads(1)); --jobs N runs N at a time in worker
+processes (the grid runs first, then the other seeds at each best rate).
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ METHODS = {"mezo": ("mezo", 0.5, "normalized"), "us_ab": ("us_ab", 0.5, "normali
            "curvzo-unbiased": ("curvzo", 0.5, "unbiased"), "curvzo-element": ("curvzo", 0.5, "unbiased_element")}
 CONFIGS = {
     "full": dict(tasks=["sentiment", "agreement", "topic"], forms=["full", "lora"], methods=list(METHODS),
-                 seeds=[0, 1, 2], steps=500, eval_every=50, grid={"full": [3e-5, 1e-4, 3e-4],
+                 seeds=[0, 1, 2], steps=400, eval_every=50, grid={"full": [3e-5, 1e-4, 3e-4],
                                                                  "lora": [3e-4, 1e-3, 3e-3]},
-                 pretrain_steps=1500, diagnose_steps=300),
+                 pretrain_steps=1500, diagnose_steps=200),
     "reduced": dict(tasks=["sentiment", "agreement", "topic"], forms=["full"],
                     methods=["mezo", "fixed-0.4", "curvzo-paper", "curvzo-element"], seeds=[0, 1], steps=400,
                     eval_every=50, grid={"full": [3e-5, 1e-4, 3e-4]}, pretrain_steps=1500, diagnose_steps=200),
@@ -171,22 +172,43 @@ def one_run(out: str, plan: dict, model: str, task: str, task_dir: str, form: st
     return result
 
 
-def run_all(plan: dict, out: str, log: Log) -> dict:
+def run_many(jobs: int, calls: list[tuple]) -> list[dict]:
+    """one_run(*args) for each args, `jobs` at a time in spawned worker processes (in order when jobs is 1)."""
+    if jobs == 1 or len(calls) <= 1:
+        return [one_run(*args) for args in calls]
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=torch.set_num_threads,
+                             initargs=(1,)) as pool:
+        return list(pool.map(one_run, *zip(*calls)))
+
+
+def run_all(plan: dict, out: str, log: Log, jobs: int = 1) -> dict:
     """{(task, form, method): {"lr": best, "grid": {lr: dev loss}, "runs": [result per seed]}}."""
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
     model = pretrain(out, plan["pretrain_steps"], log)
     tasks = {t: language.write_task(os.path.join(out, "tasks"), t, 0, DATA["num_train"], DATA["num_dev"],
                                     DATA["num_test"]) for t in plan["tasks"]}
+    keys = [(task, form, method) for task in plan["tasks"] for form in plan["forms"] for method in plan["methods"]]
+
+    def args(key, lr, seed):
+        task, form, method = key
+        return (out, plan, model, task, tasks[task], form, method, lr, seed, log)
+
+    grid_calls = [args(key, lr, plan["seeds"][0]) for key in keys for lr in plan["grid"][key[1]]]
+    grid_runs = iter(run_many(jobs, grid_calls))
+    grids, best = {}, {}
+    for key in keys:
+        grids[key] = {lr: next(grid_runs) for lr in plan["grid"][key[1]]}
+        finite = {lr: r["curve"][-1]["loss"] for lr, r in grids[key].items() if math.isfinite(r["curve"][-1]["loss"])}
+        best[key] = (min(finite, key=finite.get) if finite else plan["grid"][key[1]][0], finite)
+    seed_runs = iter(run_many(jobs, [args(key, best[key][0], s) for key in keys for s in plan["seeds"][1:]]))
     results = {}
-    for task, task_dir in tasks.items():
-        for form in plan["forms"]:
-            for method in plan["methods"]:
-                args = (out, plan, model, task, task_dir, form, method)
-                grid = {lr: one_run(*args, lr, plan["seeds"][0], log) for lr in plan["grid"][form]}
-                finite = {lr: r["curve"][-1]["loss"] for lr, r in grid.items() if math.isfinite(r["curve"][-1]["loss"])}
-                best = min(finite, key=finite.get) if finite else plan["grid"][form][0]
-                runs = [grid[best]] + [one_run(*args, best, s, log) for s in plan["seeds"][1:]]
-                results[(task, form, method)] = dict(lr=best, grid=finite, runs=runs)
+    for key in keys:
+        lr, finite = best[key]
+        runs = [grids[key][lr]] + [next(seed_runs) for _ in plan["seeds"][1:]]
+        results[key] = dict(lr=lr, grid=finite, runs=runs)
     return dict(model=model, tasks=tasks, results=results)
 
 
@@ -200,9 +222,13 @@ def mean_sd(values) -> str:
     return f"{v.mean():.4f} ± {v.std(ddof=1):.4f}" if len(v) > 1 else f"{v.mean():.4f}"
 
 
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}  # Student t, two-sided 95%, by degrees of freedom
+
+
 def reach_ratio(runs: list[dict], mezo_runs: list[dict]) -> str:
     """Per seed: steps to reach the final dev loss of MeZO's run with the same seed (same data order), over the
-    steps MeZO took to reach it; mean and range over seeds, or how many seeds reach it."""
+    steps MeZO took to reach it; mean ± the half-width of a 95% t interval over seeds [min, max], or how many
+    seeds reach it."""
     ratios = []
     for run, ref in zip(runs, mezo_runs):
         target = ref["curve"][-1]["loss"]
@@ -212,13 +238,40 @@ def reach_ratio(runs: list[dict], mezo_runs: list[dict]) -> str:
     finite = [r for r in ratios if math.isfinite(r)]
     if len(finite) < len(ratios):
         return f"{len(finite)}/{len(ratios)} seeds reach it"
-    return f"{np.mean(finite):.2f} [{min(finite):.2f}, {max(finite):.2f}]"
+    if len(finite) == 1:
+        return f"{finite[0]:.2f}"
+    half = T975[len(finite) - 1] * np.std(finite, ddof=1) / math.sqrt(len(finite))
+    return f"{np.mean(finite):.2f} ± {half:.2f} [{min(finite):.2f}, {max(finite):.2f}]"
+
+
+def speedup_at_own_loss(runs: list[dict], mezo_runs: list[dict]) -> str:
+    """Per seed, the other way round: the steps MeZO's run needs to reach this run's final dev loss, over the steps
+    this run needs for it (> 1: faster than MeZO to that level). Seeds where MeZO never reaches it are counted
+    apart (this run ended lower than MeZO ever was)."""
+    ratios, never = [], 0
+    for run, ref in zip(runs, mezo_runs):
+        target = run["curve"][-1]["loss"]
+        own, mezo = steps_to_reach(run["curve"], target), steps_to_reach(ref["curve"], target)
+        if not math.isfinite(mezo):
+            never += 1
+        elif own > 0:
+            ratios.append(mezo / own)
+    parts = []
+    if len(ratios) > 1:
+        half = T975[len(ratios) - 1] * np.std(ratios, ddof=1) / math.sqrt(len(ratios))
+        parts.append(f"{np.mean(ratios):.2f} ± {half:.2f} [{min(ratios):.2f}, {max(ratios):.2f}]")
+    elif ratios:
+        parts.append(f"{ratios[0]:.2f}")
+    if never:
+        parts.append(f"{never}/{len(runs)} seeds below MeZO's curve")
+    return "; ".join(parts) or "-"
 
 
 def tables(plan: dict, done: dict) -> list[str]:
     """Markdown: test accuracy and final dev loss (mean ± sd over seeds), steps to MeZO's final dev loss."""
     lines = ["| task | form | method | lr (dev) | test accuracy | final dev loss | steps to MeZO's final dev loss / "
-             "MeZO's, per seed: mean [min, max] | B/G |", "|---|---|---|---|---|---|---|---|"]
+             "MeZO's, per seed: mean ± 95% CI [min, max] | MeZO's steps to this run's final dev loss / this "
+             "run's | B/G |", "|---|---|---|---|---|---|---|---|---|"]
     for task in plan["tasks"]:
         for form in plan["forms"]:
             mezo = done["results"].get((task, form, "mezo"))
@@ -227,9 +280,10 @@ def tables(plan: dict, done: dict) -> list[str]:
                 acc = [r["test"]["accuracy"] for r in res["runs"]]
                 dev = [r["curve"][-1]["loss"] for r in res["runs"]]
                 reach = reach_ratio(res["runs"], mezo["runs"]) if mezo else "-"
+                speedup = speedup_at_own_loss(res["runs"], mezo["runs"]) if mezo else "-"
                 budget = np.mean([r["budget_mean"] for r in res["runs"]])
                 lines.append(f"| {task} | {form} | {method} | {res['lr']:g} | {mean_sd(acc)} | {mean_sd(dev)} | "
-                             f"{reach} | {budget:.2f} |")
+                             f"{reach} | {speedup} | {budget:.2f} |")
     return lines
 
 
@@ -262,7 +316,8 @@ def plot_curves(plan: dict, done: dict, out: str) -> list[str]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", choices=list(CONFIGS), default="reduced")
+    parser.add_argument("--config", choices=list(CONFIGS), default="full")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time, one thread each (default 1)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -270,7 +325,9 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     log = Log(os.path.join(args.out, "progress.log"))
     log(f"config {args.config}: {json.dumps(plan)}")
-    done = run_all(plan, args.out, log)
+    start = time.time()
+    done = run_all(plan, args.out, log, args.jobs)
+    log(f"runs done in {time.time() - start:.0f}s with --jobs {args.jobs}")
     lines = tables(plan, done)
     figures = plot_curves(plan, done, args.out)
     task = plan["tasks"][0]

@@ -1,11 +1,39 @@
+import os
+
 import pytest
+
+# This machine has no model hub: a hub id fails at once instead of after ~25 s of retries (subprocesses inherit it).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Fixtures that train through the CLI in a subprocess: the tests that use them are end-to-end, slow tier.
+RUN_FIXTURES = {"straight", "lora_run", "real_run", "reference", "slurm"}
 
 
 def pytest_collection_modifyitems(items):
-    """Every multi-rank test is in the slow tier: `python -m pytest -m "not slow"` is the unit tier."""
+    """Multi-rank tests and tests on a CLI training run are in the slow tier: `python -m pytest -m "not slow"` is
+    the unit tier (under 2 minutes)."""
     for item in items:
-        if item.get_closest_marker("multirank"):
+        if item.get_closest_marker("multirank") or RUN_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def one_rank_group():
+    """Rank 0 of a 1-rank job in this process, for deepspeed.initialize. The process group is made once and kept
+    for the session: DeepSpeed keeps the first group it sees, so a group destroyed and made again breaks the next
+    initialize in the same process ("Group ... is not registered")."""
+    import torch.distributed as dist
+
+    from tests.helpers import free_port
+
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               DS_ACCELERATOR="cpu")
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=0, world_size=1)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# The project's outside contract check (../shared); a clean clone elsewhere uses the copy kept in tests/.
-CHECK = next(p for p in (ROOT.parent / "shared" / "check_run.py", ROOT / "tests" / "check_run.py") if p.exists())
+CHECK = ROOT / "tests" / "check_run.py"  # the output contract (docs/contracts.md), checked on every test run
 COMMON = ["--set", "max_steps=12", "--set", "eval_steps=3", "--set", "save_steps=3", "--set", "num_train=200",
           "--set", "num_dev=16", "--set", "num_eval=16", "--set", "global_batch_size=8",
           "--set", "micro_batch_size=2", "--set", "disable_tqdm=true", "--set", "report_to=none",
@@ -105,6 +104,24 @@ def train(kind: str, n: int, out: pathlib.Path, *extra: str, port: int | None = 
     run_checked(cmd + COMMON + ["--set", f"output_dir={out}", *extra], env)
     check_contract(out)
     return json.loads((out / "summary.json").read_text())
+
+
+def eval_cli(checkpoint: pathlib.Path, cwd: pathlib.Path) -> dict:
+    """`curvzo-ds eval --resume CHECKPOINT` with nothing else, as a user types it in `cwd`: stdout must be the JSON
+    result alone (so `| jq` works), and the same result must be in eval.json next to the checkpoint."""
+    proc = subprocess.run([sys.executable, "-m", "curvzo_ds.cli", "eval", "--resume", str(checkpoint)], env=ENV,
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, cwd=str(cwd))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)  # raises if anything but the JSON reached stdout
+    assert result == json.loads((checkpoint / "eval.json").read_text())
+    assert not (cwd / "runs").exists()  # nothing written to the default output_dir
+    return result
+
+
+def logged_eval(out: pathlib.Path, step: int) -> dict:
+    """{split: row} of the evaluations metrics.jsonl logged at `step` (the end-of-run ones included)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["split"]: r for r in rows if r.get("split") and r["step"] == step}
 
 
 def metrics_lines(out: pathlib.Path) -> list[dict]:

@@ -1,4 +1,4 @@
-"""A one-node SLURM cluster on this machine (munged, slurmctld, slurmd; DESIGN.md §3) for the tests that run real
+"""A one-node SLURM cluster on this machine (munged, slurmctld, slurmd; docs/multinode.md) for the tests that run real
 SLURM jobs (conftest.py's session fixture `slurm`). Without the SLURM packages, or without root, those tests fail:
 they do not skip."""
 

@@ -1,4 +1,4 @@
-"""Accumulating 4 micro-batches equals one batch 4x larger (issue 8, DESIGN.md §5).
+"""Accumulating 4 micro-batches equals one batch 4x larger (issue 8; docs/architecture.md).
 
 Both runs see the same 8 examples per step, the same noise and the same blocks. The loss of a
 step is sum(loss_sum) / sum(count) either way; what differs is arithmetic, not the method:

@@ -137,6 +137,7 @@ def test_bad_config_is_one_line_and_exit_2(capsys, args, words):
     assert len(err.splitlines()) == 1 and words in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting,words", [
     ("task=SST2", "names are lower case: 'sst2'"),
     ("global_batch_size=5000", "lower global_batch_size or raise num_train"),
@@ -151,13 +152,7 @@ def test_bad_task_data_or_model_setting_is_one_line_and_exit_2(tmp_path, setting
     assert len(errors) == 1 and errors[0].startswith("curvzo-ds train: error: ") and words in errors[0], errors
 
 
-def test_the_contract_check_copy_is_current():
-    """tests/check_run.py stands in for ../shared/check_run.py on a clone without it: keep them equal."""
-    shared = ROOT.parent / "shared" / "check_run.py"
-    if shared.exists():
-        assert (ROOT / "tests" / "check_run.py").read_text() == shared.read_text()
-
-
+@pytest.mark.slow
 def test_a_log_file_gets_progress_lines_not_a_bar(tmp_path):
     """stderr is a pipe here, as in a cluster job's log file: progress comes as log lines, as do evaluations and
     saves."""

@@ -38,6 +38,9 @@ CASES = [
     ("global-batch-float", ["train", "--set", "global_batch_size=2.5"], "must be an integer"),
     ("micro-batch-zero", ["train", "--set", "micro_batch_size=0"], "micro_batch_size=0"),
     ("global-batch-over-data", ["train", "--set", "global_batch_size=5000"], "lower global_batch_size"),
+    ("global-batch-over-samples", ["train", "--set", "task=sst2", "--set", "data_dir=samples", "--set",
+                                   "global_batch_size=16"], "larger than the 13 training examples (num_train=200, "
+     "from the bundled samples): only 13 are left after dev and test are drawn: lower global_batch_size"),
     ("lr-huge", ["train", "--set", "learning_rate=1e30"], "learning_rate=1e+30"),
     ("lr-zero", ["train", "--set", "learning_rate=0"], "learning_rate=0"),
     ("lr-negative", ["train", "--set", "learning_rate=-1e-3"], "learning_rate"),

@@ -8,6 +8,7 @@ import pytest
 from tests.helpers import ENV, ROOT, run_checked
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_script_runs_its_cpu_path(tmp_path):
     out = tmp_path / "gpu.json"
     run_checked([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--batch", "2", "--seq-len", "16",

@@ -1,5 +1,6 @@
 """The command line's documentation and `curvzo-ds eval`."""
 
+import argparse
 import dataclasses
 import json
 import pathlib
@@ -8,9 +9,9 @@ import sys
 
 import pytest
 
-from curvzo_ds.cli import main
+from curvzo_ds.cli import build_parser, main
 from curvzo_ds.config import TrainConfig, resolve_presets
-from tests.helpers import COMMON, ROOT
+from tests.helpers import CLI, COMMON, ROOT, eval_cli, logged_eval, run_checked
 
 KEYS = [f.name for f in dataclasses.fields(TrainConfig)]
 
@@ -22,6 +23,19 @@ def test_help_lists_every_key_with_its_default(capsys):
     out = capsys.readouterr().out
     for f in dataclasses.fields(TrainConfig):
         assert f"  {f.name:<26} [{f.default}]" in out, f.name
+
+
+def test_every_subcommand_describes_each_option(capsys):
+    """Each subcommand's --help exits 0 and every argument and option in it has a help text."""
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"train", "eval", "export", "plot", "bench", "plan", "diagnose"} <= set(subcommands)
+    for name, sub in subcommands.items():
+        undescribed = [a.dest for a in sub._actions if a.dest != "help" and not a.help]
+        assert not undescribed, f"curvzo-ds {name}: no help text for {undescribed}"
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code == 0 and capsys.readouterr().out.startswith(f"usage: curvzo-ds {name}")
 
 
 def test_docs_config_lists_every_key():
@@ -66,6 +80,20 @@ def test_the_reported_test_metric_is_the_best_dev_checkpoints(straight):
     assert result["step"] == best
     assert result["test"] == summary["test"]
     assert result["dev"]["accuracy"] == summary["best_dev"]["accuracy"]
+
+
+@pytest.mark.slow
+def test_eval_takes_what_it_evaluates_from_the_checkpoint(tmp_path):
+    """On a run of another task than the demo's, `eval --resume CKPT` alone evaluates that task (the numbers the
+    run logged at that step), prints only JSON and writes eval.json next to the checkpoint."""
+    out = tmp_path / "sst2"
+    run_checked(CLI + ["--set", "task=sst2", "--set", "data_dir=samples", "--set", "max_steps=4",
+                       "--set", "save_steps=4", "--set", "eval_steps=4", "--set", "global_batch_size=4",
+                       "--set", "micro_batch_size=2", "--set", "report_to=none", "--set", f"output_dir={out}"])
+    result = eval_cli(out / "checkpoint-4", tmp_path)
+    logged = logged_eval(out, 4)
+    assert result["step"] == 4 and result["dev"]["loss"] == logged["dev"]["loss"]
+    assert result["test"]["accuracy"] == logged["test"]["accuracy"]
 
 
 def test_presets_are_mezos_for_full_and_lora_runs_and_give_way_to_the_user():

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -168,52 +166,30 @@ def test_load_errors_are_one_line(tmp_path):
         load_ds_config(str(listed))
 
 
-@contextlib.contextmanager
-def one_rank_env():
-    """The environment of rank 0 of a 1-rank job, for deepspeed.initialize in this process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               DS_ACCELERATOR="cpu")
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
-            mp.setenv(key, value)
-        yield
-
-
-def test_deepspeed_initialize_accepts_every_served_config():
+def test_deepspeed_initialize_accepts_every_served_config(one_rank_group):
+    import deepspeed
     import torch
+    from deepspeed.accelerator import get_accelerator
 
     served = [name for name, expected in CASES.items() if "refused" not in expected]
-    with one_rank_env():
-        import deepspeed
-        import torch.distributed as dist
-        from deepspeed.accelerator import get_accelerator
-
-        started_here = not dist.is_initialized()
-        try:
-            for name in served:
-                cfg = TrainConfig()
-                out, _ = resolve_ds_config(load_ds_config(str(fixture_path(name))), cfg, 1, 16)
-                torch.manual_seed(0)
-                model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
-                if cfg.dtype == "float16" and not get_accelerator().is_fp16_supported():
-                    # DeepSpeed's CPU accelerator serves fp16 only where oneDNN has fp16 kernels (AVX512-FP16
-                    # or AMX); elsewhere it refuses the config itself, with this message.
-                    with pytest.raises(ValueError, match="fp16 is not supported on your device"):
-                        deepspeed.initialize(model=model, config=out)
-                    continue
-                engine, optimizer, _, _ = deepspeed.initialize(model=model, config=out)
-                assert not isinstance(optimizer, torch.optim.Optimizer), name  # no Adam state
-                assert engine.zero_optimization_stage() == cfg.zero_stage, name
-                dtype = getattr(torch, cfg.dtype)
-                with torch.no_grad():
-                    y = engine(torch.randn(2, 16, dtype=dtype))
-                assert y.shape == (2, 4) and y.dtype == dtype, name
-        finally:
-            if started_here and dist.is_initialized():
-                dist.destroy_process_group()
+    for name in served:
+        cfg = TrainConfig()
+        out, _ = resolve_ds_config(load_ds_config(str(fixture_path(name))), cfg, 1, 16)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+        if cfg.dtype == "float16" and not get_accelerator().is_fp16_supported():
+            # DeepSpeed's CPU accelerator serves fp16 only where oneDNN has fp16 kernels (AVX512-FP16
+            # or AMX); elsewhere it refuses the config itself, with this message.
+            with pytest.raises(ValueError, match="fp16 is not supported on your device"):
+                deepspeed.initialize(model=model, config=out)
+            continue
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, config=out)
+        assert not isinstance(optimizer, torch.optim.Optimizer), name  # no Adam state
+        assert engine.zero_optimization_stage() == cfg.zero_stage, name
+        dtype = getattr(torch, cfg.dtype)
+        with torch.no_grad():
+            y = engine(torch.randn(2, 16, dtype=dtype))
+        assert y.shape == (2, 4) and y.dtype == dtype, name
 
 
 def test_shipped_accelerate_config_loads():

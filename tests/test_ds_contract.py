@@ -8,7 +8,6 @@ DeepSpeed version, rather than in a training run. One process, world size 1, DS_
 import math
 import os
 import re
-import socket
 from collections.abc import Callable
 
 import deepspeed
@@ -59,27 +58,12 @@ def expect(what: str, value, kind) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine():
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               DS_ACCELERATOR="cpu")
-    started_here = not dist.is_initialized()
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
-            mp.setenv(key, value)
-        torch.manual_seed(0)
-        config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 1,
-                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 20}}
-        built, *_ = deepspeed.initialize(model=TinyNet(), config=config)
-        try:
-            yield built
-        finally:
-            if started_here and dist.is_initialized():
-                dist.destroy_process_group()
+def engine(one_rank_group):
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 1,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 20}}
+    built, *_ = deepspeed.initialize(model=TinyNet(), config=config)
+    return built
 
 
 def test_the_tables_name_every_private_attribute_ds_compat_reads():

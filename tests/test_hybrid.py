@@ -40,6 +40,7 @@ def test_a_two_group_run_resumes_on_one_rank(one_rank_q2, tmp_path):
     assert json.loads((out / "summary.json").read_text())["params_digest"] == one_rank_q2["params_digest"]
 
 
+@pytest.mark.slow
 def test_bad_group_layouts_are_one_line(tmp_path):
     """One process: shard_group_size must divide the world; q must be a multiple of the number of groups."""
     import subprocess

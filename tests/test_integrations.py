@@ -74,6 +74,7 @@ def check_trainer_run(r: dict, out_dir: pathlib.Path, world: int) -> None:
     assert state["global_step"] == 30
 
 
+@pytest.mark.slow
 def test_zotrainer_one_process_trains_logs_saves_and_resumes(tmp_path):
     out = tmp_path / "t.json"
     r = launch([sys.executable, WORKER, "trainer", str(out)], out, free_port())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -123,3 +124,34 @@ def test_versions():
     found = versions()
     assert set(found) == {"python", "curvzo_ds", "torch", "deepspeed", "transformers", "accelerate", "peft"}
     assert found["torch"].startswith(torch.__version__.split("+")[0])
+
+
+@pytest.mark.parametrize("through_the_bar", [False, True])
+def test_log_lines_in_a_terminal_are_not_glued_to_the_bar(monkeypatch, through_the_bar):
+    """With the run's console logging and a tqdm bar on the same stream, a log line starts a line of its own only
+    when it goes through the bar (progress_logging); without it the line is glued onto the bar (the control)."""
+    import io
+    import logging
+    import re
+
+    from tqdm import tqdm
+
+    from curvzo_ds.logs import progress_logging, setup_logging
+
+    terminal = io.StringIO()
+    monkeypatch.setattr("sys.stderr", terminal)
+    handlers, level = logging.root.handlers[:], logging.root.level
+    try:
+        setup_logging(0, "info")
+        bar = tqdm(total=10, file=terminal, desc="curvzo", mininterval=0)
+        with progress_logging(bar) if through_the_bar else contextlib.nullcontext():
+            bar.update(1)
+            logging.getLogger("curvzo_ds.run").info("step 1: dev loss 0.5")
+        bar.close()
+    finally:
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(level)
+    pieces = [p for p in re.split(r"[\r\n]", terminal.getvalue()) if "step 1: dev loss" in p]
+    assert len(pieces) == 1
+    glued = not re.match(r"\d{4}-\d\d-\d\d ", pieces[0])
+    assert glued != through_the_bar, repr(pieces[0])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from curvzo_ds.cli import main
-from tests.helpers import ENV, train
+from tests.helpers import ENV, eval_cli, logged_eval, train
 
 LORA = ["--set", "lora=true", "--set", "learning_rate=1e-2", "--set", "max_steps=8"]
 
@@ -32,6 +32,13 @@ def test_lora_trains_only_the_adapters(lora_run):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("projected_grad") not in (None, 0) for r in rows if "split" not in r)
     assert summary["world_size"] == 1 and summary["steps"] == 8
+
+
+def test_eval_of_a_lora_checkpoint_needs_no_lora_setting(lora_run, tmp_path):
+    """`eval --resume` of a LoRA checkpoint with no --set: LoRA and the rest come from the run's config."""
+    out, _ = lora_run
+    result = eval_cli(out / "checkpoint-8", tmp_path)
+    assert result["step"] == 8 and result["dev"]["loss"] == logged_eval(out, 8)["dev"]["loss"]
 
 
 @pytest.mark.multirank
@@ -107,3 +114,15 @@ def test_merge_lora_on_a_full_checkpoint_and_out_onto_a_file_are_one_line_errors
     (tmp_path / "file").write_text("keep me")
     assert main(["export", ckpt, "--out", str(tmp_path / "file")]) == 2
     assert "existing file" in capsys.readouterr().err and (tmp_path / "file").read_text() == "keep me"
+
+
+def test_the_adapter_names_a_hub_id_as_given_and_a_local_directory_by_its_absolute_path(tmp_path, monkeypatch):
+    """What export writes as base_model_name_or_path for the two non-demo kinds of model (the demo's is tested
+    above, by loading): from_pretrained(adapter) must find the base from any working directory."""
+    from curvzo_ds.config import TrainConfig
+    from curvzo_ds.export import _base_model
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my-model").mkdir()
+    assert _base_model(TrainConfig(model="my-model", lora=True), "out") == (str(tmp_path / "my-model"), None)
+    assert _base_model(TrainConfig(model="facebook/opt-125m", lora=True), "out") == ("facebook/opt-125m", None)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tests.helpers import ROOT
 
 
@@ -17,6 +19,7 @@ def test_every_output_field_is_documented(straight):
     assert all(name in versions_row for name in summary["versions"]), (summary["versions"], versions_row)
 
 
+@pytest.mark.slow
 def test_summary_provenance_and_one_log_file_per_rank(tmp_path):
     """summary.json names the hosts, devices, noise generator and config; logs/rank-00000.log keeps every INFO
     line (those logged before the output directory was checked too), is appended to on a resume and replaced by
@@ -45,6 +48,11 @@ def test_summary_provenance_and_one_log_file_per_rank(tmp_path):
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
     assert summary["config_hash"] == "sha256:" + hashlib.sha256(canonical).hexdigest()
     assert " INFO model demo:" in first and first.count(" INFO done:") == 1  # from Run() on, before the dir check
+    # the resolved rate and eps, once per run; the done line says which test score it prints and its step
+    assert first.count("learning_rate 0.0003 (constant), zo_eps 0.01,") == 1, first
+    best = summary["best_dev"]["step"]
+    assert (f"done: 3 steps; test accuracy {summary['test']['accuracy']:.4g} at the best-dev checkpoint, step {best} "
+            "(MeZO's rule)") in first, first
     resumed = train(5, "--resume")
     assert resumed.startswith(first) and resumed.count(" INFO done:") == 2 and "resumed from" in resumed
     assert json.loads((out / "summary.json").read_text())["config_hash"] != summary["config_hash"]  # max_steps

@@ -84,6 +84,25 @@ def raw_moment(pi, g_sq, n_i):
     return pi * n_i * ((pi * g_sq).sum() - pi * g_sq) + pi * (n_i + 2) * g_sq
 
 
+
+
+def test_q_directions_share_the_rate_and_decay_once():
+    """direction_updates: direction d's step is Eq. 28's with rate lr/q, so the q steps sum to the step of the mean
+    Delta; the decay factor is the one-direction one (applied once); with q = 1 it is update_coefficients."""
+    sizes, g, owner = layout()
+    sampler = sampler_with([1.0, 0.05, 9.0, 0.3], sizes)
+    plan = sampler.plan(0)
+    deltas = [0.3, -1.2, 0.7]
+    steps, keep = sampler.direction_updates(plan, deltas, lr=0.1, weight_decay=0.5)
+    mean_step, one_keep = sampler.update_coefficients(plan, sum(deltas) / 3, lr=0.1, weight_decay=0.5)
+    assert len(steps) == 3 and torch.allclose(sum(steps), mean_step, rtol=1e-12, atol=0)
+    assert torch.equal(keep, one_keep)
+    (single,), _ = sampler.direction_updates(plan, [0.3], lr=0.1)
+    assert torch.equal(single, sampler.update_coefficients(plan, 0.3, lr=0.1)[0])
+    named = sampler.probabilities(0)
+    assert torch.equal(named.pi, plan.pi) and named.budget == plan.budget and named.entropy == plan.entropy
+
+
 @pytest.mark.parametrize("one_element_blocks", [True, False])
 def test_raw_score_mixed_moment(one_element_blocks):
     sizes_t = (1,) * 8 if one_element_blocks else SIZES
@@ -147,7 +166,7 @@ def test_pi_follows_the_square_root_of_the_scores():
     pi = sampling.inclusion_probabilities(s, 1.5, gamma=0.0)
     assert torch.allclose(pi, torch.tensor([8.0, 4.0, 2.0, 1.0], dtype=torch.float64) * 1.5 / 15)
     sampler = sampler_with(s.tolist(), torch.ones(4), budget=1.5 / 4, budget_floor=0.0)
-    assert torch.allclose(sampler.probabilities(0)[0], pi)
+    assert torch.allclose(sampler.probabilities(0).pi, pi)
 
 
 def test_effective_support_and_entropy_use_the_square_root():

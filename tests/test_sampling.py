@@ -1,4 +1,4 @@
-"""The pure sampling math: water-filling, the budget rule, scores (paper Sec. 3, DESIGN.md §1)."""
+"""The pure sampling math: water-filling, the budget rule, scores (paper Sec. 3; docs/algorithm.md)."""
 
 import math
 

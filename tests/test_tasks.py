@@ -192,6 +192,7 @@ def test_a_datasets_save_to_disk_directory(tmp_path):
     assert {e["premise"] for e in splits["test"]} == {f"p{i}" for i in range(20, 30)}
 
 
+@pytest.mark.slow
 def test_offline_without_a_cache_is_one_line_with_exit_2(tmp_path):
     """The real CLI, the real hub id, HF_DATASETS_OFFLINE=1 and an empty cache: one line, the three ways out."""
     env = {**ENV, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}

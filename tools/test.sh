@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The test command (README.md): install what the tests need, then run them. Arguments go to pytest:
 #   bash tools/test.sh                  # the full suite (what CI runs)
-#   bash tools/test.sh -m "not slow"    # the unit tier, about 3-4 minutes
+#   bash tools/test.sh -m "not slow"    # the unit tier, under 2 minutes
 # The suite starts real mpirun and SLURM jobs: Open MPI, SLURM and munge come from apt (as root). The tests that
 # need them fail, never skip, when they are missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore DEBIAN_FRONTEND=noninteractive
 
-if ! command -v mpirun >/dev/null || ! command -v slurmd >/dev/null; then
+if ! command -v mpirun >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         apt-get update -qq
         apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev slurmctld slurmd slurm-client munge >/dev/null

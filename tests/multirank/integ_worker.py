@@ -49,7 +49,7 @@ def examples(vocab: int) -> list[dict]:
 
 
 def lm_loss(model, batch):
-    """(sum of token losses, number of predicted tokens): the CONTRACTS.md loss contract."""
+    """(sum of token losses, number of predicted tokens): the loss contract of docs/contracts.md."""
     device = next(iter(batch.values())).device
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     logits = out.logits[:, :-1].float()

@@ -59,7 +59,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
     if spec.get("lora"):
         from peft import LoraConfig, get_peft_model
 
-        torch.manual_seed(1)  # every rank must create the same adapters (DESIGN.md §3)
+        torch.manual_seed(1)  # every rank must create the same adapters (docs/integrations.md)
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     zero = {"stage": spec.get("stage", 3), "stage3_param_persistence_threshold": spec.get("persist", 100)}
     if spec.get("offload"):
@@ -92,7 +92,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
             r = zo.step(MicroBatches(micro_batches(t, spec["n_micro"], spec.get("rows", 2))))
             row = r.as_dict()
             row["scores"] = hashlib.sha256(zo.sampler.scores.numpy().tobytes()).hexdigest()[:16]
-            pi = zo.sampler.probabilities(zo.step_count)[0]
+            pi = zo.sampler.probabilities(zo.step_count).pi
             row["pi"] = hashlib.sha256(pi.numpy().tobytes()).hexdigest()[:16]
             traj.append(row)
     finally:
