@@ -196,10 +196,11 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
             bar.close()
     if saved != engine.step_count:
         save()
-    digest = params_digest(engine.entries, engine.world)  # before the best checkpoint may be loaded for test
+    step = engine.step_count  # the weights' steps: the best checkpoint may be loaded below to evaluate test
+    digest = params_digest(engine.entries, engine.world)
     final, best, test = _final_evaluations(run, manager, writer, last_dev)
     writer.close()
-    return _finish(run, manager, digest, final, best, test, time.time() - start)
+    return _finish(run, manager, step, digest, final, best, test, time.time() - start)
 
 
 def _start(run: Run, manager: CheckpointManager, resume) -> float:
@@ -246,11 +247,10 @@ def _final_evaluations(run: Run, manager: CheckpointManager, writer: MetricsWrit
     return final, best, test
 
 
-def _finish(run: Run, manager: CheckpointManager, digest: str, final: dict, best: dict | None, test: dict | None,
-            wall_seconds: float) -> dict:
-    """summary.json (rank 0) and the done line; every rank returns the summary."""
+def _finish(run: Run, manager: CheckpointManager, step: int, digest: str, final: dict, best: dict | None,
+            test: dict | None, wall_seconds: float) -> dict:
+    """summary.json (rank 0) and the done line for a run that ended at `step`; every rank returns the summary."""
     cfg, engine = run.cfg, run.engine
-    step = engine.step_count
     # One entry per rank of the whole job (engine.world; engine.comm is the shard group).
     ranks = engine.world.all_gather_object((peak_rss_bytes(), socket.gethostname(), device_name(run.device)))
     rss, hostnames, device_names = (list(column) for column in zip(*ranks))

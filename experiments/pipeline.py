@@ -19,6 +19,7 @@ processes (the grid runs first, then the other seeds at each best rate).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -333,22 +334,27 @@ def main(argv=None) -> None:
     task = plan["tasks"][0]
     best = done["results"].get((task, "full", "curvzo-paper"), {}).get("lr", plan["grid"]["full"][0])
     cfg = run_config(done["model"], done["tasks"][task], "curvzo-paper", "full", best, 0, plan["diagnose_steps"])
-    estimators = ["normalized", "unbiased", "unbiased_element"]
-    diag_dir = os.path.join(args.out, "diagnose")
-    key = digest(dict(model=os.path.basename(done["model"]), task=task, lr=best, steps=plan["diagnose_steps"],
-                      estimators=estimators, table=2))
-    cached = os.path.join(diag_dir, f"table-{key}.md")
-    if os.path.exists(cached):
-        with open(cached) as f:
-            diag = f.read().splitlines()
-    else:
-        diag = diagnose(cfg, estimators, plan["diagnose_steps"], max(plan["diagnose_steps"] // 20, 1), diag_dir)
-        with open(cached, "w") as f:
-            f.write("\n".join(diag) + "\n")
+    # Every estimator at the default beta, then the two unbiased ones with the longer EMA the issue names.
+    diag = []
+    for beta, estimators, sub in ((cfg.score_beta, ["normalized", "per_element", "ht", "unbiased", "unbiased_element"],
+                                   "diagnose"), (0.02, ["unbiased", "unbiased_element"], "diagnose-beta0.02")):
+        diag_dir = os.path.join(args.out, sub)
+        key = digest(dict(model=os.path.basename(done["model"]), task=task, lr=best, steps=plan["diagnose_steps"],
+                          estimators=estimators, beta=beta, table=3))
+        cached = os.path.join(diag_dir, f"table-{key}.md")
+        if os.path.exists(cached):
+            with open(cached) as f:
+                lines = f.read().splitlines()
+        else:
+            lines = diagnose(dataclasses.replace(cfg, score_beta=beta), estimators, plan["diagnose_steps"],
+                             max(plan["diagnose_steps"] // 20, 1), diag_dir)
+            with open(cached, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        diag += [f"beta = {beta:g} ({sub}/):", ""] + lines + [""]
     with open(os.path.join(args.out, "tables.md"), "w") as f:
         f.write(f"config `{args.config}`: {json.dumps(plan)}\n\n" + "\n".join(lines) + "\n\n")
         f.write(f"Diagnostic: task {task}, full, lr {best:g}, {plan['diagnose_steps']} steps\n\n")
-        f.write("\n".join(diag) + "\n\nFigures: " + ", ".join(os.path.basename(p) for p in figures) + "\n")
+        f.write("\n".join(diag) + "\nFigures: " + ", ".join(os.path.basename(p) for p in figures) + "\n")
     log("tables: " + os.path.join(args.out, "tables.md"))
 
 
