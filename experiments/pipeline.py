@@ -344,13 +344,13 @@ def main(argv=None) -> None:
         cached = os.path.join(diag_dir, f"table-{key}.md")
         if os.path.exists(cached):
             with open(cached) as f:
-                lines = f.read().splitlines()
+                table = f.read().splitlines()
         else:
-            lines = diagnose(dataclasses.replace(cfg, score_beta=beta), estimators, plan["diagnose_steps"],
+            table = diagnose(dataclasses.replace(cfg, score_beta=beta), estimators, plan["diagnose_steps"],
                              max(plan["diagnose_steps"] // 20, 1), diag_dir)
             with open(cached, "w") as f:
-                f.write("\n".join(lines) + "\n")
-        diag += [f"beta = {beta:g} ({sub}/):", ""] + lines + [""]
+                f.write("\n".join(table) + "\n")
+        diag += [f"beta = {beta:g} ({sub}/):", ""] + table + [""]
     with open(os.path.join(args.out, "tables.md"), "w") as f:
         f.write(f"config `{args.config}`: {json.dumps(plan)}\n\n" + "\n".join(lines) + "\n\n")
         f.write(f"Diagnostic: task {task}, full, lr {best:g}, {plan['diagnose_steps']} steps\n\n")
