@@ -114,6 +114,7 @@ def worker(width: str, batch: int, seq: int, steps: int, out: str) -> None:
                   "planned_shard_bytes": plan.shard, "ranks": ranks, "params_digest": digest}
         pathlib.Path(out).write_text(json.dumps(result, indent=1))
     engine.comm.barrier()
+    torch.distributed.destroy_process_group()  # join the communication threads before the interpreter's teardown
 
 
 def free_port() -> int:

@@ -18,11 +18,13 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from . import data as D
 from .config import ZOConfig
 from .data.stream import MicroBatches
+from .distributed import init_distributed
 from .engine import StepTimer, ZOEngine
 from .jsonio import write_json_atomic
 from .noise import NoiseSource
@@ -330,8 +332,6 @@ def rank_figures(seq: int, steps: int, batch: int, micro: int) -> dict:
     peak memory of ZO steps against inference-only forwards under the same config."""
     import deepspeed
 
-    from .distributed import init_distributed
-
     rank, world, _ = init_distributed()
     torch.set_num_threads(1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -467,11 +467,10 @@ def _worker(argv: list[str]) -> None:
         write_json_atomic(out, result)
     elif kind == "ranks":
         result = rank_figures(int(argv[2]), int(argv[3]), int(argv[4]), micro=4)
-        import torch.distributed as dist
-
         if dist.get_rank() == 0:
             write_json_atomic(out, result)
         dist.barrier()
+        dist.destroy_process_group()  # join the communication threads before the interpreter's teardown
     else:
         raise SystemExit(f"unknown bench worker {kind!r}")
 
