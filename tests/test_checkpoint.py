@@ -75,3 +75,18 @@ def test_a_corrupt_incomplete_or_foreign_checkpoint_is_refused_by_name(tmp_path)
     good = ckpt.write_checkpoint(e, str(tmp_path / "good"))
     with pytest.raises(ValueError, match="does not match this model's trainable parameters"):
         ckpt.load_checkpoint(other, good)
+
+
+def test_deepspeeds_latest_file_names_the_checkpoint_and_rotation_keeps_the_best(tmp_path):
+    """CheckpointManager: mark_latest writes DeepSpeed's `latest` file, tagged_latest reads it back; rotation to
+    save_total_limit keeps the newest checkpoints and the tracked best one."""
+    e, x = engine()
+    manager = ckpt.CheckpointManager(str(tmp_path), e.world, save_total_limit=1, metric="accuracy")
+    with pytest.raises(FileNotFoundError, match="no 'latest' file"):
+        manager.tagged_latest()
+    for step, accuracy in ((1, 0.9), (2, 0.5), (3, 0.6)):
+        e.step(x)
+        manager.track(step, {"accuracy": accuracy})
+        path = manager.save(e, mark_latest=True)
+        assert manager.tagged_latest() == path == str(tmp_path / f"checkpoint-{step}")
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-3"]
