@@ -226,6 +226,14 @@ def mean_sd(values) -> str:
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}  # Student t, two-sided 95%, by degrees of freedom
 
 
+def interval(values: list[float]) -> str:
+    """Mean ± the half-width of a 95% t interval [min, max] (the value alone for one)."""
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    half = T975[len(values) - 1] * np.std(values, ddof=1) / math.sqrt(len(values))
+    return f"{np.mean(values):.2f} ± {half:.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+
 def reach_ratio(runs: list[dict], mezo_runs: list[dict]) -> str:
     """Per seed: steps to reach the final dev loss of MeZO's run with the same seed (same data order), over the
     steps MeZO took to reach it; mean ± the half-width of a 95% t interval over seeds [min, max], or how many
@@ -239,10 +247,7 @@ def reach_ratio(runs: list[dict], mezo_runs: list[dict]) -> str:
     finite = [r for r in ratios if math.isfinite(r)]
     if len(finite) < len(ratios):
         return f"{len(finite)}/{len(ratios)} seeds reach it"
-    if len(finite) == 1:
-        return f"{finite[0]:.2f}"
-    half = T975[len(finite) - 1] * np.std(finite, ddof=1) / math.sqrt(len(finite))
-    return f"{np.mean(finite):.2f} ± {half:.2f} [{min(finite):.2f}, {max(finite):.2f}]"
+    return interval(finite)
 
 
 def speedup_at_own_loss(runs: list[dict], mezo_runs: list[dict]) -> str:
@@ -257,12 +262,7 @@ def speedup_at_own_loss(runs: list[dict], mezo_runs: list[dict]) -> str:
             never += 1
         elif own > 0:
             ratios.append(mezo / own)
-    parts = []
-    if len(ratios) > 1:
-        half = T975[len(ratios) - 1] * np.std(ratios, ddof=1) / math.sqrt(len(ratios))
-        parts.append(f"{np.mean(ratios):.2f} ± {half:.2f} [{min(ratios):.2f}, {max(ratios):.2f}]")
-    elif ratios:
-        parts.append(f"{ratios[0]:.2f}")
+    parts = [interval(ratios)] if ratios else []
     if never:
         parts.append(f"{never}/{len(runs)} seeds below MeZO's curve")
     return "; ".join(parts) or "-"

@@ -120,13 +120,17 @@ def eval_cli(checkpoint: pathlib.Path, cwd: pathlib.Path) -> dict:
 
 def logged_eval(out: pathlib.Path, step: int) -> dict:
     """{split: row} of the evaluations metrics.jsonl logged at `step` (the end-of-run ones included)."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["split"]: r for r in rows if r.get("split") and r["step"] == step}
+    return {r["split"]: r for r in metrics_rows(out) if r.get("split") and r["step"] == step}
+
+
+def metrics_rows(out: pathlib.Path) -> list[dict]:
+    """Every line of metrics.jsonl, parsed strictly (a line that is not JSON fails the test)."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def metrics_lines(out: pathlib.Path) -> list[dict]:
     """metrics.jsonl without wall-clock fields and end-of-run evaluations (for comparing runs)."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     return [{k: v for k, v in r.items() if k != "seconds"} for r in rows if not r.get("final")]
 
 

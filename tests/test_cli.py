@@ -63,8 +63,7 @@ def test_eval_of_a_checkpoint_equals_the_training_eval(straight):
     """`curvzo-ds eval --resume CKPT` recomputes the dev and test metrics logged at that step."""
     out, _ = straight
     result = eval_checkpoint(out, 12)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    logged = {r["split"]: r for r in rows if r.get("split") and r["step"] == 12}
+    logged = logged_eval(out, 12)
     assert result["step"] == 12 and set(logged) == {"dev", "test"}
     for split in ("dev", "test"):
         assert result[split]["accuracy"] == logged[split]["accuracy"]
