@@ -6,17 +6,15 @@ has vouched for: the next minor for DeepSpeed (ds_compat.py reads its private at
 tests/test_ds_contract.py checks them) and for peft (0.x, whose adapter key names enter params_digest), the next
 major for the others.
 
-- Older than the lower bound: ImportError. The API the code calls is missing, and the run would otherwise fail
-  later, deep inside a launch, with an AttributeError that names neither the package nor the fix.
-- At or above the upper bound: a warning. A newer release usually works, and refusing it would stop users on
-  a nightly or a fresh release (and the `curvzo-ds --help` that tells them what to do).
+Outside a range, `import curvzo_ds` warns in one line that names every such package, its installed version and the
+range, and the run goes on: never an ImportError that stops a run (a GPU image with an older torch or transformers,
+a nightly, a fresh release). The line says what to install if the run then fails.
 Only the release numbers are compared: a dev, pre-release or local build (`2.14.0.dev20260301+cu128`) counts as
-its release, so a nightly torch never fails the import. CURVZO_DS_IGNORE_VERSIONS=1 turns the error into a warning.
+its release.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from importlib import metadata
@@ -68,17 +66,15 @@ def installed_versions() -> dict[str, str | None]:
 
 
 def check_versions(installed: dict[str, str | None] | None = None) -> None:
-    """Raise ImportError for a too-old library, warn for a too-new one; each message names every such package,
-    its installed version and the supported range."""
+    """Warn (UnsupportedVersionWarning, one line each for too old and too new) about the libraries outside their
+    range; never raise."""
     installed = installed_versions() if installed is None else installed
     old, new = out_of_range(installed)
     named = lambda names: ", ".join(f"{requirement(n)} (installed: {installed[n]})" for n in names)
     fix = lambda names: "pip install " + " ".join(f"'{requirement(n)}'" for n in names)
     if old:
-        message = f"curvzo_ds needs {named(old)}: {fix(old)} (or set CURVZO_DS_IGNORE_VERSIONS=1 to try anyway)"
-        if os.environ.get("CURVZO_DS_IGNORE_VERSIONS") != "1":
-            raise ImportError(message)
-        warnings.warn(message, UnsupportedVersionWarning, stacklevel=2)
+        warnings.warn(f"curvzo_ds supports {named(old)}: older releases may lack an API it calls; going on, and if "
+                      f"the run fails, {fix(old)}", UnsupportedVersionWarning, stacklevel=2)
     if new:
         warnings.warn(f"curvzo_ds is tested with {named(new)}, not with these newer releases: if a run fails, "
                       f"{fix(new)}", UnsupportedVersionWarning, stacklevel=2)
