@@ -327,6 +327,32 @@ def noise_speed(numel: int = 1 << 24, rounds: int = 5, device: str = "cpu") -> d
     return out
 
 
+def noise_threads(numel: int = 1 << 26, tensors: int = 16, rounds: int = 3, threads: list[int] | None = None) -> dict:
+    """Offloaded parameters (bf16 on the CPU): seconds of one perturb pass of the Perturber over `tensors` tensors of
+    `numel` elements in all, at 1, 2 and all cores (the C kernel's calls release the GIL: threads over rows)."""
+    from .params import collect_entries, make_blocks
+    from .perturb import Perturber
+
+    all_cores = os.cpu_count() or 1
+    threads = sorted({t for t in (threads or [1, 2, all_cores]) if t <= all_cores})
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(numel // tensors, generator=gen).to(torch.bfloat16))
+                                    for _ in range(tensors)])
+    entries = collect_entries(model, replicated_rank=0, fp32_master=False)
+    perturber = Perturber(entries, make_blocks(entries, "tensor", 0), NoiseSource(0), torch.device("cpu"))
+    perturber.begin(0, torch.ones(tensors, dtype=torch.bool))
+    out = {"numel": numel, "tensors": tensors, "dtype": "bfloat16", "cores": all_cores, "seconds": {}}
+    for t in threads:
+        perturber.threads = t
+        perturber.perturb(0.0, 1e-3)  # warm-up (the thread pool, page faults)
+        times = [_timed(None, perturber.perturb, 1e-3, -1e-3)[0] for _ in range(rounds)]
+        out["seconds"][str(t)] = _median(times)
+    one = out["seconds"][str(threads[0])]
+    out["speedup"] = {k: one / v for k, v in out["seconds"].items()}
+    out["normals_per_second"] = {k: numel / v for k, v in out["seconds"].items()}
+    return out
+
+
 def rank_figures(seq: int, steps: int, batch: int, micro: int) -> dict:
     """One rank of a ZeRO-3 job (run under torchrun): owned bytes, step time, bytes all-reduced per step, and
     peak memory of ZO steps against inference-only forwards under the same config."""
@@ -399,7 +425,7 @@ def run_suite(out: str | None, seq_lens: list[int], rounds: int, world_sizes: li
                         str(rounds), str(batch)], env=env, check=True)
         timing = json.loads(open(part).read())
         report["seq_lens"], report["python_overhead"] = timing["seq_lens"], timing["python_overhead"]
-        report["noise"] = timing["noise"]
+        report["noise"], report["noise_threads"] = timing["noise"], timing["noise_threads"]
         report["model"]["parameters"] = timing["parameters"]
         for world in world_sizes:
             part = os.path.join(tmp, f"ranks-{world}.json")
@@ -445,6 +471,12 @@ def format_report(report: dict) -> str:
                      f"update {nz['fused_axpy_normals_per_second'] / 1e6:.0f} M/s "
                      f"({nz['fused_axpy_over_torch_randn']:.2f}x), torch-eager reference "
                      f"{nz['torch_reference_normals_per_second'] / 1e6:.0f} M/s")
+    nt = report.get("noise_threads")
+    if nt:
+        timings = ", ".join(f"{t} thread{'s' if t != '1' else ''} {sec * 1e3:.0f} ms ({nt['speedup'][t]:.2f}x)"
+                            for t, sec in nt["seconds"].items())
+        lines.append(f"offloaded noise ({nt['numel'] / 1e6:.0f} M bf16 elements on the CPU, one perturb pass): "
+                     f"{timings}")
     for world, w in report["world_sizes"].items():
         for rank, r in enumerate(w["ranks"]):
             mezo, fixed = r["methods"]["mezo"], r["methods"]["curvzo_fixed_0.3"]
@@ -462,7 +494,7 @@ def _worker(argv: list[str]) -> None:
         seq_lens, rounds, batch = [int(x) for x in argv[2].split(",")], int(argv[3]), int(argv[4])
         device = "cuda" if torch.cuda.is_available() else "cpu"
         result = {"seq_lens": time_methods(seq_lens, rounds, batch, device), "python_overhead": python_overhead(),
-                  "noise": noise_speed(rounds=rounds, device=device),
+                  "noise": noise_speed(rounds=rounds, device=device), "noise_threads": noise_threads(rounds=rounds),
                   "parameters": sum(p.numel() for p in suite_model("meta").parameters())}
         write_json_atomic(out, result)
     elif kind == "ranks":

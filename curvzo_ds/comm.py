@@ -31,24 +31,15 @@ class Comm:
         return torch.device("cpu")
 
     def all_reduce_sum_int64(self, values: torch.Tensor) -> torch.Tensor:
+        """The sum over the group, read back to the host: a step's one host synchronisation (`stats["host_reads"]`
+        counts them; under torch.cuda.set_sync_debug_mode("error") this read is the one allowed)."""
         assert values.dtype == torch.int64
         self.stats["all_reduce"] += 1
         self.stats["all_reduce_elements"] += values.numel()
-        if not self.active or self.world_size == 1:
-            return values.cpu()
-        buf = values.to(self.device)
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
-        return buf.cpu()
-
-    def all_gather_int64(self, values: torch.Tensor) -> torch.Tensor:
-        """[world_size, n] int64: every rank's `values`."""
-        self.stats["all_gather"] += 1
-        if not self.active or self.world_size == 1:
-            return values.unsqueeze(0)
-        buf = values.to(self.device)
-        out = [torch.empty_like(buf) for _ in range(self.world_size)]
-        dist.all_gather(out, buf, group=self.group)
-        return torch.stack([o.cpu() for o in out])
+        if self.active and self.world_size > 1:
+            values = values.to(self.device)
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+        return read_back(values, self.stats)
 
     def all_gather_object(self, obj) -> list:
         self.stats["all_gather_object"] += 1
@@ -82,6 +73,21 @@ def main_process_first(comm: Comm):
     finally:
         if comm.rank == 0:
             comm.barrier()  # also on an error, so that the others fail on their own instead of hanging
+
+
+def read_back(values: torch.Tensor, stats: Counter | None = None) -> torch.Tensor:
+    """values on the host. From a GPU this waits for the device: the step's one synchronisation point, allowed
+    here even under torch.cuda.set_sync_debug_mode("error") (tests wrap a whole step in it)."""
+    if values.device.type != "cuda":
+        return values
+    if stats is not None:
+        stats["host_reads"] += 1
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return values.cpu()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 def float64_bits(values: torch.Tensor) -> torch.Tensor:

@@ -63,10 +63,16 @@ def is_persistent(p: torch.nn.Parameter) -> bool:
     return bool(getattr(p, "ds_persist", False))
 
 
-def is_available(p: torch.nn.Parameter) -> bool:
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+_AVAILABLE = None
 
-    return getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE and p.data.numel() == full_numel(p)
+
+def is_available(p: torch.nn.Parameter) -> bool:
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        _AVAILABLE = ZeroParamStatus.AVAILABLE
+    return getattr(p, "ds_status", None) == _AVAILABLE and p.data.numel() == full_numel(p)
 
 
 @contextlib.contextmanager

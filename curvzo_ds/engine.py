@@ -31,13 +31,11 @@ from .comm import Comm, bits_float64, float64_bits
 from .config import RunEnded, ZOConfig
 from .data.stream import MicroBatches, round_robin_slots
 from .noise import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
-from .params import ParamEntry, collect_entries, intersect, make_blocks
+from .params import ParamEntry, collect_entries, make_blocks
+from .perturb import Perturber
 from .sampling import CurvZOSampler, StepPlan
 
 log = logging.getLogger("curvzo_ds")
-
-_PIECE = 1 << 22  # elements of noise held at once per tensor piece
-
 
 
 class NonFiniteLossError(RunEnded):
@@ -151,6 +149,7 @@ class ZOEngine:
         first = self.entries[0]
         self.device = self.comm.device if self.comm.world_size > 1 else ds_compat.storage_device(first.param)
         self.sampler = CurvZOSampler(cfg, self.sizes, self.noise.mask_uniforms)
+        self.perturber = Perturber(self.entries, self.blocks, self.noise, self.device)
         # Elements of each block stored in bf16/fp16 and edited without an fp32 copy: where +eps z can vanish.
         self.low_precision = torch.tensor([sum(hi - lo for ei, lo, hi in b.segments if _rounds_away(self.entries[ei]))
                                            for b in self.blocks], dtype=torch.float64)
@@ -193,33 +192,34 @@ class ZOEngine:
         if self.replicas > 1 and not isinstance(batch, MicroBatches):
             raise ValueError("with replica groups, step() takes the global batch as MicroBatches (every group "
                              "evaluates the same data)")
-        pieces = self._local_pieces(plan.mask)
         eps, q = cfg.zo_eps, cfg.num_directions
         # With q > 1 every direction starts from the same w: the edited values are kept and put back exactly,
         # in every copy (so persistent parameters are gathered first, as the first forward would do).
         if q > 1 and self.partitioned:
             ds_compat.gather_persistent([e.param for e in self.entries])
-        saved = self._snapshot(pieces) if q > 1 else None
+        perturber = self.perturber
+        perturber.begin(t, plan.mask, q)
+        saved = perturber.snapshot() if q > 1 else None
         was_training = self.module.training
         self.module.eval()  # dropout would give the two forwards different masks
         evals = []  # (direction, block sums of z^2, L+ slots, L- slots) of the directions this group evaluates
         # The visibility counts come from direction 0 (replica group 0); the other groups send zeros.
-        watch = self._visibility_watch(t, pieces if self.replica == 0 else [])
-        changed = None if self.replica == 0 else self._visibility_count(watch)
+        watch = self._visibility_watch(t) if self.replica == 0 else None
+        changed = None if self.replica == 0 else self._visibility_count(self._visibility_watch(t, none=True))
         try:
             for d in range(self.replica, q, self.replicas):
                 with self._section("perturb_stats"):
-                    block_fixed = self._perturb(t, pieces, 0.0, eps, stats=self.sampler.scored, direction=d)
+                    block_fixed = perturber.perturb(0.0, eps, stats=self.sampler.scored, direction=d)
                 if d == 0:
                     changed = self._visibility_count(watch)
                 with self._section("forwards"):
                     plus = self._forwards(batch)
                 with self._section("perturb"):
-                    self._perturb(t, pieces, eps, -eps, direction=d)
+                    perturber.perturb(eps, -eps, direction=d)
                 with self._section("forwards"):
                     minus = self._forwards(batch)
                 if saved is not None:
-                    self._restore(pieces, saved)
+                    perturber.restore(saved)
                 evals.append((d, block_fixed, plus, minus))
         finally:
             self.module.train(was_training)
@@ -235,7 +235,7 @@ class ZOEngine:
         loss = 0.5 * (loss_plus + loss_minus)
         if not all(math.isfinite(x) for x in (loss_plus, loss_minus, delta, *deltas)):
             if saved is None:
-                self._perturb(t, pieces, -eps, 0.0)
+                perturber.perturb(-eps, 0.0)
             self._end_step(plan, None, None)
             self.skips_in_row += 1
             self.skipped_total += 1
@@ -251,24 +251,19 @@ class ZOEngine:
         with self._section("update"):
             steps, keep = self.sampler.direction_updates(plan, deltas, lr, cfg.weight_decay)
             if q == 1:
-                self._update(t, pieces, steps[0].tolist(), keep.tolist())
+                perturber.update(steps[0], keep, eps, cfg.weight_decay)
             else:
-                self._update_directions(t, pieces, [s.tolist() for s in steps], keep.tolist())
+                perturber.update_directions(steps, keep, cfg.weight_decay)
         self._end_step(plan, deltas, block_sq)
         return StepResult(t + 1, loss, loss_plus, loss_minus, delta, **base)
 
-    def _visibility_watch(self, t: int, pieces) -> list | None:
-        """On a visibility step, (block, owned slice, its values) of the drawn bf16/fp16 pieces with no fp32 copy."""
+    def _visibility_watch(self, t: int, none: bool = False) -> list | None:
+        """On a visibility step, (block, owned view, its values) of the drawn bf16/fp16 copies with no fp32 copy
+        (`none`: a visibility step with nothing watched here, so that this rank still sends its zeros)."""
         every = self.cfg.visibility_steps
         if not every or t % every or not self.low_precision.any():
             return None
-        watch = []
-        for b, e, lo, hi in pieces:
-            o_lo, o_hi = intersect((lo, hi), e.owned)
-            if o_hi > o_lo and _rounds_away(e):
-                view, start = next(e.copies(o_lo - e.region[0], o_hi - o_lo))  # the owned copy comes first
-                watch.append((b, view, view.clone()))
-        return watch
+        return [] if none else [(b, view, view.clone()) for b, view in self.perturber.owned_low_precision()]
 
     def _visibility_count(self, watch) -> torch.Tensor | None:
         if watch is None:
@@ -320,103 +315,6 @@ class ZOEngine:
         vals = bits_float64(self.comm.all_reduce_sum_int64(vec)).view(total, 2).tolist()
         return _ratio(vals, 0, 1)
 
-    # ----------------------------------------------------------------- pieces of work
-    def _local_pieces(self, mask: torch.Tensor) -> list[tuple[int, ParamEntry, int, int]]:
-        """(block, entry, lo, hi): the global ranges this rank edits for the selected blocks."""
-        out = []
-        for b in mask.nonzero().flatten().tolist():
-            for ei, lo, hi in self.blocks[b].segments:
-                e = self.entries[ei]
-                r_lo, r_hi = intersect((lo, hi), e.region)
-                for p_lo in range(r_lo, r_hi, _PIECE):
-                    out.append((b, e, p_lo, min(p_lo + _PIECE, r_hi)))
-        return out
-
-    def _axpy(self, t: int, e: ParamEntry, buf: torch.Tensor, start: int, scale: float, alpha: float,
-              sums: torch.Tensor | None = None, block: int = 0, direction: int = 0) -> None:
-        """buf (global elements [start, start + len)) <- scale * buf + alpha * z, fused on buf's device.
-
-        With `sums`, the fixed-point sum of z^2 over the part this rank owns is added to sums[block], from
-        the same pass: each owned element is counted once over the job (exact, order-free).
-        """
-        end = start + buf.numel()
-        o_lo, o_hi = intersect((start, end), e.owned) if sums is not None else (start, start)
-        if o_hi <= o_lo:
-            self.noise.axpy_(buf, t, e.name, start, scale, alpha, direction=direction)
-            return
-        for lo, hi, count in ((start, o_lo, False), (o_lo, o_hi, True), (o_hi, end, False)):
-            if hi > lo:
-                total = self.noise.axpy_(buf[lo - start: hi - start], t, e.name, lo, scale, alpha, want_sq=count,
-                                         direction=direction)
-                if count:
-                    sums[block] += total
-
-    def _perturb(self, t: int, pieces, at: float, to: float, stats: bool = False, direction: int = 0):
-        """Move the selected weights from w + at z to w + to z (the fp32 master copy, when kept, is w).
-        With `stats`, also return the fixed-point sums of z^2 over the owned elements of each block."""
-        sums = torch.zeros(self.num_blocks, dtype=torch.int64, device=self.device) if stats else None
-        for b, e, lo, hi in pieces:
-            a = lo - e.region[0]
-            if e.master is not None:
-                m = e.master[a: a + hi - lo]
-                buf = m.clone()
-                if to or stats:
-                    self._axpy(t, e, buf, lo, 1.0, to, sums, b, direction)
-                e.write(a, buf)
-                continue
-            for i, (view, start) in enumerate(e.copies(a, hi - lo)):
-                self._axpy(t, e, view, start, 1.0, to - at, sums if i == 0 else None, b, direction)
-        return sums
-
-    def _snapshot(self, pieces) -> list[list[torch.Tensor] | None]:
-        """The values of every stored copy of the selected pieces (none where the fp32 master copy holds w)."""
-        return [None if e.master is not None else [view.clone() for view, _ in e.copies(lo - e.region[0], hi - lo)]
-                for _, e, lo, hi in pieces]
-
-    def _restore(self, pieces, saved) -> None:
-        for (_, e, lo, hi), values in zip(pieces, saved):
-            a = lo - e.region[0]
-            if values is None:
-                e.write(a, e.master[a: a + hi - lo])
-                continue
-            for (view, _), kept in zip(e.copies(a, hi - lo), values):
-                view.copy_(kept)
-
-    def _update_directions(self, t: int, pieces, steps: list[list[float]], keeps: list[float]) -> None:
-        """From w (restored): w <- keep_i w - sum_d (step_d,i) z_d, one direction after the other in the order
-        d = 0 .. q-1 on every rank and group layout, so that the result is the same bit for bit."""
-        wd = self.cfg.weight_decay
-        for b, e, lo, hi in pieces:
-            a = lo - e.region[0]
-            keep = keeps[b] if e.decay and wd else 1.0
-            if e.master is not None:
-                m = e.master[a: a + hi - lo]
-                for d, step in enumerate(steps):
-                    self._axpy(t, e, m, lo, keep if d == 0 else 1.0, -step[b], direction=d)
-                e.write(a, m)
-                continue
-            for view, start in e.copies(a, hi - lo):
-                for d, step in enumerate(steps):
-                    self._axpy(t, e, view, start, keep if d == 0 else 1.0, -step[b], direction=d)
-
-    def _update(self, t: int, pieces, steps: list[float], keeps: list[float]) -> None:
-        """w <- keep_i w - step_i z for the selected blocks (the sampler's Eq. 28 coefficients).
-
-        The weights are at w - eps z here, so the same pass also adds back eps z. Weight decay
-        (keep_i != 1) applies to matrices only, never to biases or norms (MeZO).
-        """
-        eps, wd = self.cfg.zo_eps, self.cfg.weight_decay
-        for b, e, lo, hi in pieces:
-            a = lo - e.region[0]
-            keep = keeps[b] if e.decay and wd else 1.0
-            if e.master is not None:
-                m = e.master[a: a + hi - lo]
-                self._axpy(t, e, m, lo, keep, -steps[b])
-                e.write(a, m)
-                continue
-            for view, start in e.copies(a, hi - lo):
-                self._axpy(t, e, view, start, keep, keep * eps - steps[b])
-
     # ----------------------------------------------------------------- forwards and reduction
     def _slot_count(self, batch) -> int:
         return len(batch.items) if isinstance(batch, MicroBatches) else self.comm.world_size
@@ -438,8 +336,9 @@ class ZOEngine:
     def _call_loss(self, micro_batch) -> torch.Tensor:
         out = self.loss_fn(self.model, micro_batch)
         loss_sum, count = out if isinstance(out, tuple | list) else (out, 1.0)
+        # A number becomes a device tensor by a fill (torch.full), never by a host-to-device copy that would wait.
         parts = [x.detach().to(self.device, torch.float64).reshape(()) if torch.is_tensor(x)
-                 else torch.tensor(float(x), dtype=torch.float64, device=self.device) for x in (loss_sum, count)]
+                 else torch.full((), float(x), dtype=torch.float64, device=self.device) for x in (loss_sum, count)]
         return torch.stack(parts)
 
     def _agree(self, flag: bool) -> bool:

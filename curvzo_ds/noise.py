@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
+import numpy as np
 import torch
 
 from .kernels import cpu as cpu_kernel
@@ -72,6 +73,23 @@ class NoiseSource:
             key = self._cache[(name, direction)] = (k & 0xFFFFFFFF, (k >> 32) & 0xFFFFFFFF)
         return key
 
+    def keys(self, step: int, names: list[str], direction: int = 0) -> np.ndarray:
+        """The keys of tensors `names` at `step` as int64 (k0 | k1 << 32): `key()` for many names, with the hash of
+        (seed, step) computed once (the same bytes as stable_seed)."""
+        prefix = hashlib.blake2b(digest_size=8)
+        for part in (self.seed, step):
+            data = str(part).encode()
+            prefix.update(struct.pack("<I", len(data)) + data)
+        d = str(direction).encode()
+        tail = struct.pack("<I", len(d)) + d
+        out = np.empty(len(names), dtype=np.uint64)
+        for i, name in enumerate(names):
+            data = name.encode()
+            h = prefix.copy()
+            h.update(struct.pack("<I", len(data)) + data + tail)
+            out[i] = int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+        return out.view(np.int64)
+
     def slice(self, step: int, name: str, numel: int, start: int, length: int, device="cpu",
               direction: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
         """z[start: start + length] of tensor `name` (numel elements) at `step`, float32 on `device` (into `out`,
@@ -105,11 +123,10 @@ class NoiseSource:
         if kind == "cpu" and mode >= 0 and cpu_kernel.available():
             total = cpu_kernel.run(k0, k1, start, out, mode, scale, alpha, want_sq)
             return total if want_sq else None
-        if kind == "cuda" and 0 <= mode <= 3 and _triton_available():
+        if kind == "cuda" and 0 <= mode <= 3 and triton_available():
             from .kernels import gpu
 
-            total = gpu.run(k0, k1, start, out, mode, scale, alpha)
-            return total if want_sq else None
+            return gpu.run(k0, k1, start, out, mode, scale, alpha, want_sq)
         z = reference.normals(k0, k1, start, out.numel(), out.device)
         if mode == 0:
             out.copy_(z)
@@ -132,16 +149,16 @@ class NoiseSource:
         return hashlib.sha256(z.numpy().tobytes()).hexdigest()[:16]
 
 
-_TRITON: bool | None = None
+TRITON_FOUND: bool | None = None
 
 
-def _triton_available() -> bool:
-    global _TRITON
-    if _TRITON is None:
+def triton_available() -> bool:
+    global TRITON_FOUND
+    if TRITON_FOUND is None:
         try:
             import triton  # noqa: F401
 
-            _TRITON = True
+            TRITON_FOUND = True
         except ImportError:
-            _TRITON = False
-    return _TRITON
+            TRITON_FOUND = False
+    return TRITON_FOUND

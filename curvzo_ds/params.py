@@ -50,6 +50,14 @@ class ParamEntry:
                 out.append((full, 0))
         return out
 
+    def storage_key(self) -> tuple:
+        """Where the copies of targets() live now (addresses, and whether a gathered replica is there): cheap, so
+        that the Perturber can check every step that its table is still valid."""
+        p = self.param
+        if not self.partitioned:
+            return (p.data_ptr(), p.numel())
+        return (p.ds_tensor.data_ptr(), self.region == (0, self.numel) and ds_compat.is_available(p) and p.data_ptr())
+
     def _pieces(self, a: int, n: int):
         """(target view, index range in the view, index range in a region piece [a, a+n))."""
         for view, off in self.targets():
@@ -73,12 +81,12 @@ class ParamEntry:
         if self.master is not None:
             return self.master
         lo, hi = self.region
-        out = torch.empty(hi - lo, dtype=torch.float32)
+        out = torch.empty(hi - lo, dtype=torch.float32, device=ds_compat.storage_device(self.param))
         targets = self.targets()
         if max(off + view.numel() for view, off in targets) < hi - lo or min(off for _, off in targets) > 0:
             raise RuntimeError(f"{self.name}: only the shard is here; gather the parameter to read its region")
         for view, off in targets:
-            out[off: off + view.numel()] = view.float().cpu()
+            out[off: off + view.numel()] = view.float()
         return out
 
 

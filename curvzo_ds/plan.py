@@ -22,7 +22,7 @@ from .ds_config import load_ds_config, resolve_ds_config
 from .tasks import demo_model_config
 
 GiB = 2**30
-NOISE_PIECE = 1 << 22  # the engine's noise piece (engine._PIECE): elements of noise materialised at once
+TABLE_ROW = 64  # bytes of one row of the Perturber's piece table (perturb.py: 8 int64)
 # A CPU run only (--device cpu), both measured here (docs/plan.md): the process memory a run adds above the
 # imported libraries besides its tensors (DeepSpeed's engine and hooks, tokenizer, data, compiled noise kernel),
 # and glibc's largest mmap threshold: freed blocks below it stay in the heap for reuse, so the process keeps
@@ -163,7 +163,8 @@ class Plan:
     #            stays in a reference cycle until Python's next full collection
     runtime: int  # CPU: RUNTIME_CPU; 0 on a GPU
     per_row: int  # activation bytes of one sequence of T tokens (`activation_bytes`)
-    noise: int  # 4 * min(2^22, largest fp32-copied region): the master path's one noise piece; 0 otherwise
+    table: int  # TABLE_ROW per stored copy of a tensor (its shard, and a persistent one's replica): the Perturber's
+    #            piece table, on the device and pinned on the host
     zo_state: int  # 16 float64 per block: scores, sizes, warm-up sums, and the step's pi, mask and all-reduce
     checkpoint: int  # rank 0 while loading: the checkpoint's bytes (from_pretrained maps every file on rank 0)
     load: int  # rank 0's peak while loading: checkpoint + shard + w * largest module (twice at K > 1: gathered
@@ -182,15 +183,16 @@ class Plan:
 
     @property
     def host(self) -> int:
-        """CPU memory beside the GPU after loading: the shard when offloaded, the fp32 copy and its noise piece
-        (the engine keeps the fp32 copy in CPU memory)."""
-        return (self.shard if self.offload == "cpu" else 0) + self.master + self.noise
+        """CPU memory beside the GPU after loading: the shard and its fp32 copy when offloaded (the fp32 copy lives
+        where the weights do), and the pinned piece table."""
+        return (self.shard + self.master if self.offload == "cpu" else 0) + self.table
 
     def _fixed(self) -> int:
         """What does not grow with B, in the memory the verdict is about."""
-        shard = self.shard if self.offload == "none" else 0
-        fixed = shard + self.persistent + self.gathered + self.allocator + self.tied + self.zo_state + self.runtime
-        return fixed + self.host if self.device == "cpu" else fixed
+        fixed = self.persistent + self.gathered + self.allocator + self.tied + self.zo_state + self.runtime
+        if self.device == "cpu":
+            return fixed + self.shard + self.master + self.table
+        return fixed + (self.shard + self.master if self.offload == "none" else 0) + self.table
 
     @property
     def steady(self) -> int:
@@ -221,16 +223,17 @@ class Plan:
             (f"weight shard (1/{self.group} of every tensor)" + (host if self.offload == "cpu" else ""), self.shard),
             (f"persistent parameters, whole ({self.persistent_elements / 1e6:.2f} M elements, each <= "
              f"{self.persistence:.0e})", self.persistent),
-            (f"fp32 copy ({self.master_rule}){host}", self.master),
+            (f"fp32 copy ({self.master_rule}, beside the weights)" + (host if self.offload == "cpu" else ""),
+             self.master),
             (f"gathered parameters (peak over a forward; prefetch bucket {self.bucket:.0e}, live limit "
              f"{self.live:.0e})", self.gathered),
             ("tied duplicate left by loading (until Python's next full collection)", self.tied),
             (f"forward activations ({self.batch} x {self.seq_len} tokens)", self.activations),
-            (f"noise buffer (one piece on the fp32-copy path){host}", self.noise),
+            (f"piece table ({TABLE_ROW} bytes per stored copy of a tensor)", self.table),
             ("ZO state (16 float64 per block)", self.zo_state),
         ]
         if self.device == "gpu":
-            rows += [("host memory beside the GPU (offloaded shard, fp32 copy, noise)", self.host),
+            rows += [("host memory beside the GPU (offloaded shard and fp32 copy, piece table)", self.host),
                      ("host memory on rank 0 while loading (the checkpoint)", self.checkpoint)]
         else:
             rows += [("allocator: freed gathered blocks under 32 MiB kept in the heap", self.allocator),
@@ -448,7 +451,7 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
         persistent_elements=sum(numels[i] for i in persistent), largest_module=largest_module, shard=shard,
         persistent=whole, master=4 * sum(masters), master_rule=rule, gathered=gathered, allocator=allocator,
         tied=tied, runtime=runtime, per_row=per_row,
-        noise=4 * min(NOISE_PIECE, max(masters)) if masters else 0, zo_state=16 * 8 * len(numels),
+        table=TABLE_ROW * (len(numels) + len(persistent)), zo_state=16 * 8 * len(numels),
         checkpoint=checkpoint, load=load, adamw_states=adamw_states,
         adamw_per_row=training_activation_bytes(conf, seq_len, width, label_positions))
 
@@ -462,7 +465,7 @@ def plan(**kwargs) -> Plan:
 
 def summary_table(models: list[str], world_sizes: list[int], **kwargs) -> str:
     """A Markdown table of plans: per model and world size, the per-rank figures in GiB and the verdict."""
-    rows = ["| model | W | shard | gathered | tied dup. | activations | fp32 copy (host) | CurvZO total | "
+    rows = ["| model | W | shard | gathered | tied dup. | activations | fp32 copy | CurvZO total | "
             "AdamW (DeepSpeed + act.) | verdict | largest batch |", "|" + "---|" * 11]
     for name in models:
         for w in world_sizes:

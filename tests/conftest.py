@@ -9,12 +9,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 RUN_FIXTURES = {"straight", "lora_run", "real_run", "reference", "slurm"}
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """Multi-rank tests and tests on a CLI training run are in the slow tier: `python -m pytest -m "not slow"` is
-    the unit tier (under 2 minutes)."""
+    the unit tier. Tests marked `gpu` are deselected where CUDA is absent, and the run says how many: they are
+    never skipped silently (`python -m pytest -m gpu` runs them on a GPU machine)."""
+    import torch
+
     for item in items:
         if item.get_closest_marker("multirank") or RUN_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    if not torch.cuda.is_available():
+        gpu = [item for item in items if item.get_closest_marker("gpu")]
+        if gpu:
+            config.hook.pytest_deselected(items=gpu)
+            items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+            config._curvzo_gpu_deselected = len(gpu)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    count = getattr(config, "_curvzo_gpu_deselected", 0)
+    if count:
+        terminalreporter.write_line(f"{count} tests marked gpu deselected: no CUDA device here "
+                                    "(run `python -m pytest -m gpu` on a GPU machine; tools/gpu_run.sh does)")
 
 
 @pytest.fixture(scope="session")

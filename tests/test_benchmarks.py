@@ -10,14 +10,32 @@ from tests.helpers import ENV, ROOT, run_checked
 
 @pytest.mark.slow
 def test_gpu_benchmark_script_runs_its_cpu_path(tmp_path):
-    out = tmp_path / "gpu.json"
+    """benchmarks/gpu.py on a tiny config: one JSON line per result as it is measured (the environment, each model
+    and method, each placement with --offload), every figure a GPU run reports, and a failure recorded as a line
+    with its first error, not lost."""
+    out = tmp_path / "gpu.jsonl"
     run_checked([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--batch", "2", "--seq-len", "16",
-                 "--steps", "1", "--out", str(out)], {k: v for k, v in ENV.items() if k != "MASTER_PORT"}, timeout=300)
-    report = json.loads(out.read_text())
-    assert [r["offload_param"] for r in report["runs"]] == ["none", "cpu"]
-    for row in report["runs"]:
-        for method in ("mezo", "curvzo_fixed_0.3"):
-            assert row[method]["step_seconds"] > 0 and row[method]["noise_and_update_seconds"] > 0
+                 "--steps", "1", "--offload", "--out", str(out)], {k: v for k, v in ENV.items() if k != "MASTER_PORT"},
+                timeout=300)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["kind"] == "environment" and lines[0]["versions"]["torch"]
+    models = [r for r in lines if r["kind"] == "model"]
+    assert [r["offload_param"] for r in models] == ["none", "cpu"]
+    methods = [r for r in lines if r["kind"] == "model_method"]
+    assert [(r["offload_param"], r["method"]) for r in methods] == [
+        (place, m) for place in ("none", "cpu") for m in ("mezo", "curvzo_fixed_0.3")]
+    for r in methods:
+        assert r["forwards_seconds"] > 0 and r["noise_and_update_seconds"] > 0
+        assert r["noise_and_update_over_two_forwards"] == r["noise_and_update_seconds"] / r["forwards_seconds"]
+        # One C call per pass (+eps, -2 eps, update), and a second in the update: DeepSpeed's CPU engine holds the
+        # tiny Llama in bf16, so its 1-D tensors have fp32 master copies, updated, then written to the stored copies.
+        assert r["launches_per_pass"] == [1, 1, 2]
+    bad = tmp_path / "bad.jsonl"
+    run_checked([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--models", "no-such-model", "--out", str(bad)],
+                {k: v for k, v in ENV.items() if k != "MASTER_PORT"}, timeout=300)
+    failed = [json.loads(line) for line in bad.read_text().splitlines()][-1]
+    assert failed["kind"] == "model" and failed["model"] == "no-such-model"
+    assert failed["error"] == "KeyError: 'no-such-model'" and "gpu.py" in failed["where"]
 
 
 @pytest.mark.multirank

@@ -290,17 +290,22 @@ def test_budget_min_above_max_and_no_trainable_parameters():
 
 def test_noise_generated_three_times_per_selected_tensor(monkeypatch):
     """+eps z, -2 eps z, then restore-and-update in one pass: 3 generations of each element, fused into the edit."""
+    from curvzo_ds import perturb
+
     net = TinyNet()
     x, y = toy_task(16)
     engine = ZOEngine(net, ce_loss, ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-3))
     generated: dict[str, int] = {}
-    real = engine.noise.axpy_
+    real = perturb.cpu_kernel.run_rows
 
-    def counting(out, step, name, *args, **kwargs):
-        generated[name] = generated.get(name, 0) + out.numel()
-        return real(out, step, name, *args, **kwargs)
+    def counting(rows, coef, num_blocks, want_sq, threads=1):
+        for row in rows:
+            if not row[perturb.KIND] & perturb.COPY:
+                name = engine.entries[row[perturb.ENTRY]].name
+                generated[name] = generated.get(name, 0) + int(row[perturb.N])
+        return real(rows, coef, num_blocks, want_sq, threads)
 
-    monkeypatch.setattr(engine.noise, "axpy_", counting)
+    monkeypatch.setattr(perturb.cpu_kernel, "run_rows", counting)
     engine.step((x, y))
     assert generated == {e.name: 3 * e.numel for e in engine.entries}
 

@@ -184,9 +184,13 @@ import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"
 from curvzo_ds.kernels import gpu, reference
 bad = []
+# key words 0, 1 and 2^32 - 1 (a compiled kernel specialises an int argument equal to 1), starts at 2^31, 2^32 and
+# 2^33 + a tail (index arithmetic past int32), the 2^32-group counter carry, 2^40, every mode
 CASES = [((1, 2), 0, 1000, torch.float32, 0), ((0xFFFFFFFF, 0xFFFFFFFF), 4 * (1 << 32) - 6, 5003, torch.float32, 0),
          ((5, 6), 3, 1, torch.float32, 0), ((5, 6), (1 << 40) + 1, 9001, torch.float32, 1),
-         ((7, 8), 2, 4099, torch.bfloat16, 2), ((7, 8), 2, 4099, torch.float16, 3)]
+         ((7, 8), 2, 4099, torch.bfloat16, 2), ((7, 8), 2, 4099, torch.float16, 3),
+         ((0, 0), 1 << 31, 5003, torch.float32, 1), ((1, 1), 1 << 32, 20001, torch.float32, 0),
+         ((0, 1), (1 << 33) + 5, 70001, torch.bfloat16, 2), ((1, 0xFFFFFFFF), (1 << 33) - 8, 5003, torch.float16, 3)]
 for key, start, n, dtype, mode in CASES:
     base = torch.linspace(-1, 1, n).to(dtype)
     out = base.clone()
@@ -203,7 +207,9 @@ print("bad", bad)
 
 def test_triton_kernel_logic_matches_the_reference_under_the_interpreter():
     """The GPU kernel's integer and float logic, run by Triton's interpreter on CPU tensors (numpy, IEEE
-    float32): the same bits as the reference, in every mode. A real GPU run is checked by benchmarks/gpu.py."""
+    float32): the same bits as the reference, in every mode, at the edge keys and starts. On a GPU the same check
+    is `pytest -m gpu` (tests/test_gpu.py), with the compiled kernel's exponent path (the interpreter has no
+    libdevice)."""
     env = {**ENV, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", TRITON_CHECK], capture_output=True, text=True, env=env,
                           cwd=str(ROOT), timeout=600)

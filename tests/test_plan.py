@@ -109,55 +109,6 @@ def test_gather_peak_replays_deepspeeds_prefetcher():
     assert gather_peak([[], [0, 1], [2]], [100, 50, 301], {1}, 2, zero, 2)[0] == 2 * 302
 
 
-def test_engine_offsets_beyond_2_to_the_31_on_the_meta_device(monkeypatch):
-    """A 4.3e9-element tensor partitioned over K = 3 ranks, on the meta device (nothing allocated): each rank's
-    owned range (ds_compat.owned_range), the engine's pieces of it (ZOEngine._local_pieces, whole tensors and
-    2^31-element chunks) and the noise drawn at those global offsets, all in Python integers."""
-    from types import SimpleNamespace
-
-    import torch
-    import torch.distributed as dist
-
-    from curvzo_ds.engine import _PIECE, ZOEngine
-    from curvzo_ds.kernels import reference
-    from curvzo_ds.noise import NoiseSource
-    from curvzo_ds.params import collect_entries, make_blocks
-
-    rows, K = 2**20 + 3, 3
-    numel = rows * 4096
-    part = -(-numel // K)
-    module = torch.nn.Module()
-    module.weight = torch.nn.Parameter(torch.empty(0, device="meta"))
-    p = module.weight
-    p.ds_numel, p.ds_shape, p.ds_process_group = numel, (rows, 4096), None
-    p.ds_tensor = torch.empty(part, device="meta")  # ZeRO-3's shard: ceil(numel / K) elements, last one padded
-    owned = []
-    for rank in range(K):
-        monkeypatch.setattr(dist, "get_rank", lambda group=None, r=rank: r)
-        [e] = collect_entries(module, replicated_rank=rank, fp32_master=False)
-        assert e.numel == numel and e.region == e.owned
-        owned.append(e.owned)
-        for granularity in ("tensor", "chunk"):
-            blocks = make_blocks([e], granularity, 2**31)
-            engine = SimpleNamespace(blocks=blocks, entries=[e])
-            pieces = ZOEngine._local_pieces(engine, torch.ones(len(blocks), dtype=torch.bool))
-            starts = [lo for _, _, lo, _ in pieces]
-            assert starts[0] == e.owned[0] and pieces[-1][3] == e.owned[1]
-            assert all(a[3] == b[2] for a, b in zip(pieces, pieces[1:]))  # contiguous, no gap, no overlap
-            assert all(hi - lo <= _PIECE for _, _, lo, hi in pieces)
-            if granularity == "chunk":  # no piece crosses a chunk edge; blocks are numbered from the tensor's start
-                assert all(lo // 2**31 == (hi - 1) // 2**31 == blocks[b].segments[0][1] // 2**31
-                           for b, _, lo, hi in pieces)
-    assert owned == [(r * part, min((r + 1) * part, numel)) for r in range(K)] and owned[-1][1] == numel
-    assert owned[-1][0] > 2**31 and numel > 2**32
-    # The noise the engine draws at the end of the last rank's last piece (its in-place update, 0 * w + 1 * z):
-    # the definition's at that global offset.
-    src, start = NoiseSource(3), pieces[-1][3] - 1000
-    z = torch.zeros(1000)
-    src.axpy_(z, 0, "weight", start, 0.0, 1.0)
-    assert torch.equal(z, reference.normals(*src.key(0, "weight"), start, 1000))
-
-
 def test_fp32_copy_follows_the_rule():
     assert plan_memory("llama2-7b", 8, fp32_master="false").master == 0
     auto = plan_memory("llama2-7b", 8)  # 1-D tensors: the norms, each persistent (4096 elements): whole
@@ -167,10 +118,11 @@ def test_fp32_copy_follows_the_rule():
     assert plan_memory("llama2-7b", 8, dtype="fp32", fp32_master="true").master == 0
 
 
-def test_noise_piece_is_the_engines():
-    from curvzo_ds import engine, plan
+def test_table_row_is_the_perturbers():
+    from curvzo_ds import perturb, plan
 
-    assert plan.NOISE_PIECE == engine._PIECE
+    assert plan.TABLE_ROW == 8 * len(("DST", "SRC", "N", "START", "KEY", "STAT", "KIND", "ENTRY")) == \
+        8 * (perturb.ENTRY + 1)
 
 
 def test_parse_memory():

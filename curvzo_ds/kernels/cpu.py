@@ -21,7 +21,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 log = logging.getLogger("curvzo_ds")
@@ -76,6 +78,8 @@ def load(flags: list[str] | None = None) -> ctypes.CDLL:
     lib.noise_run64.restype = ctypes.c_int64
     lib.noise_run64.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p,
                                 ctypes.c_double, ctypes.c_double, ctypes.c_int]
+    lib.noise_rows.restype = None
+    lib.noise_rows.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -103,3 +107,64 @@ def run(k0: int, k1: int, start: int, out: torch.Tensor, mode: int, scale: float
     if mode == 4:
         return _lib.noise_run64(k0, k1, start, out.numel(), out.data_ptr(), scale, alpha, int(want_sq))
     return _lib.noise_run(k0, k1, start, out.numel(), out.data_ptr(), mode, scale, alpha, int(want_sq))
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def run_rows(rows: np.ndarray, coef: np.ndarray, num_blocks: int, want_sq: bool, threads: int = 1) -> np.ndarray:
+    """One pass over a row table (perturb.py's layout: int64 [R, 8], coef float64 [R, 2]); returns the int64 sums of
+    round(z^2 2^24) per block [num_blocks] (zeros without want_sq).
+
+    With threads > 1 the rows are cut into `threads` parts of about equal element counts, each run by one thread:
+    the ctypes call releases the GIL, so offloaded parameters get every core. The values do not depend on the
+    cut (each element is a function of its global index; the integer sums are order-free)."""
+    global _pool
+    sums = np.zeros(num_blocks, dtype=np.int64)
+    if len(rows) == 0:
+        return sums
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    coef = np.ascontiguousarray(coef, dtype=np.float64)
+    if threads <= 1 or len(rows) == 1 and rows[0, 2] < (1 << 16):
+        _lib.noise_rows(len(rows), rows.ctypes.data, coef.ctypes.data, sums.ctypes.data, int(want_sq))
+        return sums
+    parts = split_rows(rows, coef, threads)
+    if _pool is None or _pool._max_workers < threads:
+        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="curvzo-noise")
+    part_sums = [np.zeros(num_blocks, dtype=np.int64) for _ in parts]
+    futures = [_pool.submit(_lib.noise_rows, len(r), r.ctypes.data, c.ctypes.data, ps.ctypes.data, int(want_sq))
+               for (r, c), ps in zip(parts, part_sums)]
+    for f in futures:
+        f.result()
+    for ps in part_sums:
+        sums += ps
+    return sums
+
+
+def split_rows(rows: np.ndarray, coef: np.ndarray, parts: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The table cut into `parts` tables of about equal element counts (a row may be cut in two)."""
+    element = {1: 4, 2: 2, 3: 2, 4: 8, 0: 4}
+    total = int(rows[:, 2].sum())
+    target = -(-total // parts)
+    out, cur_r, cur_c, filled = [], [], [], 0
+    for row, c in zip(rows, coef):
+        n, at = int(row[2]), 0
+        while n - at > 0:
+            take = min(n - at, target - filled)
+            piece = row.copy()
+            size = element[int(row[6]) & 15]
+            src_size = element[(int(row[6]) >> 4) & 15] if row[1] else 0
+            piece[0] += at * size
+            if row[1]:
+                piece[1] += at * src_size
+            piece[2], piece[3] = take, row[3] + at
+            cur_r.append(piece)
+            cur_c.append(c)
+            filled += take
+            at += take
+            if filled >= target:
+                out.append((np.array(cur_r, dtype=np.int64), np.array(cur_c, dtype=np.float64)))
+                cur_r, cur_c, filled = [], [], 0
+    if cur_r:
+        out.append((np.array(cur_r, dtype=np.int64), np.array(cur_c, dtype=np.float64)))
+    return out

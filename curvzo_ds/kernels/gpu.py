@@ -1,23 +1,31 @@
-"""The GPU noise kernel (Triton): the same definition as reference.py and philox.c, one launch per tensor piece.
+"""The GPU noise kernel (Triton): the same definition as reference.py and philox.c, one launch per pass.
 
-Each program handles BLOCK Philox groups (4 * BLOCK elements): it generates z in registers and either
-stores it, or updates the target in place (out <- out * scale + alpha * z, in float32, stored in the
-target's dtype with round-to-nearest-even), and writes its partial sum of round(z^2 2^24) to `partial`
-(int64), which the caller sums on the device: exact, order-free, and no host synchronisation.
+A pass is a table of rows (perturb.py builds it once per step): row r reads n elements from a source, writes them
+to a target, both given as element offsets from one base pointer per dtype (any tensor of that dtype: the
+addresses of every row are then plain offsets from it), with
+    target[i] = source[i] * scale_r + alpha_r * z[start_r + i]     (a copy row: target[i] = source[i])
+where z is the stream of key_r. One launch covers every row of one (target dtype, source dtype) pair: program p
+finds its row by a binary search in the prefix sum of programs per row, then handles SUB x BLOCK Philox groups
+(4 elements each) of it. The fixed-point sums of z^2 (round(z^2 2^24), int64) of the rows that count statistics
+are added per block with integer atomics: exact, order-free, on the device, no host synchronisation.
 
-Bit-identity with the CPU depends on three launch details: `enable_fp_fusion=False` (otherwise a*b+c
-becomes a fused multiply-add), `div_rn` and `sqrt_rn` (Triton's `/` and `sqrt` are approximate on
-NVIDIA GPUs), and int -> float conversions of values below 2^24 only (exact). The element -> counter map
-is the element's global index, never the launch grid, so values do not depend on the GPU model
-(unlike CUDA's torch.randn). Checked here only under TRITON_INTERPRET=1 on CPU tensors
-(tests/test_noise.py); the first GPU run checks it against the CPU kernel (benchmarks/gpu.py).
+Bit-identity with the CPU depends on these launch details: `enable_fp_fusion=False` (otherwise a*b+c becomes a
+fused multiply-add), `div_rn` and `sqrt_rn` (Triton's `/` and `sqrt` are approximate on NVIDIA GPUs), int ->
+float conversions of values below 2^24 only (exact), and integer arithmetic for the counter: the element ->
+counter map is the element's global index (int64), never the launch grid, so values do not depend on the GPU
+model (unlike CUDA's torch.randn). Scalar arguments that can equal 1 are never specialised (`do_not_specialize`):
+Triton would turn them into constants. Checked under TRITON_INTERPRET=1 on CPU tensors (tests/test_noise.py) and
+against the CPU kernel on a GPU (`pytest -m gpu`, benchmarks/gpu.py).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from . import reference as R
 
@@ -25,18 +33,31 @@ SIN1, SIN3, SIN5, SIN7 = (tl.constexpr(v) for v in (R.SIN1, R.SIN3, R.SIN5, R.SI
 COS2, COS4, COS6, COS8 = (tl.constexpr(v) for v in (R.COS2, R.COS4, R.COS6, R.COS8))
 LOG3, LOG5, LOG7 = (tl.constexpr(v) for v in (R.LOG3, R.LOG5, R.LOG7))
 LN2_HI, LN2_LO = tl.constexpr(R.LN2_HI), tl.constexpr(R.LN2_LO)
-BLOCK = 1024  # Philox groups per program
+FIXED_POINT_SCALE = tl.constexpr(16777216.0)  # 2^24: noise.FIXED_POINT_BITS (tests/test_noise.py checks they agree)
+BLOCK = 1024  # Philox groups per sub-block: 4096 elements
+SUB = 4  # sub-blocks per program: 16384 elements
+ROW_COLUMNS = 8  # perturb.py's row layout
+# Element codes (the CPU kernel's modes): 0 write z itself (float32), 1 float32, 2 bfloat16, 3 float16.
+CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter has no libdevice: the portable exponent
 
 
 @triton.jit
-def _box_muller(a, b):
-    """uint32 words (a, b) -> (R cos theta, R sin theta), float32: reference.box_muller, op for op."""
+def _box_muller(a, b, RZ: tl.constexpr):
+    """uint32 words (a, b) -> (R cos theta, R sin theta), float32: reference.box_muller, op for op.
+
+    e = floor(log2 y) and the 23 bits below y's leading one (truncated): with RZ, both read off y converted to
+    float rounded toward zero (one instruction on a GPU; truncation never reaches the next power of two); without
+    (Triton's interpreter has no libdevice), from an exact int -> float conversion of y below 2^24 and shifts."""
     y = a | 1
-    sh = tl.where(y >= 0x1000000, 8, 0).to(tl.uint32)
-    e = ((y >> sh).to(tl.int32).to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127 + sh.to(tl.int32)
-    sr = tl.maximum(e - 23, 0).to(tl.uint32)
-    sl = tl.maximum(23 - e, 0).to(tl.uint32)
-    mant = ((y >> sr) << sl) & 0x7FFFFF
+    if RZ:
+        bits = libdevice.uint2float_rz(y).to(tl.uint32, bitcast=True)
+        e = (bits >> 23).to(tl.int32) - 127
+        mant = bits & 0x7FFFFF
+    else:
+        sh = tl.where(y >= 0x1000000, 8, 0).to(tl.uint32)
+        e = ((y >> sh).to(tl.int32).to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127 + sh.to(tl.int32)
+        mant = ((y << (31 - e).to(tl.uint32)) >> 8) & 0x7FFFFF  # the leading one to bit 31, then down to bit 23
     big = (mant > 0x3504F3).to(tl.int32)
     f = (mant.to(tl.int32) | ((127 - big) << 23)).to(tl.float32, bitcast=True)
     E = (e - 32 + big).to(tl.float32)
@@ -61,68 +82,144 @@ def _box_muller(a, b):
 
 
 @triton.jit
-def _apply(out_ptr, idx, n, z, scale, alpha, MODE: tl.constexpr):
-    inside = (idx >= 0) & (idx < n)
-    if MODE == 0:
-        tl.store(out_ptr + idx, z, mask=inside)
-    elif MODE == 2:
-        # bfloat16, handled as its int16 bits: widen exactly, round to nearest even in integers (as philox.c
-        # does; NaN -> 0x7fc0), so the result does not depend on how a backend converts fp32 -> bf16.
-        bits = tl.load(out_ptr + idx, mask=inside, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-        x = (bits << 16).to(tl.float32, bitcast=True)
-        u = (x * scale + alpha * z).to(tl.uint32, bitcast=True)
+def _apply(dst, src, e, n, z, scale, alpha, DST: tl.constexpr, SRC: tl.constexpr, INPLACE: tl.constexpr,
+           COPY: tl.constexpr, STATS: tl.constexpr):
+    """Element e (local to the row) of one row: load, update, store; returns the fixed-point z^2 sum (or 0)."""
+    inside = e.to(tl.uint32) < n.to(tl.uint32)  # 0 <= e < n in one unsigned compare
+    if DST == 0:
+        y = z
+    else:
+        where = dst + e if INPLACE else src + e
+        if SRC == 2:  # bfloat16 as its int16 bits: widen exactly
+            bits = tl.load(where, mask=inside, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+            x = (bits << 16).to(tl.float32, bitcast=True)
+        else:
+            x = tl.load(where, mask=inside, other=0.0).to(tl.float32)
+        if COPY:
+            y = x
+        else:
+            y = x * scale + alpha * z
+    if DST == 2:
+        # bfloat16 rounded to nearest even in integers (as philox.c does; NaN -> 0x7fc0), so the result does not
+        # depend on how a backend converts fp32 -> bf16
+        u = y.to(tl.uint32, bitcast=True)
         r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
         r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
-        tl.store(out_ptr + idx, r.to(tl.uint16).to(tl.int16, bitcast=True), mask=inside)
+        tl.store(dst + e, r.to(tl.uint16).to(tl.int16, bitcast=True), mask=inside)
     else:
-        x = tl.load(out_ptr + idx, mask=inside, other=0.0).to(tl.float32)
-        y = x * scale + alpha * z
-        tl.store(out_ptr + idx, y.to(out_ptr.dtype.element_ty), mask=inside)
-    zz = z.to(tl.float64)
-    sq = (zz * zz * 16777216.0 + 6755399441055744.0) - 6755399441055744.0  # round half even: + 1.5 2^52
-    return tl.sum(tl.where(inside, sq, 0.0).to(tl.int64), axis=0)
+        tl.store(dst + e, y.to(dst.dtype.element_ty), mask=inside)
+    if STATS:
+        zz = z.to(tl.float64)
+        sq = (zz * zz * FIXED_POINT_SCALE + 6755399441055744.0) - 6755399441055744.0  # round half even: + 1.5 2^52
+        total = tl.sum(tl.where(inside, sq, 0.0).to(tl.int64), axis=0)
+    else:
+        total = tl.zeros([], dtype=tl.int64)
+    return total
 
 
-@triton.jit
-def _noise_kernel(out_ptr, partial_ptr, k0, k1, g0, start, n, scale, alpha, MODE: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    c = g0 + pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # Philox group of each lane
-    x0 = (c & 0xFFFFFFFF).to(tl.uint32)
-    x1 = (c >> 32).to(tl.uint32)
-    x2 = tl.zeros([BLOCK], dtype=tl.uint32)
-    x3 = tl.zeros([BLOCK], dtype=tl.uint32)
-    ka = tl.zeros([BLOCK], dtype=tl.uint32) + k0.to(tl.uint32)
-    kb = tl.zeros([BLOCK], dtype=tl.uint32) + k1.to(tl.uint32)
-    m0 = tl.full([BLOCK], 0xD2511F53, tl.uint32)
-    m1 = tl.full([BLOCK], 0xCD9E8D57, tl.uint32)
-    for _ in tl.static_range(10):
-        hi0 = tl.umulhi(m0, x0)
-        lo0 = m0 * x0
-        hi1 = tl.umulhi(m1, x2)
-        lo1 = m1 * x2
-        x0, x1, x2, x3 = hi1 ^ x1 ^ ka, lo1, hi0 ^ x3 ^ kb, lo0
-        ka = ka + 0x9E3779B9
-        kb = kb + 0xBB67AE85
-    za, zb = _box_muller(x0, x1)
-    zc, zd = _box_muller(x2, x3)
-    idx = c * 4 - start  # index in out of z[4c]
-    total = _apply(out_ptr, idx, n, za, scale, alpha, MODE)
-    total += _apply(out_ptr, idx + 1, n, zb, scale, alpha, MODE)
-    total += _apply(out_ptr, idx + 2, n, zc, scale, alpha, MODE)
-    total += _apply(out_ptr, idx + 3, n, zd, scale, alpha, MODE)
-    tl.store(partial_ptr + pid, total)
+@triton.jit(do_not_specialize=["n_rows"])
+def _rows_kernel(dst_base, src_base, rows, prefix, coef, sums, n_rows, DST: tl.constexpr, SRC: tl.constexpr,
+                 INPLACE: tl.constexpr, COPY: tl.constexpr, STATS: tl.constexpr, RZ: tl.constexpr,
+                 BLOCK: tl.constexpr, SUB: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    # the row of this program: the last r with prefix[r] <= pid (prefix[0] = 0, prefix[n_rows] = all programs)
+    lo = tl.zeros([], dtype=tl.int64)
+    hi = n_rows.to(tl.int64)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        below = tl.load(prefix + mid) <= pid
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    row = rows + lo * 8
+    dst = dst_base + tl.load(row)
+    src = src_base + tl.load(row + 1)
+    n = tl.load(row + 2).to(tl.int32)  # rows are cut at 2^30 elements (perturb.py)
+    start = tl.load(row + 3)
+    key = tl.load(row + 4)
+    stat = tl.load(row + 5)
+    scale = tl.load(coef + lo * 2)
+    alpha = tl.load(coef + lo * 2 + 1)
+    first = pid - tl.load(prefix + lo)  # this program's index within the row
+    g0 = start >> 2  # the row's first Philox group
+    s0 = (start & 3).to(tl.int32)  # elements of that group before the row's start
+    g0_lo = (g0 & 0xFFFFFFFF).to(tl.uint32)
+    g0_hi = (g0 >> 32).to(tl.uint32)
+    k0 = (key & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    total = tl.zeros([], dtype=tl.int64)
+    for sub in tl.static_range(SUB):
+        base = ((first * SUB + sub) * BLOCK).to(tl.int32)  # the sub-block's first group, local to the row
+        if base * 4 - s0 < n:
+            gl = base + tl.arange(0, BLOCK)  # local group of each lane
+            e = gl * 4 - s0  # local index of the group's first element
+            if COPY:
+                total += _apply(dst, src, e, n, 0.0, scale, alpha, DST, SRC, INPLACE, True, False)
+                total += _apply(dst, src, e + 1, n, 0.0, scale, alpha, DST, SRC, INPLACE, True, False)
+                total += _apply(dst, src, e + 2, n, 0.0, scale, alpha, DST, SRC, INPLACE, True, False)
+                total += _apply(dst, src, e + 3, n, 0.0, scale, alpha, DST, SRC, INPLACE, True, False)
+            else:
+                # Philox4x32-10 of counter (g0 + gl) as two uint32 words (the carry into the high word by hand)
+                x0 = g0_lo + gl.to(tl.uint32)
+                x1 = g0_hi + (x0 < g0_lo).to(tl.uint32)
+                x2 = tl.zeros([BLOCK], dtype=tl.uint32)
+                x3 = tl.zeros([BLOCK], dtype=tl.uint32)
+                ka = k0
+                kb = k1
+                for _ in tl.static_range(10):
+                    hi0 = tl.umulhi(x0, 0xD2511F53)
+                    lo0 = x0 * 0xD2511F53
+                    hi1 = tl.umulhi(x2, 0xCD9E8D57)
+                    lo1 = x2 * 0xCD9E8D57
+                    x0, x1, x2, x3 = hi1 ^ x1 ^ ka, lo1, hi0 ^ x3 ^ kb, lo0
+                    ka = ka + 0x9E3779B9
+                    kb = kb + 0xBB67AE85
+                za, zb = _box_muller(x0, x1, RZ)
+                zc, zd = _box_muller(x2, x3, RZ)
+                total += _apply(dst, src, e, n, za, scale, alpha, DST, SRC, INPLACE, False, STATS)
+                total += _apply(dst, src, e + 1, n, zb, scale, alpha, DST, SRC, INPLACE, False, STATS)
+                total += _apply(dst, src, e + 2, n, zc, scale, alpha, DST, SRC, INPLACE, False, STATS)
+                total += _apply(dst, src, e + 3, n, zd, scale, alpha, DST, SRC, INPLACE, False, STATS)
+    if STATS:
+        tl.atomic_add(sums + tl.maximum(stat, 0), total, mask=stat >= 0)
 
 
-def run(k0: int, k1: int, start: int, out: torch.Tensor, mode: int, scale: float, alpha: float) -> torch.Tensor:
-    """out <- z[start: start + len(out)] (mode 0, float32) or out * scale + alpha * z; returns the int64
-    fixed-point sum of z^2 over the range as a 0-d tensor on out's device (not synchronised)."""
+def programs_per_row(n: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Programs each row needs (int64 CPU tensors of the rows' lengths and starts)."""
+    groups = (start + n + 3) // 4 - start // 4
+    return (groups + SUB * BLOCK - 1) // (SUB * BLOCK)
+
+
+def launch(dst_base: torch.Tensor, src_base: torch.Tensor | None, rows: torch.Tensor, prefix: torch.Tensor,
+           programs: int, coef: torch.Tensor, sums: torch.Tensor | None, copy: bool = False,
+           write_z: bool = False) -> None:
+    """One launch over every row of a (target dtype, source dtype) pair; all tensors on the same CUDA device.
+
+    rows: int64 [R, 8] with element offsets from dst_base (column 0) and src_base (column 1; src_base None: each row
+    updates its target in place), perturb.py's layout; prefix: int64 [R + 1], the running total of
+    programs_per_row; coef: float32 [R, 2] (scale, alpha); sums: int64 [G] to add the rows' statistics to (None:
+    no statistics work at all); copy: target = source, no noise; write_z: target (float32) = z."""
+    src = dst_base if src_base is None else src_base
+    as_bits = lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # noqa: E731
+    _rows_kernel[(programs,)](as_bits(dst_base), as_bits(src), rows, prefix, coef,
+                              sums if sums is not None else rows, rows.shape[0],
+                              DST=0 if write_z else CODES[dst_base.dtype], SRC=CODES[src.dtype],
+                              INPLACE=src_base is None, COPY=copy, STATS=sums is not None, RZ=not INTERPRETED,
+                              BLOCK=BLOCK, SUB=SUB, enable_fp_fusion=False)
+
+
+def run(k0: int, k1: int, start: int, out: torch.Tensor, mode: int, scale: float, alpha: float,
+        want_sq: bool = True) -> torch.Tensor | None:
+    """One range: out <- z[start: start + len(out)] (mode 0, float32) or out * scale + alpha * z, in place; returns
+    the int64 fixed-point sum of z^2 as a 0-d tensor on out's device (not synchronised), or None without want_sq."""
     n = out.numel()
-    g0, g1 = start // 4, (start + n + 3) // 4
-    programs = max(1, triton.cdiv(g1 - g0, BLOCK))
-    partial = torch.zeros(programs, dtype=torch.int64, device=out.device)
-    target = out.view(torch.int16) if out.dtype == torch.bfloat16 else out  # mode 2 works on the bits
-    if n:
-        _noise_kernel[(programs,)](target, partial, k0, k1, g0, start, n, scale, alpha, MODE=mode, BLOCK=BLOCK,
-                                   enable_fp_fusion=False)
-    return partial.sum()
+    device = out.device
+    sums = torch.zeros(1, dtype=torch.int64, device=device) if want_sq else None
+    if n == 0:
+        return sums[0] if want_sq else None
+    key = (k1 << 32 | k0) - (1 << 64 if k1 >= 1 << 31 else 0)  # the two words as one int64
+    rows = torch.tensor([[0, 0, n, start, key, 0, 0, 0]], dtype=torch.int64)
+    per = programs_per_row(rows[:, 2], rows[:, 3])
+    prefix = torch.cat([torch.zeros(1, dtype=torch.int64), per.cumsum(0)])
+    coef = torch.tensor([[scale, alpha]], dtype=torch.float32)
+    launch(out, None, rows.to(device), prefix.to(device), int(prefix[-1]), coef.to(device), sums, write_z=mode == 0)
+    return sums[0] if want_sq else None

@@ -161,15 +161,55 @@ static inline int64_t fixsq(float zf) {
     return i - 0x4338000000000000LL;
 }
 
-/* mode 0: out (float32) = z
- * mode 1: out (float32) = out * scale + alpha * z   (three separately rounded ops)
- * mode 2: out (bfloat16) = bf16(float(out) * scale + alpha * z), round to nearest even
- * mode 3: out (float16)  = fp16(float(out) * scale + alpha * z), round to nearest even (F16C / _Float16)
- * mode 4: out (float64)  = out * scale + alpha * (double)z, in double (noise_run64 passes double scalars)
- * Elements [start, start + n) of the stream.  Returns sum round(z^2 * 2^24) over the
- * range if want_sq, else 0. */
-static int64_t run(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, void *out,
-                   int mode, float scale, float alpha, double scale64, double alpha64, int want_sq) {
+/* Element modes (kernels/cpu.py MODES): 1 float32, 2 bfloat16, 3 float16, 4 float64; 0 as a target mode: write z
+ * itself (float32). Loads widen exactly to float (double for mode 4); stores round to nearest even. */
+static inline float ld(int mode, const void *p, int64_t i) {
+    if (mode == 1) return ((const float *)p)[i];
+    if (mode == 2) return as_float((uint32_t)((const uint16_t *)p)[i] << 16);
+    return (float)((const _Float16 *)p)[i];
+}
+
+static inline uint16_t bf16_bits(float x) {
+    uint32_t u = as_u32(x);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(x != x ? 0x7fc0u : r);
+}
+
+/* dst[i] = src[i] * scale + alpha * zs[i], three separately rounded float ops, for i < cnt; one loop per
+ * (target, source) pair so that gcc vectorises each. src == dst for an in-place update. */
+#define AXPY(DT, ST, LOAD, STORE)                                                      \
+    do {                                                                               \
+        DT *o = (DT *)dst + done;                                                      \
+        const ST *x = (const ST *)src + done;                                          \
+        for (int64_t i = 0; i < cnt; i++) { float v = (LOAD) * scale + alpha * zs[i]; o[i] = STORE; } \
+    } while (0)
+
+static void axpy_block(int dmode, void *dst, int smode, const void *src, int64_t done, int64_t cnt,
+                       const float *zs, float scale, float alpha, double scale64, double alpha64) {
+    if (dmode == 0) {
+        float *o = (float *)dst + done;
+        for (int64_t i = 0; i < cnt; i++) o[i] = zs[i];
+    } else if (dmode == 4) {
+        double *o = (double *)dst + done;
+        const double *x = (const double *)src + done;
+        for (int64_t i = 0; i < cnt; i++) o[i] = x[i] * scale64 + alpha64 * (double)zs[i];
+    } else if (dmode == 1) {
+        AXPY(float, float, x[i], v);
+    } else if (dmode == 2 && smode == 2) {
+        AXPY(uint16_t, uint16_t, as_float((uint32_t)x[i] << 16), bf16_bits(v));
+    } else if (dmode == 2) {
+        AXPY(uint16_t, float, x[i], bf16_bits(v));
+    } else if (smode == 3) {
+        AXPY(_Float16, _Float16, (float)x[i], (_Float16)v);
+    } else {
+        AXPY(_Float16, float, x[i], (_Float16)v);
+    }
+}
+
+/* Elements [start, start + n) of the stream: dst = src * scale + alpha * z (dst mode 0: dst = z).  Returns sum
+ * round(z^2 * 2^24) over the range if want_sq, else 0. */
+static int64_t run(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, void *dst, int dmode, const void *src,
+                   int smode, float scale, float alpha, double scale64, double alpha64, int want_sq) {
     uint32_t a[2 * BLK], b[2 * BLK];
     float z[4 * BLK];
     int64_t acc = 0;
@@ -185,27 +225,7 @@ static int64_t run(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, void *ou
         int64_t cnt = 4 * (int64_t)ng - skip;
         if (cnt > n - done) cnt = n - done;
         const float *zs = z + skip;
-        if (mode == 0) {
-            float *o = (float *)out + done;
-            for (int64_t i = 0; i < cnt; i++) o[i] = zs[i];
-        } else if (mode == 1) {
-            float *o = (float *)out + done;
-            for (int64_t i = 0; i < cnt; i++) o[i] = o[i] * scale + alpha * zs[i];
-        } else if (mode == 4) {
-            double *o = (double *)out + done;
-            for (int64_t i = 0; i < cnt; i++) o[i] = o[i] * scale64 + alpha64 * (double)zs[i];
-        } else if (mode == 3) {
-            _Float16 *o = (_Float16 *)out + done;
-            for (int64_t i = 0; i < cnt; i++) o[i] = (_Float16)((float)o[i] * scale + alpha * zs[i]);
-        } else {
-            uint16_t *o = (uint16_t *)out + done;
-            for (int64_t i = 0; i < cnt; i++) {
-                float x = as_float((uint32_t)o[i] << 16) * scale + alpha * zs[i];
-                uint32_t u = as_u32(x);
-                uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-                o[i] = (uint16_t)(x != x ? 0x7fc0u : r);
-            }
-        }
+        axpy_block(dmode, dst, smode, src, done, cnt, zs, scale, alpha, scale64, alpha64);
         if (want_sq)
             for (int64_t i = 0; i < cnt; i++) acc += fixsq(zs[i]);
         done += cnt;
@@ -215,13 +235,53 @@ static int64_t run(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, void *ou
     return acc;
 }
 
+/* dst[i] = src[i] rounded to dst's mode: the master copy written back to a stored copy, no noise drawn. */
+static void copy_cast(int dmode, void *dst, int smode, const void *src, int64_t n) {
+    if (dmode == smode) {
+        memcpy(dst, src, (size_t)n * (dmode == 4 ? 8 : dmode == 1 ? 4 : 2));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float v = ld(smode, src, i);
+        if (dmode == 1) ((float *)dst)[i] = v;
+        else if (dmode == 2) ((uint16_t *)dst)[i] = bf16_bits(v);
+        else ((_Float16 *)dst)[i] = (_Float16)v;
+    }
+}
+
 int64_t noise_run(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, void *out,
                   int mode, float scale, float alpha, int want_sq) {
-    return run(k0, k1, start, n, out, mode, scale, alpha, 0.0, 0.0, want_sq);
+    return run(k0, k1, start, n, out, mode, out, mode, scale, alpha, 0.0, 0.0, want_sq);
 }
 
 /* float64 targets (mode 4): the scalars stay double. */
 int64_t noise_run64(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, double *out,
                     double scale, double alpha, int want_sq) {
-    return run(k0, k1, start, n, out, 4, 0.0f, 0.0f, scale, alpha, want_sq);
+    return run(k0, k1, start, n, out, 4, out, 4, 0.0f, 0.0f, scale, alpha, want_sq);
+}
+
+/* One pass of the Perturber over a table of rows (kernels/cpu.py builds it; several threads may each take a
+ * part of the table, with their own `sums`):
+ *   rows: int64 [nrows][8] = dst address, src address, n, start, key (k0 | k1 << 32), stat block (-1: none),
+ *         kind (dst mode | src mode << 4 | copy << 8), unused;
+ *   coef: double [nrows][2] = scale, alpha (rounded to float32 here, except for float64 rows).
+ * A row does dst[i] = src[i] * scale + alpha * z[start + i] (a copy row: dst[i] = src[i]); with want_sq, a
+ * row with a stat block adds its sum round(z^2 2^24) to sums[block]. */
+void noise_rows(int64_t nrows, const int64_t *rows, const double *coef, int64_t *sums, int want_sq) {
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t *row = rows + 8 * r;
+        void *dst = (void *)(intptr_t)row[0];
+        const void *src = (const void *)(intptr_t)row[1];
+        int64_t n = row[2];
+        uint64_t key = (uint64_t)row[4];
+        int dmode = (int)(row[6] & 15), smode = (int)((row[6] >> 4) & 15);
+        if (row[6] & 256) {
+            copy_cast(dmode, dst, smode, src, n);
+            continue;
+        }
+        int stat = want_sq && row[5] >= 0;
+        int64_t total = run((uint32_t)key, (uint32_t)(key >> 32), (uint64_t)row[3], n, dst, dmode, src, smode,
+                            (float)coef[2 * r], (float)coef[2 * r + 1], coef[2 * r], coef[2 * r + 1], stat);
+        if (stat) sums[row[5]] += total;
+    }
 }
