@@ -24,6 +24,7 @@ EDGE_CASES = [  # (k0, k1, start, n): key words 0, 1, 2^32 - 1; starts 2^31, 2^3
 
 @pytest.mark.parametrize("k0,k1,start,n", EDGE_CASES)
 def test_triton_kernel_equals_the_c_kernel_and_the_reference(k0, k1, start, n):
+    assert cpu_kernel.available(), "the C kernel did not build here (gcc?)"
     ref = reference.normals(k0, k1, start, n)
     z = torch.empty(n, device="cuda")
     gpu.run(k0, k1, start, z, 0, 0.0, 0.0, want_sq=False)
@@ -52,7 +53,7 @@ def first_elements_loss(model, batch):
     """Exact on any device: first elements added one after the other in float64 (no reduction order to differ)."""
     loss = None
     for i, p in enumerate(model.parameters()):
-        term = p.view(-1)[i].double() * (i % 3 - 1)
+        term = p.view(-1)[i % p.numel()].double() * (i % 3 - 1)
         loss = term if loss is None else loss + term
     return loss * loss, 1
 

@@ -34,8 +34,11 @@ COS2, COS4, COS6, COS8 = (tl.constexpr(v) for v in (R.COS2, R.COS4, R.COS6, R.CO
 LOG3, LOG5, LOG7 = (tl.constexpr(v) for v in (R.LOG3, R.LOG5, R.LOG7))
 LN2_HI, LN2_LO = tl.constexpr(R.LN2_HI), tl.constexpr(R.LN2_LO)
 FIXED_POINT_SCALE = tl.constexpr(16777216.0)  # 2^24: noise.FIXED_POINT_BITS (tests/test_noise.py checks they agree)
-BLOCK = 1024  # Philox groups per sub-block: 4096 elements
-SUB = 4  # sub-blocks per program: 16384 elements
+# The launch shape, from a sweep on an H100 (tools/kernel_profile.py --sweep; benchmarks/RESULTS.md): 512 groups x 4
+# sub-blocks x 4 warps needs 46 registers a thread and ran a pass 1.49x faster than 1024 x 4 x 4 (80 registers).
+BLOCK = 512  # Philox groups per sub-block: 2048 elements
+SUB = 4  # sub-blocks per program: 8192 elements
+WARPS = 4  # warps per program
 ROW_COLUMNS = 8  # perturb.py's row layout
 # Element codes (the CPU kernel's modes): 0 write z itself (float32), 1 float32, 2 bfloat16, 3 float16.
 CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -204,7 +207,7 @@ def launch(dst_base: torch.Tensor, src_base: torch.Tensor | None, rows: torch.Te
                               sums if sums is not None else rows, rows.shape[0],
                               DST=0 if write_z else CODES[dst_base.dtype], SRC=CODES[src.dtype],
                               INPLACE=src_base is None, COPY=copy, STATS=sums is not None, RZ=not INTERPRETED,
-                              BLOCK=BLOCK, SUB=SUB, enable_fp_fusion=False)
+                              BLOCK=BLOCK, SUB=SUB, num_warps=WARPS, enable_fp_fusion=False)
 
 
 def run(k0: int, k1: int, start: int, out: torch.Tensor, mode: int, scale: float, alpha: float,
