@@ -173,16 +173,16 @@ def one_run(out: str, plan: dict, model: str, task: str, task_dir: str, form: st
     return result
 
 
-def run_many(jobs: int, calls: list[tuple]) -> list[dict]:
-    """one_run(*args) for each args, `jobs` at a time in spawned worker processes (in order when jobs is 1)."""
+def run_many(jobs: int, calls: list[tuple], fn=one_run) -> list[dict]:
+    """fn(*args) for each args, `jobs` at a time in spawned worker processes (in order when jobs is 1)."""
     if jobs == 1 or len(calls) <= 1:
-        return [one_run(*args) for args in calls]
+        return [fn(*args) for args in calls]
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=torch.set_num_threads,
                              initargs=(1,)) as pool:
-        return list(pool.map(one_run, *zip(*calls)))
+        return list(pool.map(fn, *zip(*calls)))
 
 
 def run_all(plan: dict, out: str, log: Log, jobs: int = 1) -> dict:

@@ -1,0 +1,141 @@
+"""Issue 31's experiment (experiments/real_model.py) at CI size, on a tiny random Llama saved as a directory: no
+GGUF package and no hub. The end-to-end test checks the pipeline's shape (every arm, the tables, the figure, the
+diagnostic, the run cache); the unit tests check the two arms the script adds to the engine."""
+
+import importlib.util
+import json
+import pathlib
+import re
+
+import pytest
+import torch
+
+from curvzo_ds.tasks import demo_model_config, load_tokenizer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("real_model", ROOT / "experiments" / "real_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    conf = demo_model_config("llama")
+    conf.tie_word_embeddings = True  # as SmolLM2: the tied embedding counts once
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(conf).save_pretrained(path)
+    load_tokenizer("llama").save_pretrained(path)
+    return str(path)
+
+
+def plain_run(script, tiny_model, tmp_path, arm: str, lr: float = 1e-2):
+    task = script.write_task(str(tmp_path / "tasks"), "sentiment")
+    return script.PlainRun(script.run_config(tiny_model, task, arm, lr, 0, 3))
+
+
+def test_tasks_hold_out_templates_and_words_for_test(tmp_path):
+    script = load_script()
+    for task in ("sentiment", "topic"):
+        path = pathlib.Path(script.write_task(str(tmp_path), task))
+        spec = json.loads((path / "task.json").read_text())
+        assert len(spec["label_words"]) == 2 and "{text}" in spec["template"]
+        rows = {s: [json.loads(x) for x in (path / f"{s}.jsonl").read_text().splitlines()]
+                for s in ("train", "dev", "test")}
+        assert [len(rows[s]) for s in rows] == [512, 256, 512]
+        seen = {r["text"] for r in rows["train"] + rows["dev"]}
+        assert not seen & {r["text"] for r in rows["test"]}
+        assert {0, 1} == {r["label"] for r in rows["test"]}
+    held_out = set(script.halves(script.POSITIVE, True) + script.halves(script.NEGATIVE, True))
+    sentiment = [json.loads(x) for x in (tmp_path / "sentiment" / "train.jsonl").read_text().splitlines()]
+    train_words = {w for r in sentiment for w in re.findall(r"[a-z]+", r["text"].lower())}
+    assert held_out & set(script.POSITIVE + script.NEGATIVE) == held_out and not held_out & train_words
+
+
+def test_static_mask_moves_only_the_chosen_elements(tiny_model, tmp_path):
+    script = load_script()
+    run = plain_run(script, tiny_model, tmp_path, "static-1%")
+    engine = run.engine
+    index = script.static_index(run, 0.01, 2)
+    chosen = sum(len(i) for i in index.values())
+    assert chosen == round(0.01 * engine.num_params)
+    engine.perturber = script.StaticMaskPerturber(engine, index)
+    before = [e.param.detach().clone().view(-1) for e in engine.entries]
+    r = engine.step(run.batch(0))
+    assert r.projected_grad is not None and r.projected_grad != 0
+    moved = 0
+    for b, block in enumerate(engine.blocks):
+        e = engine.entries[block.segments[0][0]]
+        diff = (e.param.detach().view(-1) != before[block.segments[0][0]]).nonzero().flatten()
+        assert set(diff.tolist()) <= set(index[b].tolist())  # nothing outside the mask moved
+        moved += len(diff)
+    assert moved > 0.9 * chosen
+    # The update is -lr * Delta * z on the chosen elements (pi = 1, no 1/pi weights), z regenerated from the noise.
+    b = max(index, key=lambda k: len(index[k]))
+    e = engine.entries[engine.blocks[b].segments[0][0]]
+    z = engine.noise.slice(0, f"{e.name}#static", len(index[b]), 0, len(index[b]))
+    expected = before[engine.blocks[b].segments[0][0]][index[b]] - 1e-2 * r.projected_grad * z
+    torch.testing.assert_close(e.param.detach().view(-1)[index[b]], expected, rtol=0, atol=1e-6)
+
+
+def test_static_index_takes_the_largest_squared_gradients(tiny_model, tmp_path):
+    script = load_script()
+    run = plain_run(script, tiny_model, tmp_path, "static-1%")
+    engine = run.engine
+    index = script.static_index(run, 0.001, 1)
+    # The same batch's gradient, by a plain backward of the mean loss
+    params = [e.param for e in engine.entries]
+    run.model.eval()
+    sums = [run.loss(run.model, mb) for mb in run.batch(0).items]
+    (sum(s for s, _ in sums) / sum(float(c) for _, c in sums)).backward()
+    squared = [p.grad.reshape(-1).double().pow(2) for p in params]
+    k = sum(len(i) for i in index.values())
+    assert k == round(0.001 * engine.num_params)
+    kth = torch.cat(squared).topk(k).values[-1]
+    for b, block in enumerate(engine.blocks):
+        grad2 = squared[block.segments[0][0]]
+        assert (grad2[index[b]] >= kth * (1 - 1e-5)).all()  # every chosen element is among the k largest
+        assert int((grad2 > kth * (1 + 1e-5)).sum()) <= len(index[b])  # and none of the k largest is left out
+
+
+def test_oracle_sampler_keeps_the_energies_it_is_given(tiny_model, tmp_path):
+    script = load_script()
+    run = plain_run(script, tiny_model, tmp_path, "oracle")
+    engine = run.engine
+    engine.sampler = script.OracleSampler(engine.cfg, engine.sizes, engine.noise.mask_uniforms)
+    energy = run.block_energy(run.batch(0))
+    engine.sampler.scores = energy.clone()
+    engine.step(run.batch(0))
+    assert torch.equal(engine.sampler.scores, energy)
+    pi = engine.sampler.probabilities(1).pi
+    assert pi.argmax() == energy.argmax()  # pi grows with the energy (sqrt rule, floor mixed in)
+
+
+@pytest.mark.slow
+def test_real_model_ci_config_end_to_end(tiny_model, tmp_path):
+    script = load_script()
+    out = tmp_path / "out"
+    script.main(["--config", "ci", "--model", tiny_model, "--out", str(out)])
+    tables = (out / "tables.md").read_text()
+    for arm in script.ARMS:
+        assert f"| sentiment | {arm} |" in tables
+    assert "| unbiased_element |" in tables  # the diagnostic's table
+    for name in ("convergence_real.png", "diagnose/diagnose_normalized.png", "diagnose/diagnose.json"):
+        assert (out / name).stat().st_size > 0
+    runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+    seeds = {}
+    for r in runs:
+        seeds.setdefault(r["settings"]["arm"], []).append(r["settings"]["seed"])
+    assert all(sorted(s)[:2] == [0, 1] for s in seeds.values()) and len(seeds) == len(script.ARMS)
+    if any(len(s) == 3 for s in seeds.values()):  # a third seed is run for MeZO too
+        assert len(seeds["mezo"]) == 3
+    log_lines = (out / "progress.log").read_text().count(" run ")
+    script.main(["--config", "ci", "--model", tiny_model, "--out", str(out)])  # a rerun takes every run from the cache
+    assert (out / "progress.log").read_text().count(" run ") == log_lines
+    assert len(list((out / "runs").glob("*.json"))) == len(runs)
