@@ -61,9 +61,9 @@ GRID = {"mezo": [1e-5, 3e-5, 1e-4], "curvzo": [1e-5, 3e-5, 1e-4], "oracle": [1e-
         "static-0.1%": [1e-4, 3e-4, 1e-3], "static-1%": [3e-5, 1e-4, 3e-4]}
 CONFIGS = {
     "full": dict(tasks=["sentiment", "topic"], arms=list(ARMS), grid=GRID, seeds=[0, 1, 2], steps=200,
-                 eval_every=25, diagnose_steps=100, diagnose_probe_every=10),
+                 eval_every=25, diagnose_steps=100, diagnose_probe_every=10, curvature=[4, 8]),
     "ci": dict(tasks=["sentiment"], arms=list(ARMS), grid={a: [GRID[a][1]] for a in ARMS}, seeds=[0, 1, 2], steps=2,
-               eval_every=1, diagnose_steps=3, diagnose_probe_every=1),
+               eval_every=1, diagnose_steps=3, diagnose_probe_every=1, curvature=[1, 2]),
 }
 DATA = dict(num_train=512, num_dev=256, num_test=512, batch=8, eps=1e-3, max_length=64, probe_batches=4)
 
@@ -451,6 +451,62 @@ def run_diagnostic(plan: dict, model: str, tasks: dict, results: dict, out: str)
                 f"{plan['diagnose_probe_every']} (diagnose/):", ""] + f.read().splitlines()
 
 
+def block_curvature(run: PlainRun, batches: int, samples: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, e) per block over the first `batches` training batches: h_i the mean diagonal Hessian entry of block i
+    by Hutchinson's estimator, sum over Rademacher v of v_i . (H v)_i / n_i (`samples` Hessian-vector products by
+    double backprop per batch), and e_i = ||g_i||^2 / n_i the per-element gradient energy of the same batches."""
+    engine = run.engine
+    params = [e.param for e in engine.entries]
+    owner = [block.segments[0][0] for block in engine.blocks]
+    gen = torch.Generator().manual_seed(seed)
+    run.model.set_attn_implementation("eager")  # SDPA's CPU kernels have no double backward
+    h = torch.zeros(engine.num_blocks, dtype=torch.float64)
+    energy = torch.zeros(engine.num_blocks, dtype=torch.float64)
+    run.model.eval()
+    for t in range(batches):
+        batch = run.batch(t)
+        energy += run.block_energy(batch)
+        with torch.enable_grad():
+            sums = [run.loss(run.model, mb) for mb in batch.items]
+            loss = sum(s for s, _ in sums) / sum(float(c) for _, c in sums)
+            grads = torch.autograd.grad(loss, params, create_graph=True)
+            for _ in range(samples):
+                vs = [torch.randint(0, 2, p.shape, generator=gen).to(p.dtype) * 2 - 1 for p in params]
+                hv = torch.autograd.grad(grads, params, grad_outputs=vs, retain_graph=True)
+                for b, ei in enumerate(owner):
+                    h[b] += (vs[ei] * hv[ei]).sum().double()
+    return h / (batches * samples) / engine.sizes, energy / batches / engine.sizes
+
+
+def curvature_table(plan: dict, model: str, tasks: dict, out: str) -> list[str]:
+    """Which curvature model the model supports (docs/algorithm.md §2): flat (h independent of e) or h ∝ e (the
+    Fisher): the slope of log h on log e over the blocks, and their correlation (cached)."""
+    task = plan["tasks"][0]
+    key = digest(dict(model=os.path.basename(model), task=task, data=DATA, curvature=plan["curvature"]))
+    path = os.path.join(out, "diagnose", f"curvature-{key}.json")
+    if not os.path.exists(path):
+        torch.set_num_threads(1)
+        run = PlainRun(run_config(model, tasks[task], "mezo", 1e-6, 0, 1))
+        h, e = block_curvature(run, *plan["curvature"])
+        write_json_atomic(path, dict(names=[b.name for b in run.engine.blocks], sizes=run.engine.sizes.tolist(),
+                                     h=h.tolist(), e=e.tolist()))
+    with open(path) as f:
+        rec = json.load(f)
+    h, e, n = (np.array(rec[k]) for k in ("h", "e", "sizes"))
+    keep = (h > 0) & (e > 0)
+    lh, le = np.log(h[keep]), np.log(e[keep])
+    slope = np.polyfit(le, lh, 1)[0] if keep.sum() > 2 else math.nan
+    corr = np.corrcoef(le, lh)[0, 1] if keep.sum() > 2 else math.nan
+    top = np.argsort(-h)[:3]
+    return [f"Curvature: task {task}, Hutchinson's diagonal (batches, samples) = {tuple(plan['curvature'])}, "
+            f"{len(h)} blocks ({os.path.basename(path)}):", "",
+            "| blocks with h > 0 | slope of log h on log e | corr(log h, log e) | corr(log h, log n) | "
+            "sd(log h) | sd(log e) | largest h |", "|---:|---:|---:|---:|---:|---:|---|",
+            f"| {int(keep.sum())} of {len(h)} | {slope:+.2f} | {corr:+.2f} | "
+            f"{np.corrcoef(np.log(n[keep]), lh)[0, 1]:+.2f} | {lh.std():.2f} | {le.std():.2f} | "
+            + ", ".join(f"{rec['names'][i]} {h[i]:.3g}" for i in top) + " |"]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=list(CONFIGS), default="full")
@@ -482,7 +538,7 @@ def main(argv=None) -> None:
     results = run_all(plan, model, tasks, args.out, log, args.jobs)
     log(f"runs done in {time.time() - start:.0f}s with --jobs {args.jobs}")
     figure = plot_curves(plan, results, args.out)
-    diag = run_diagnostic(plan, model, tasks, results, args.out)
+    diag = run_diagnostic(plan, model, tasks, results, args.out) + [""] + curvature_table(plan, model, tasks, args.out)
     with open(os.path.join(args.out, "tables.md"), "w") as f:
         f.write(f"config `{args.config}`: {json.dumps(plan)}\n\ndata: {json.dumps(DATA)}\n\n")
         f.write("\n".join(tables(plan, results)) + "\n\n" + "\n".join(grid_table(plan, results)) + "\n\n")
