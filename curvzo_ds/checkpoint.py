@@ -29,10 +29,12 @@ from safetensors.torch import save_file
 from .config import ConfigError, RunEnded
 from .engine import ZOEngine
 from .jsonio import replace_atomic
+from .mask import StaticMask
 from .params import intersect
 
 log = logging.getLogger("curvzo_ds")
 FORMAT = "curvzo_ds-checkpoint-v1"
+MASK_PREFIX = "static_mask:"  # rank files: the owned selected elements of a static_mask run, per tensor
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -97,6 +99,11 @@ def _write_group(engine: ZOEngine, final: str, trainer_state: dict | None,
                 values = e.region_values()[lo - e.region[0]: hi - e.region[0]]
                 tensors[e.name] = values.contiguous() if e.master is not None else values.to(e.param.dtype).contiguous()
                 slices[e.name] = [lo, hi]
+        if engine.static_mask is not None:  # the selected elements this rank owns, as global indices
+            for i, e in enumerate(engine.entries):
+                owned = engine.static_mask.owned(i)
+                if len(owned):
+                    tensors[MASK_PREFIX + e.name] = owned.contiguous()
         path = os.path.join(tmp, fname)
         save_file(tensors, path)
         _fsync(path)
@@ -119,6 +126,9 @@ def _write_group(engine: ZOEngine, final: str, trainer_state: dict | None,
                 "engine": _jsonable_state(engine.state_dict()),
                 "trainer": trainer_state or {},
             }
+            if engine.static_mask is not None:
+                manifest["static_mask"] = {"fraction": engine.static_mask.fraction,
+                                           "selected": engine.static_mask.selected}
             if write_extra is not None:
                 write_extra(tmp)
             with open(os.path.join(tmp, "manifest.json"), "w") as f:
@@ -378,9 +388,31 @@ def load_checkpoint(engine: ZOEngine, path: str) -> dict:
                 e.write(0, e.master)
             else:
                 e.write(0, values)
+    if manifest.get("static_mask"):
+        engine.set_static_mask(StaticMask.from_full(engine.entries, read_static_mask(path, manifest, verified),
+                                                    manifest["static_mask"]["fraction"]))
     engine.load_state_dict(manifest["engine"])
     engine.world.barrier()
     return manifest.get("trainer", {})
+
+
+def read_static_mask(path: str, manifest: dict, verified: set) -> dict[str, torch.Tensor]:
+    """{tensor name: its selected elements' global indices, sorted}, from every rank file."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for fname in manifest["files"]:
+        fpath = os.path.join(path, fname)
+        if fname not in verified:
+            if _sha256(fpath) != manifest["files"][fname]:
+                raise ValueError(f"checksum mismatch for {fpath}: the checkpoint is corrupt")
+            verified.add(fname)
+        with safe_open(fpath, framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(MASK_PREFIX):
+                    parts.setdefault(key[len(MASK_PREFIX):], []).append(f.get_tensor(key))
+    full = {name: torch.sort(torch.cat(p)).values for name, p in parts.items()}
+    if sum(len(v) for v in full.values()) != manifest["static_mask"]["selected"]:
+        raise ValueError(f"checkpoint {path}: its static mask misses elements: the checkpoint is corrupt")
+    return full
 
 
 def consolidated_state_dict(path: str) -> dict[str, torch.Tensor]:

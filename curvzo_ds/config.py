@@ -82,6 +82,10 @@ class ZOConfig:
                                            "false (none)")
     num_directions: int = key(1, "q: SPSA directions per step, their updates averaged (each costs two forwards; "
                                  "spread over the replica groups when shard_group_size < world size)")
+    static_mask: float = key(0.0, "perturb only this fraction of the elements, the largest squared gradients of one "
+                                  "backprop per batch over static_mask_batches batches (SensZOQ's mechanism; "
+                                  "method mezo; 0: off; docs/algorithm.md)")
+    static_mask_batches: int = key(4, "training batches of the static_mask's backprop probe")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value, its valid range and the fix."""
@@ -126,6 +130,12 @@ class ZOConfig:
         need(isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1,
              "max_consecutive_skips", "an integer >= 1")
         need(_posint(self.num_directions), "num_directions", "an integer >= 1")
+        need(_finite(self.static_mask) and 0 <= self.static_mask <= 1, "static_mask",
+             "a fraction of the trainable elements in [0, 1] (0: off)")
+        need(_posint(self.static_mask_batches), "static_mask_batches", "an integer >= 1")
+        if self.static_mask and self.method != "mezo":
+            raise ConfigError(f"static_mask={self.static_mask} needs method=mezo (a fixed set of elements perturbed at "
+                              f"every step, with no 1/pi weights), not method={self.method}: set method=mezo")
 
 
 @dataclass

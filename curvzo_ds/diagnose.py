@@ -140,6 +140,8 @@ class PlainRun:
         self.model, _ = build_model(cfg, {})
         self.loss = D.loss_fn_for(self.task, cfg.train_as_classification)
         self.engine = ZOEngine(self.model, self.loss, zo_part(cfg))
+        if cfg.static_mask:
+            self.engine.fit_static_mask([self.batch(t) for t in range(cfg.static_mask_batches)])
 
     def batch(self, step: int) -> MicroBatches:
         cfg = self.cfg

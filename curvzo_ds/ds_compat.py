@@ -120,6 +120,37 @@ def gather_persistent(params) -> None:
         missing[0].all_gather(param_list=missing)
 
 
+def forget_backward(engine, params) -> None:
+    """After a backward through a ZeRO-3 module outside DeepSpeed's engine (the static_mask probe): free the gathered
+    copies of non-persistent parameters that it left behind (the first module's post-backward release does not run
+    when its inputs need no gradient), and drop the parameter coordinator's recorded trace, which now holds the
+    backward's order and would keep every parameter gathered after a forward, waiting for that backward (with the
+    coordinator's cached release sets). The next forward then gathers from the shards and records a forward-only
+    trace. Values are unchanged."""
+    offload = getattr(engine, "optimizer", None)
+    coordinator = offload.get_param_coordinator() if hasattr(offload, "get_param_coordinator") else None
+    if coordinator is not None:
+        coordinator.release_backward_leftovers()
+    partitioned = [p for p in params if is_partitioned(p)]
+    for p in partitioned:
+        p.ds_active_sub_modules.clear()  # a module whose release did not run still holds it
+    left = [p for p in partitioned if not is_persistent(p) and is_available(p)]
+    if left:
+        left[0].partition(param_list=left, has_been_updated=False)
+    if coordinator is not None:
+        if not coordinator.is_invalid_trace():
+            coordinator._invalidate_trace()
+        # Which parameters a module releases is cached per (module, step) across traces: drop the backward's answers.
+        cached = getattr(type(coordinator), "_PartitionedParameterCoordinator__params_to_release", None)
+        while cached is not None and not hasattr(cached, "cache_clear"):  # inside DeepSpeed's nvtx wrapper's closure
+            cached = next((c.cell_contents for c in getattr(cached, "__closure__", None) or ()
+                           if callable(c.cell_contents)), None)
+        if cached is None:
+            raise RuntimeError("this DeepSpeed version's parameter coordinator has no cached release sets to clear: "
+                               "static_mask is not supported with it under ZeRO-3")
+        cached.cache_clear()
+
+
 def gathered(params, modifier_rank=None):
     """Gather the full values of ZeRO-3 parameters for the body of a `with` (a collective)."""
     params = [p for p in params if is_partitioned(p)]

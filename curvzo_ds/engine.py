@@ -30,6 +30,7 @@ from . import ds_compat
 from .comm import Comm, bits_float64, float64_bits
 from .config import RunEnded, ZOConfig
 from .data.stream import MicroBatches, round_robin_slots
+from .mask import MaskedPerturber, StaticMask
 from .noise import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
 from .params import ParamEntry, collect_entries, make_blocks
 from .perturb import Perturber
@@ -150,6 +151,7 @@ class ZOEngine:
         self.device = self.comm.device if self.comm.world_size > 1 else ds_compat.storage_device(first.param)
         self.sampler = CurvZOSampler(cfg, self.sizes, self.noise.mask_uniforms)
         self.perturber = Perturber(self.entries, self.blocks, self.noise, self.device)
+        self.static_mask: StaticMask | None = None  # static_mask: set by fit_static_mask or a checkpoint
         # Elements of each block stored in bf16/fp16 and edited without an fp32 copy: where +eps z can vanish.
         self.low_precision = torch.tensor([sum(hi - lo for ei, lo, hi in b.segments if _rounds_away(self.entries[ei]))
                                            for b in self.blocks], dtype=torch.float64)
@@ -169,6 +171,28 @@ class ZOEngine:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
+    def fit_static_mask(self, batches) -> StaticMask:
+        """static_mask (docs/algorithm.md, "A static mask"): pick the top `cfg.static_mask` fraction of elements by
+        one backprop per batch of `batches` (the first `static_mask_batches` training batches), and perturb only
+        those from now on. Collective; call it once before the first step (the CLI does)."""
+        from . import mask
+
+        self.set_static_mask(mask.fit(self, batches, self.cfg.static_mask))
+        log.info("static_mask: %d of %d trainable elements (%.4g%%) chosen by backprop on %d batches",
+                 self.static_mask.selected, self.num_params, 100 * self.static_mask.selected / self.num_params,
+                 len(batches))
+        return self.static_mask
+
+    def set_static_mask(self, mask: StaticMask) -> None:
+        """Perturb and update only the elements of `mask` (a checkpoint's, or fit_static_mask's)."""
+        if self.cfg.method != "mezo":
+            raise ValueError(f"static_mask needs method=mezo (a fixed set of elements, perturbed at every step with no "
+                             f"1/pi weights), not method={self.cfg.method}")
+        if self.partitioned:  # a persistent tensor's region is all of it: gathered, as after a first forward
+            ds_compat.gather_persistent([e.param for e in self.entries])
+        self.static_mask = mask
+        self.perturber = MaskedPerturber(mask, self.noise)
+
     # ----------------------------------------------------------------- the step
     @torch.no_grad()
     def step(self, batch, stop_requested: bool | None = None) -> StepResult:
@@ -178,10 +202,15 @@ class ZOEngine:
         every rank learns at the same step that one of them was asked to stop (`StepResult.stop`).
         """
         cfg = self.cfg
+        if cfg.static_mask and self.static_mask is None:
+            raise ValueError(f"static_mask={cfg.static_mask} needs its mask: call engine.fit_static_mask(batches) "
+                             "before the first step (curvzo-ds train does)")
         t = self.step_count
         lr = self.sampler.learning_rate(t)
         plan = self.sampler.plan(t)
-        base = dict(budget=plan.budget, n_selected=plan.n_selected, param_fraction=plan.param_fraction(self.sizes),
+        fraction = (self.static_mask.selected / self.num_params if self.static_mask is not None
+                    else plan.param_fraction(self.sizes))
+        base = dict(budget=plan.budget, n_selected=plan.n_selected, param_fraction=fraction,
                     max_inv_pi=plan.max_inv_pi, learning_rate=lr, d_eff=plan.d_eff, score_entropy=plan.entropy)
         self.last_mask = plan.mask
         if plan.n_selected == 0:
@@ -334,8 +363,7 @@ class ZOEngine:
         return [(r, self._call_loss(batch))]
 
     def _call_loss(self, micro_batch) -> torch.Tensor:
-        out = self.loss_fn(self.model, micro_batch)
-        loss_sum, count = out if isinstance(out, tuple | list) else (out, 1.0)
+        loss_sum, count = loss_parts(self.loss_fn(self.model, micro_batch))
         # A number becomes a device tensor by a fill (torch.full), never by a host-to-device copy that would wait.
         parts = [x.detach().to(self.device, torch.float64).reshape(()) if torch.is_tensor(x)
                  else torch.full((), float(x), dtype=torch.float64, device=self.device) for x in (loss_sum, count)]
@@ -433,6 +461,11 @@ class ZOEngine:
                                  for k in diff) or "the trainable parameters or noise definition"
                 raise ValueError(f"rank {rank} disagrees with rank 0 on {what}. Every rank must start with the "
                                  "same seed, configuration and model, or the noise would not match.")
+
+
+def loss_parts(out) -> tuple:
+    """(loss_sum, count) of a loss function's result: the pair, or a scalar mean loss with count 1."""
+    return tuple(out) if isinstance(out, tuple | list) else (out, 1.0)
 
 
 def _rounds_away(e: ParamEntry) -> bool:

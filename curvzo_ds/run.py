@@ -219,6 +219,8 @@ def _start(run: Run, manager: CheckpointManager, resume) -> float:
         log.info("resumed from %s at step %d", path, engine.step_count)
     elif resume:
         log.warning("--resume: no complete checkpoint in %s, starting from step 0", cfg.output_dir)
+    if cfg.static_mask and engine.static_mask is None:  # a resumed run has the checkpoint's mask
+        engine.fit_static_mask([run.micro_batches(t) for t in range(cfg.static_mask_batches)])
     if run.rank == 0:
         write_json_atomic(os.path.join(cfg.output_dir, "config.json"), to_dict(cfg))
     return seconds0

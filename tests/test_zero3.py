@@ -29,6 +29,11 @@ SCENARIOS = [
      "zo": {**ZO, "method": "curvzo", "zo_eps": 1e-2, "fp32_master_weights": False}},
     {"name": "bf16_master", "steps": 15, "n_micro": 2, "bf16": True,
      "zo": {**ZO, "method": "curvzo", "zo_eps": 1e-2, "fp32_master_weights": True}},
+    # static_mask: the probe's backprop through the ZeRO-3 module, the mask's noise counted per tensor.
+    {"name": "static_mask", "steps": 15, "n_micro": 3,
+     "zo": {**ZO, "method": "mezo", "learning_rate": 1e-2, "static_mask": 0.05}},
+    {"name": "static_mask_bf16", "steps": 15, "n_micro": 2, "bf16": True,
+     "zo": {**ZO, "method": "mezo", "learning_rate": 1e-2, "zo_eps": 1e-2, "static_mask": 0.05}},
     {"name": "stage3_short", "steps": 10, "n_micro": 3, "zo": {**ZO, "method": "curvzo"}},
     {"name": "stage0_short", "steps": 10, "n_micro": 3, "stage": 0, "zo": {**ZO, "method": "curvzo"}},
     {"name": "disagree", "steps": 0, "n_micro": 1, "disagree": True, "min_world": 2, "zo": ZO},
@@ -48,7 +53,8 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["curvzo", "mezo", "offload", "small_batch", "lora", "bf16", "bf16_master"])
+@pytest.mark.parametrize("name", ["curvzo", "mezo", "offload", "small_batch", "lora", "bf16", "bf16_master",
+                                  "static_mask", "static_mask_bf16"])
 def test_bit_identical_at_1_2_3_ranks(runs, name):
     ref = runs[1][name]
     assert len(ref["traj"]) > 0

@@ -77,6 +77,9 @@ def run(spec: dict, rank: int, world: int) -> dict:
             return {"error": str(e)}
         return {"error": None}
     zo = ZOEngine(ds_engine, lm_loss, ZOConfig(**spec["zo"]))
+    if spec["zo"].get("static_mask"):  # the probe: every rank runs every micro-batch of two global batches
+        zo.fit_static_mask([MicroBatches(micro_batches(500 + t, spec["n_micro"], spec.get("rows", 2)))
+                            for t in range(2)])
     calls = {"n": 0, "elements": 0}
     real_all_reduce = dist.all_reduce
 

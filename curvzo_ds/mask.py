@@ -1,0 +1,226 @@
+"""A static element mask (`static_mask`, issue 31): SPSA on a fixed set of the most sensitive elements.
+
+The mechanism of SensZOQ (Guo et al.). On SmolLM2-135M (experiments/RESULTS.md, "A real pretrained model") it
+beat MeZO by far more than 1.5x in steps; docs/algorithm.md ("A static mask") gives its rules and costs.
+
+`fit`: one backprop of the step's mean loss per probe batch (every rank runs every micro-batch of the global
+batch, so the gradient, and with it the mask, is the same at any world size; under ZeRO-3 the forward and
+backward gather one layer at a time as usual). A post-accumulate hook per parameter moves the gradient of the
+elements this rank edits into an fp32 accumulator and frees it, so no rank holds more than one layer's full
+gradient. The squared batch gradients are summed over the probe batches, and the k = fraction x (trainable
+elements) largest sums are kept: the k-th largest is found by bisection over float32 bit patterns, with one
+all-reduce of a count per round over the shard group (31 rounds), so no rank sees more than its own slice.
+
+`MaskedPerturber` stands in for the engine's `Perturber` (method mezo: every block is drawn, pi = 1, no 1/pi
+weights): z is drawn only for the selected elements, from the same counter-based noise (one stream per tensor,
+keyed by its canonical name, counter = the element's rank among the tensor's selected elements, so that the values
+do not depend on the world size), and the selected elements are written from an fp32 copy of their values.
+Memory per rank: 8 bytes (index) + 4 (fp32 value) + 4 per direction (z, kept for the step) per selected element
+of its region; the probe adds 8 bytes per element of its region (two fp32 accumulators), once, before training.
+On a GPU each pass is a few launches per tensor (index_copy), not one per dtype as for the dense passes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ds_compat
+from .noise import NoiseSource
+from .params import ParamEntry
+
+
+class StaticMask:
+    """The selected elements of each entry: sorted global flat indices within the entry's region, the tensor's
+    number of selected elements, and how many of them come before the region (the noise counter's offset)."""
+
+    def __init__(self, entries: list[ParamEntry], index: list[torch.Tensor], total: list[int], before: list[int],
+                 fraction: float):
+        self.entries, self.index, self.total, self.before, self.fraction = entries, index, total, before, fraction
+
+    @classmethod
+    def from_full(cls, entries: list[ParamEntry], full: dict[str, torch.Tensor], fraction: float) -> StaticMask:
+        """From every tensor's whole sorted index list (a checkpoint's), keeping this rank's region."""
+        index, total, before = [], [], []
+        for e in entries:
+            idx = full.get(e.name, torch.zeros(0, dtype=torch.int64))
+            lo, hi = e.region
+            first, last = (int(torch.searchsorted(idx, v)) for v in (lo, hi))
+            index.append(idx[first:last].clone())
+            total.append(len(idx))
+            before.append(first)
+        return cls(entries, index, total, before, fraction)
+
+    def owned(self, i: int) -> torch.Tensor:
+        """Entry i's selected elements that this rank owns (what its checkpoint file holds)."""
+        lo, hi = self.entries[i].owned
+        idx = self.index[i]
+        return idx[(idx >= lo) & (idx < hi)]
+
+    @property
+    def selected(self) -> int:
+        return sum(self.total)
+
+
+def fit(engine, batches, fraction: float) -> StaticMask:
+    """The mask of the top `fraction` of trainable elements by squared batch gradient over `batches` (a list of
+    MicroBatches or of micro-batches: each item is one step's global batch). Collective over the engine's ranks."""
+    from .data.stream import MicroBatches
+    from .engine import loss_parts
+
+    entries, module = engine.entries, engine.module
+    if not 0 < fraction <= 1:
+        raise ValueError(f"static_mask={fraction!r}: the fraction of elements to perturb must be in (0, 1]")
+    grad = [torch.zeros(e.region[1] - e.region[0], dtype=torch.float32, device=ds_compat.storage_device(e.param))
+            for e in entries]
+    squared = [torch.zeros_like(g) for g in grad]
+
+    def hook_for(i: int):
+        e = entries[i]
+
+        def hook(p):
+            g = p.grad.detach().reshape(-1)
+            grad[i] += g[e.region[0]: e.region[1]].to(grad[i].device, torch.float32)
+            p.grad = None
+        return hook
+
+    handles = [e.param.register_post_accumulate_grad_hook(hook_for(i)) for i, e in enumerate(entries)]
+    was_training = module.training
+    module.eval()  # as the step's forwards run (no dropout)
+    try:
+        for batch in batches:
+            items = batch.items if isinstance(batch, MicroBatches) else [batch]
+            count = 0.0
+            for item in items:
+                with torch.enable_grad():
+                    # the module itself: a DeepSpeed engine's forward refuses a backward without an optimizer
+                    loss_sum, n = loss_parts(engine.loss_fn(module, item))
+                    torch.autograd.backward(loss_sum)
+                count += float(n)
+            for g, s in zip(grad, squared):
+                s.add_((g / count).square())
+                g.zero_()
+    finally:
+        for h in handles:
+            h.remove()
+        module.train(was_training)
+    ds_compat.forget_backward(engine.model, [e.param for e in entries])
+    grad.clear()
+    threshold = _kth_largest(engine, entries, squared, max(1, round(fraction * engine.num_params)))
+    index = [torch.nonzero(s.view(torch.int32) >= threshold).flatten().cpu() + e.region[0]
+             for e, s in zip(entries, squared)]
+    mask = StaticMask(entries, index, [0] * len(entries), [0] * len(entries), fraction)
+    # Each tensor's count, and how many of its selected elements come before this rank's region.
+    mine = [(e.owned[0], e.owned[1], len(mask.owned(i))) for i, e in enumerate(entries)]
+    everyone = engine.comm.all_gather_object(mine)
+    for i, e in enumerate(entries):
+        mask.total[i] = sum(r[i][2] for r in everyone)
+        mask.before[i] = sum(r[i][2] for r in everyone if r[i][1] <= e.region[0] and r[i][1] > r[i][0])
+    return mask
+
+
+def _kth_largest(engine, entries: list[ParamEntry], squared: list[torch.Tensor], k: int) -> int:
+    """The float32 bit pattern of the k-th largest value over every rank's owned elements: the largest t with
+    count(x >= t) >= k (non-negative floats order as their bit patterns)."""
+    owned = []
+    for e, s in zip(entries, squared):
+        lo, hi = e.owned
+        owned.append(s[lo - e.region[0]: hi - e.region[0]].view(torch.int32) if hi > lo else s[:0].view(torch.int32))
+
+    def count(t: int) -> int:
+        local = sum(int((o >= t).sum()) for o in owned)
+        return int(engine.comm.all_reduce_sum_int64(torch.tensor([local], dtype=torch.int64))[0])
+
+    lo, hi = 0, 0x7F800000  # 0.0 .. +inf
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count(mid) >= k:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class MaskedPerturber:
+    """The passes of a step over the selected elements only (the engine's Perturber interface)."""
+
+    def __init__(self, mask: StaticMask, noise: NoiseSource):
+        self.mask, self.noise = mask, noise
+        self.entries = mask.entries
+        self.used = [i for i, idx in enumerate(mask.index) if len(idx)]
+        self.values = [self._read(i) for i in self.used]  # fp32 w at the selected elements
+        self.launches = 0
+        self._step = -1
+        self._z: dict[int, list[torch.Tensor]] = {}
+
+    def _targets(self, i: int):
+        """(view, local indices into it, positions in the entry's selection) of every stored copy to write."""
+        e, idx = self.entries[i], self.mask.index[i]
+        if e.master is not None:
+            yield e.master, idx - e.region[0], slice(None)
+        for view, off in e.targets():
+            local = idx - e.region[0] - off
+            keep = (local >= 0) & (local < view.numel())
+            yield view, local[keep].to(view.device), keep
+
+    def _read(self, i: int) -> torch.Tensor:
+        e = self.entries[i]
+        if e.master is not None:
+            return e.master[self.mask.index[i] - e.region[0]].clone()
+        out = covered = None
+        for view, local, keep in self._targets(i):
+            if out is None:
+                out = torch.empty(len(self.mask.index[i]), dtype=torch.float32, device=view.device)
+                covered = torch.zeros(len(out), dtype=torch.bool)
+            out[keep] = view.index_select(0, local).float().to(out.device)
+            covered |= keep
+        if not covered.all():
+            raise RuntimeError(f"{e.name}: only part of its region is here; gather the parameter first")
+        return out
+
+    def _write(self, j: int, values: torch.Tensor) -> None:
+        for view, local, keep in self._targets(self.used[j]):
+            view.index_copy_(0, local, values[keep].to(view.device, view.dtype))
+            self.launches += 1
+
+    def _noise(self, direction: int) -> list[torch.Tensor]:
+        if direction not in self._z:
+            m = self.mask
+            self._z[direction] = [
+                self.noise.slice(self._step, self.entries[i].name, m.total[i], m.before[i], len(m.index[i]),
+                                 device=self.values[j].device, direction=direction)
+                for j, i in enumerate(self.used)]
+        return self._z[direction]
+
+    def begin(self, step: int, mask: torch.Tensor, directions: int = 1) -> None:
+        if step != self._step:
+            self._step, self._z = step, {}
+
+    def perturb(self, at: float, to: float, stats: bool = False, direction: int = 0) -> None:
+        """Write w + to z at the selected elements (w itself is kept in fp32, so `at` needs no undoing)."""
+        if stats:
+            raise ValueError("static_mask draws no blocks and computes no score statistics: use method=mezo")
+        for j, z in enumerate(self._noise(direction)):
+            self._write(j, self.values[j] + to * z)
+
+    def update(self, steps: torch.Tensor, keeps: torch.Tensor, eps: float, weight_decay: float) -> None:
+        self.update_directions([steps], keeps, weight_decay)
+
+    def update_directions(self, steps: list[torch.Tensor], keeps: torch.Tensor, weight_decay: float) -> None:
+        """w <- keep w - sum_d step_d z_d at the selected elements (decay on matrices only), then write w. With
+        method mezo every block has the same coefficients (pi = 1), so block 0's serve every tensor."""
+        for j, i in enumerate(self.used):
+            if weight_decay and self.entries[i].decay:
+                self.values[j].mul_(float(keeps[0]))
+            for d, step_d in enumerate(steps):
+                self.values[j].sub_(float(step_d[0]) * self._noise(d)[j])
+            self._write(j, self.values[j])
+
+    def snapshot(self) -> None:
+        return None  # the fp32 values are w
+
+    def restore(self, saved) -> None:
+        for j in range(len(self.used)):
+            self._write(j, self.values[j])
+
+    def owned_low_precision(self) -> list:
+        return []
