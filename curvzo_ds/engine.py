@@ -290,8 +290,8 @@ class ZOEngine:
         """On a visibility step, (block, owned view, its values) of the drawn bf16/fp16 copies with no fp32 copy
         (`none`: a visibility step with nothing watched here, so that this rank still sends its zeros)."""
         every = self.cfg.visibility_steps
-        if not every or t % every or not self.low_precision.any():
-            return None
+        if not every or t % every or not self.low_precision.any() or self.static_mask is not None:
+            return None  # a static mask writes its elements from fp32 values: nothing to watch per block
         return [] if none else [(b, view, view.clone()) for b, view in self.perturber.owned_low_precision()]
 
     def _visibility_count(self, watch) -> torch.Tensor | None:

@@ -105,7 +105,8 @@ def fit(engine, batches, fraction: float) -> StaticMask:
         module.train(was_training)
     ds_compat.forget_backward(engine.model, [e.param for e in entries])
     grad.clear()
-    threshold = _kth_largest(engine, entries, squared, max(1, round(fraction * engine.num_params)))
+    # An element whose gradient was 0 on every probe batch is never chosen (the mask can then hold fewer than k).
+    threshold = max(1, _kth_largest(engine, entries, squared, max(1, round(fraction * engine.num_params))))
     index = [torch.nonzero(s.view(torch.int32) >= threshold).flatten().cpu() + e.region[0]
              for e, s in zip(entries, squared)]
     mask = StaticMask(entries, index, [0] * len(entries), [0] * len(entries), fraction)

@@ -130,3 +130,24 @@ def test_a_step_synchronises_only_for_the_all_reduce(cfg):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert engine.comm.stats["host_reads"] - reads == 3
+
+
+def test_static_mask_steps_on_cuda_equal_steps_on_the_cpu_bit_for_bit():
+    """static_mask: the probe's backprop, the threshold, and the masked passes (index writes, noise from the Triton
+    kernel on CUDA) give the CPU's mask and weights."""
+    results = []
+    for device in ("cpu", "cuda"):
+        model = mixed(device)
+        n = sum(p.numel() for p in model.parameters())
+        engine = ZOEngine(model, first_elements_loss, ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-2,
+                                                               max_steps=5, static_mask=6 / n))
+        mask = engine.fit_static_mask([None])
+        losses = [engine.step(None).loss for _ in range(5)]
+        results.append(([i.clone() for i in mask.index], {k: p.detach().cpu() for k, p in model.named_parameters()},
+                        losses))
+    (m_cpu, w_cpu, l_cpu), (m_gpu, w_gpu, l_gpu) = results
+    # 6 asked for, 4 chosen: the loss reads 6 elements, 2 with a coefficient 0 (a zero gradient is never chosen)
+    assert sum(len(i) for i in m_cpu) == 4 and all(torch.equal(a, b) for a, b in zip(m_cpu, m_gpu))
+    assert l_cpu == l_gpu
+    for name in w_cpu:
+        assert torch.equal(w_cpu[name].view(torch.uint8), w_gpu[name].view(torch.uint8)), name
