@@ -97,8 +97,8 @@ class StepTimer:
 class ZOEngine:
     """Zeroth-order training of `model` (an nn.Module or a DeepSpeed engine) on `loss_fn`.
 
-    `loss_fn(model, micro_batch)` returns `(loss_sum, count)` (docs/contracts.md) or a scalar mean
-    loss (count 1). Only parameters with `requires_grad` are perturbed, so LoRA works as is.
+    `loss_fn(model, micro_batch)` returns `(loss_sum, count)` (docs/contracts.md); a mean loss is `(mean, 1)`.
+    Only parameters with `requires_grad` are perturbed, so LoRA works as is.
     For an Accelerate loop, `curvzo_ds.from_accelerator` prepares the model and builds the engine.
     """
 
@@ -177,6 +177,7 @@ class ZOEngine:
         `stop_requested` (the CLI's pre-emption flag): summed over the ranks in the step's own all-reduce, so that
         every rank learns at the same step that one of them was asked to stop (`StepResult.stop`).
         """
+        _check_batch(batch)
         cfg = self.cfg
         t = self.step_count
         lr = self.sampler.learning_rate(t)
@@ -302,6 +303,7 @@ class ZOEngine:
     @torch.no_grad()
     def loss(self, batch) -> float:
         """The loss of the current weights on `batch` (same reduction as a step, no perturbation)."""
+        _check_batch(batch)
         was_training = self.module.training
         self.module.eval()
         try:
@@ -335,7 +337,12 @@ class ZOEngine:
 
     def _call_loss(self, micro_batch) -> torch.Tensor:
         out = self.loss_fn(self.model, micro_batch)
-        loss_sum, count = out if isinstance(out, tuple | list) else (out, 1.0)
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            shown = f"a {type(out).__name__}" if not torch.is_tensor(out) else f"a tensor of shape {list(out.shape)}"
+            raise ValueError(f"loss_fn returned {shown}: it must return (loss_sum, count), and the step's loss is "
+                             "the sum of loss_sum over the sum of count (docs/contracts.md); for a mean loss return "
+                             "(mean, 1)")
+        loss_sum, count = out
         # A number becomes a device tensor by a fill (torch.full), never by a host-to-device copy that would wait.
         parts = [x.detach().to(self.device, torch.float64).reshape(()) if torch.is_tensor(x)
                  else torch.full((), float(x), dtype=torch.float64, device=self.device) for x in (loss_sum, count)]
@@ -433,6 +440,14 @@ class ZOEngine:
                                  for k in diff) or "the trainable parameters or noise definition"
                 raise ValueError(f"rank {rank} disagrees with rank 0 on {what}. Every rank must start with the "
                                  "same seed, configuration and model, or the noise would not match.")
+
+
+def _check_batch(batch) -> None:
+    """A plain list is ambiguous (a list of micro-batches, or one batch that is a list): refuse it in one line."""
+    if isinstance(batch, list):
+        raise ValueError(f"step() got a plain list of {len(batch)} items: pass MicroBatches([...]) for micro-batches "
+                         "(micro-batch j runs on rank j mod W; curvzo_ds.split_batch makes them), or a tuple or dict "
+                         "for this rank's own batch")
 
 
 def _rounds_away(e: ParamEntry) -> bool:
