@@ -17,7 +17,9 @@ import pytest
 
 from tests.helpers import COMMON, ENV, ROOT, run_checked
 
-pytestmark = pytest.mark.slow  # ~60 processes of 3-10 s each
+# ~110 processes of 3-10 s each, two at a time, all in the first test's set-up: more than the 600 s per test of
+# pyproject.toml on a loaded 2-core machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 DS = ROOT / "tests" / "ds_configs"
 # Train and eval cases start from the finished run's own settings, so only the case's key differs.
 BASE = [*COMMON, "--set", "max_steps=3", "--set", "output_dir={done}"]
