@@ -471,8 +471,9 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
 
 
 def config_dtype(conf) -> str | None:
-    """The dtype a model config names (transformers' `dtype`, formerly `torch_dtype`), if it is one plan knows."""
-    named = getattr(conf, "dtype", None) or getattr(conf, "torch_dtype", None)
+    """The dtype a model config names, if it is one plan knows (transformers reads a config.json's `torch_dtype`,
+    the older key, into `dtype` too)."""
+    named = getattr(conf, "dtype", None)
     name = str(named).removeprefix("torch.") if named is not None else None
     return name if name in WIDTH else None
 
