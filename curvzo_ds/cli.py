@@ -27,8 +27,10 @@ from .config import (
     differences,
     field_names,
     key_docs,
+    set_sources,
 )
 from .signals import EXIT_PREEMPTED
+from .startup import extensions_dir
 
 
 def _keys_help() -> str:
@@ -49,11 +51,7 @@ def read_values(config_file: str | None, sets: list[str], deepspeed: str | None)
     if config_file:
         if not os.path.isfile(config_file):
             raise ConfigError(f"--config {config_file}: no such file")
-        try:
-            with open(config_file) as f:
-                loaded = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--config {config_file}: not valid YAML ({str(e).splitlines()[0]})") from None
+        loaded = read_yaml(config_file)
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {config_file}: must be a mapping of key: value")
         values.update(loaded)
@@ -75,8 +73,42 @@ def read_values(config_file: str | None, sets: list[str], deepspeed: str | None)
     return {k: coerce(TrainConfig, k, v) for k, v in values.items()}
 
 
+def read_yaml(path: str):
+    """A YAML file's contents; a duplicate key or a syntax error is a one-line ConfigError naming its line."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            first: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, str) and key in first:
+                    raise ConfigError(f"--config {path} line {line}: duplicate key {key!r} (first at line "
+                                      f"{first[key]}): keep one")
+                first.setdefault(key, line)
+            return super().construct_mapping(node, deep)
+
+    try:
+        with open(path) as f:
+            return yaml.load(f, Loader=UniqueKeyLoader) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        reason = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--config {path}{where}: not valid YAML ({reason})") from None
+
+
+def key_sources(config_file: str | None, sets: list[str], values: dict) -> dict[str, str]:
+    """Where each explicitly given key came from: "--set" (a later --set wins over the file) or "--config FILE"."""
+    given = {item.split("=", 1)[0].strip() for item in sets if "=" in item}
+    return {k: "--set" if k in given else f"--config {config_file}" for k in values if k != "deepspeed"}
+
+
 def load_config(config_file: str | None, sets: list[str], deepspeed: str | None) -> TrainConfig:
-    cfg = build(TrainConfig, read_values(config_file, sets, deepspeed))
+    values = read_values(config_file, sets, deepspeed)
+    cfg = build(TrainConfig, values)
+    set_sources(cfg, key_sources(config_file, sets, values))
     cfg.validate()
     return cfg
 
@@ -117,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="curvzo-ds", description="CurvZO zeroth-order fine-tuning on ZeRO-3.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "train a model (one rank of a launcher's job, or alone)"),
-                       ("eval", "evaluate a checkpoint (or the initial model) on dev and test")):
+                       ("eval", "evaluate a checkpoint (--resume) on dev and test; without --resume, the untrained "
+                                "model (printed only, and refused where output_dir holds a run)")):
         p = sub.add_parser(name, help=text, epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", help="a YAML file of key: value")
         p.add_argument("--deepspeed", help="your DeepSpeed config (JSON); each key honoured, mapped or refused")
@@ -129,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the directory to write (from_pretrained loads it)")
     p.add_argument("--merge-lora", action="store_true",
                    help="LoRA runs: write the merged model to --out itself and the adapter to --out/adapter")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty --out (the new export is renamed into place when complete)")
     p = sub.add_parser("plot", help="draw loss and evaluation curves of runs to a PNG")
     p.add_argument("run_dirs", nargs="+", help="one or more run directories (output_dir), compared by colour")
     p.add_argument("--out", help="the PNG to write (default: metrics.png in the first run directory)")
@@ -146,14 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drift", choices=["bfloat16", "float16"],
                    help="instead: weight drift of DTYPE steps with and without fp32_master_weights")
     p = sub.add_parser("plan", help="per-rank memory of a model under ZeRO-3 with CurvZO, from its config",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Per-rank memory of CurvZO under ZeRO-3 from the model's config on the meta device "
                                    "(no weights), next to first-order AdamW; the last line says fits or does not "
                                    "fit. Formulas: docs/plan.md.")
-    p.add_argument("--model", default="demo", help="a model directory, a built-in name (opt-2.7b, llama2-7b, ...) "
-                                                   "or demo")
+    p.add_argument("--model", default="demo", help="a model directory, a built-in name (opt-2.7b, llama2-7b, ...), "
+                                                   "demo, or a hub id whose config is in the local cache (plan "
+                                                   "downloads nothing)")
     p.add_argument("--world-size", type=int, required=True, help="ranks W")
     p.add_argument("--shard-group-size", type=int, help="ranks K that share one ZeRO-3 partition (default W)")
-    p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (or bfloat16, float16, float32)")
+    p.add_argument("--dtype", default="auto", help="bf16, fp16 or fp32 (or bfloat16, float16, float32); auto: the "
+                                                   "model config's torch_dtype, else bf16")
     p.add_argument("--offload", default="none", choices=["none", "cpu"], help="offload_param")
     p.add_argument("--batch", type=int, default=4, help="sequences per forward on one rank")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
@@ -186,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     # The deepspeed launcher inserts --local_rank=N (before the subcommand); LOCAL_RANK has it too.
     argv = [a for a in argv if not re.match(r"--local[-_]rank=\d+$", a)]
     args = parser.parse_args(argv)
+    extensions_dir()  # a JIT build cache per Python environment, unless TORCH_EXTENSIONS_DIR is set (startup.py)
     try:
         if args.command == "train":
             cfg = load_config(args.config, args.set, args.deepspeed)
@@ -196,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             values = read_values(args.config, args.set, args.deepspeed)
             cfg, resume = eval_config(values, args.resume) if args.resume else (load_config(
                 args.config, args.set, args.deepspeed), None)
+            set_sources(cfg, key_sources(args.config, args.set, values))
             from .run import run_eval
 
             with stdout_to_stderr() as stdout:  # only the JSON result goes to stdout: `curvzo-ds eval | jq` works
@@ -205,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "export":
             from .export import export_checkpoint
 
-            for line in export_checkpoint(args.checkpoint, args.out, args.merge_lora):
+            for line in export_checkpoint(args.checkpoint, args.out, args.merge_lora, args.overwrite):
                 print(line)
         elif args.command == "plot":
             from .plot import plot_runs
@@ -284,13 +324,23 @@ def _ints(text: str, option: str) -> list[int]:
     return values
 
 
+def mark_preempted() -> None:
+    """For launch/preempt.bash: a file in CURVZO_DS_EXIT_DIR says that this rank stopped on a signal after the
+    checkpoint that every rank saved (the launchers themselves exit 1 then; the scripts in launch/ exit 3)."""
+    directory = os.environ.get("CURVZO_DS_EXIT_DIR")
+    if directory and os.path.isdir(directory):
+        with contextlib.suppress(OSError):
+            open(os.path.join(directory, f"preempted-{os.getpid()}"), "w").close()
+
+
 def entry() -> None:
     """The console script and `python -m curvzo_ds.cli`: a crash in native code (a segfault or an abort in a
     communication library) prints every thread's Python stack to stderr, so a cluster job's log shows where."""
     faulthandler.enable()
     code = main()
     if code == EXIT_PREEMPTED:  # every rank is here at once (run_train's barrier): leave without the interpreter's
-        logging.shutdown()      # teardown, which can take seconds, so that srun --kill-on-bad-exit ends no rank
+        mark_preempted()        # teardown, which can take seconds, so that srun --kill-on-bad-exit ends no rank
+        logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

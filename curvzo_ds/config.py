@@ -102,6 +102,10 @@ class ZOConfig:
             need(_finite(self.zo_eps) and self.zo_eps > 0, "zo_eps", "a number > 0")
         need(_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a number >= 0")
         need(self.lr_scheduler_type in ("constant", "linear"), "lr_scheduler_type", "constant or linear")
+        if self.lr_scheduler_type == "linear" and self.max_steps == 0:
+            raise ConfigError("lr_scheduler_type=linear needs max_steps > 0, the step at which the learning rate "
+                              "reaches 0 (with max_steps=0 it would stay constant): set max_steps, or use "
+                              "lr_scheduler_type=constant")
         if self.max_steps is not None:
             need(isinstance(self.max_steps, int) and self.max_steps >= 0, "max_steps", "an integer >= 0")
         for key in ("budget_min", "budget_max", "budget"):
@@ -211,7 +215,8 @@ class TrainConfig(ZOConfig):
                     "max_new_tokens", "lora_r", "lora_alpha", "logging_steps"):
             need(_posint(getattr(self, key)), key, "an integer >= 1")
         for key in ("save_steps", "eval_steps"):
-            need(isinstance(getattr(self, key), int) and getattr(self, key) >= 0, key, "an integer >= 0 (0: never)")
+            need(isinstance(getattr(self, key), int) and getattr(self, key) >= 0, key,
+                 "an integer >= 0 (0: only at the end)")
         if self.num_dev is not None:
             need(isinstance(self.num_dev, int) and self.num_dev >= 0, "num_dev", "an integer >= 0")
         if self.save_total_limit is not None:
@@ -334,6 +339,18 @@ def differences(saved: dict[str, Any], values: dict[str, Any], keys) -> list[str
     return [f"{k}: {old[k]!r} -> {values[k]!r}" for k in keys if k in values and values[k] != old[k]]
 
 
+def set_sources(cfg, sources: dict[str, str]):
+    """Record where each explicitly given key of `cfg` came from ("--set", "--config FILE"). The DeepSpeed mapping
+    reads it: a key given there and set to another value by the DeepSpeed config is refused (docs/deepspeed.md).
+    Not a field: it goes into no config.json."""
+    cfg._sources = dict(sources)
+    return cfg
+
+
+def sources_of(cfg) -> dict[str, str]:
+    return getattr(cfg, "_sources", {})
+
+
 def to_dict(cfg) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
@@ -344,4 +361,4 @@ def zo_part(cfg: TrainConfig) -> ZOConfig:
 
 
 __all__ = ["ZOConfig", "TrainConfig", "ConfigError", "RunEnded", "build", "resolve_presets", "zo_part", "key",
-           "key_docs"]
+           "key_docs", "set_sources", "sources_of"]

@@ -20,6 +20,8 @@ import subprocess
 import torch
 import torch.distributed as dist
 
+from .startup import extensions_dir, stdout_to_log
+
 log = logging.getLogger("curvzo_ds")
 
 
@@ -78,15 +80,17 @@ def init_distributed(timeout_seconds: float = 1800):
             env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             env.setdefault("MASTER_ADDR", "127.0.0.1")
             env.setdefault("MASTER_PORT", str(_free_port()))
-        import deepspeed
+        extensions_dir()  # DeepSpeed's CPU op is built once per Python environment (startup.py)
+        import deepspeed  # outside stdout_to_log: its logger keeps the sys.stdout it finds on import
 
-        port = int(env.get("MASTER_PORT", "29500"))
-        if kind == "mpi":  # MPI discovery ignores MASTER_PORT (always 29500): use rank 0's, as for MASTER_ADDR
-            from mpi4py import MPI
+        with stdout_to_log():
+            port = int(env.get("MASTER_PORT", "29500"))
+            if kind == "mpi":  # MPI discovery ignores MASTER_PORT (always 29500): use rank 0's, as for MASTER_ADDR
+                from mpi4py import MPI
 
-            port = MPI.COMM_WORLD.bcast(port, root=0)
-        deepspeed.init_distributed(auto_mpi_discovery=(kind == "mpi"), verbose=False, distributed_port=port,
-                                   timeout=datetime.timedelta(seconds=timeout_seconds))
+                port = MPI.COMM_WORLD.bcast(port, root=0)
+            deepspeed.init_distributed(auto_mpi_discovery=(kind == "mpi"), verbose=False, distributed_port=port,
+                                       timeout=datetime.timedelta(seconds=timeout_seconds))
         _unlink_shm_buffer()
     rank, world = dist.get_rank(), dist.get_world_size()
     return rank, world, local_rank_of()

@@ -8,6 +8,8 @@ dtype, ZeRO stage, parameter offload) into `cfg`, and returns the dict to hand t
 What cannot be served raises `ConfigError` naming the key, the reason and the fix.
 
 Policy:
+- a key mapped onto `TrainConfig` that the user also set explicitly (`--set` or the YAML) to another value is
+  refused, naming both values and where each came from (DESIGN.md §5); set in one place only, it is taken from there.
 - batch keys map to `global_batch_size`/`micro_batch_size` ("auto" keeps ours). DeepSpeed's own
   batch fields are then set to `micro`, `1`, `micro * world_size`, which it accepts at any world
   size; the engine does its own batching.
@@ -35,7 +37,7 @@ import copy
 import json
 from typing import Any
 
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, sources_of
 from .ds_policy import (
     BATCH_KEYS,
     DROPPED,
@@ -69,13 +71,16 @@ def load_ds_config(path: str) -> dict:
 
 
 def resolve_ds_config(user: dict | None, cfg: TrainConfig, world_size: int,
-                      hidden_size: int | None) -> tuple[dict, list[str]]:
+                      hidden_size: int | None, where: str = "the deepspeed config") -> tuple[dict, list[str]]:
     """Map `user` onto `cfg` and return (config for deepspeed.initialize, warnings).
 
-    Only the `MAPPED_FIELDS` of `cfg` change, and only when no ConfigError is raised; the
-    user's keys win over `cfg`'s values. `user` itself is not edited.
+    Only the `MAPPED_FIELDS` of `cfg` change, and only when no ConfigError is raised. A key that `cfg` was given
+    explicitly (config.sources_of: `--set` or the YAML) and that `user` sets to another value is refused, naming
+    both values and where each came from (`where`: the DeepSpeed config's name); otherwise the user's keys win
+    over `cfg`'s defaults. `user` itself is not edited.
     """
     user = copy.deepcopy(user or {})
+    given = copy.deepcopy(user)
     staged = copy.copy(cfg)
     warnings: list[str] = []
     out: dict[str, Any] = {}
@@ -86,6 +91,7 @@ def resolve_ds_config(user: dict | None, cfg: TrainConfig, world_size: int,
     _map_batch(user, staged, world_size, warnings)
     _map_dtype(user, staged, warnings)
     zero = _map_zero(user.pop("zero_optimization", None), staged, hidden_size, warnings)
+    _refuse_conflicts(given, cfg, staged, world_size, where)
 
     for key, reason in DROPPED.items():
         if key in user:
@@ -117,6 +123,34 @@ def resolve_ds_config(user: dict | None, cfg: TrainConfig, world_size: int,
     for name in MAPPED_FIELDS:
         setattr(cfg, name, getattr(staged, name))
     return out, warnings
+
+
+def _refuse_conflicts(given: dict, cfg: TrainConfig, staged: TrainConfig, world_size: int, where: str) -> None:
+    """DESIGN.md's rule: a key set explicitly (--set or the YAML) that the DeepSpeed config maps to another value is
+    refused in one line naming both values and where each came from."""
+    explicit = sources_of(cfg)
+    for name in MAPPED_FIELDS:
+        mine = getattr(cfg, name)
+        if name in explicit and mine != getattr(staged, name):
+            theirs = _ds_setting(given, name, staged, world_size)
+            raise ConfigError(f"{name}={mine} ({explicit[name]}) conflicts with {theirs} ({where}): make them agree, "
+                              "or remove one of the two")
+
+
+def _ds_setting(given: dict, name: str, staged: TrainConfig, world_size: int) -> str:
+    """The DeepSpeed key (and value) that set `name` in `staged`, as the user wrote it."""
+    if name == "global_batch_size":
+        if _batch_value(given.get("train_batch_size"), "train_batch_size") is not None:
+            return f"train_batch_size={given['train_batch_size']}"
+        return (f"gradient_accumulation_steps={given.get('gradient_accumulation_steps')} (x micro_batch_size "
+                f"{staged.micro_batch_size} x {world_size} rank{'s' * (world_size != 1)} = {staged.global_batch_size})")
+    if name == "micro_batch_size":
+        return f"train_micro_batch_size_per_gpu={given.get('train_micro_batch_size_per_gpu')}"
+    if name == "dtype":
+        return f"{'bf16' if staged.dtype == 'bfloat16' else 'fp16'}.enabled=true"
+    if name == "zero_stage":
+        return f"zero_optimization.stage={staged.zero_stage}"
+    return f"zero_optimization.offload_param.device={staged.offload_param}"
 
 
 def _map_batch(user: dict, cfg: TrainConfig, world_size: int, warnings: list[str]) -> None:

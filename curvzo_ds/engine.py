@@ -98,8 +98,8 @@ class StepTimer:
 class ZOEngine:
     """Zeroth-order training of `model` (an nn.Module or a DeepSpeed engine) on `loss_fn`.
 
-    `loss_fn(model, micro_batch)` returns `(loss_sum, count)` (docs/contracts.md) or a scalar mean
-    loss (count 1). Only parameters with `requires_grad` are perturbed, so LoRA works as is.
+    `loss_fn(model, micro_batch)` returns `(loss_sum, count)` (docs/contracts.md); a mean loss is `(mean, 1)`.
+    Only parameters with `requires_grad` are perturbed, so LoRA works as is.
     For an Accelerate loop, `curvzo_ds.from_accelerator` prepares the model and builds the engine.
     """
 
@@ -201,6 +201,7 @@ class ZOEngine:
         `stop_requested` (the CLI's pre-emption flag): summed over the ranks in the step's own all-reduce, so that
         every rank learns at the same step that one of them was asked to stop (`StepResult.stop`).
         """
+        _check_batch(batch)
         cfg = self.cfg
         if cfg.static_mask and self.static_mask is None:
             raise ValueError(f"static_mask={cfg.static_mask} needs its mask: call engine.fit_static_mask(batches) "
@@ -331,6 +332,7 @@ class ZOEngine:
     @torch.no_grad()
     def loss(self, batch) -> float:
         """The loss of the current weights on `batch` (same reduction as a step, no perturbation)."""
+        _check_batch(batch)
         was_training = self.module.training
         self.module.eval()
         try:
@@ -464,8 +466,21 @@ class ZOEngine:
 
 
 def loss_parts(out) -> tuple:
-    """(loss_sum, count) of a loss function's result: the pair, or a scalar mean loss with count 1."""
-    return tuple(out) if isinstance(out, tuple | list) else (out, 1.0)
+    """(loss_sum, count) of a loss function's result (docs/contracts.md); anything else is refused in one line."""
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        shown = f"a {type(out).__name__}" if not torch.is_tensor(out) else f"a tensor of shape {list(out.shape)}"
+        raise ValueError(f"loss_fn returned {shown}: it must return (loss_sum, count), and the step's loss is "
+                         "the sum of loss_sum over the sum of count (docs/contracts.md); for a mean loss return "
+                         "(mean, 1)")
+    return tuple(out)
+
+
+def _check_batch(batch) -> None:
+    """A plain list is ambiguous (a list of micro-batches, or one batch that is a list): refuse it in one line."""
+    if isinstance(batch, list):
+        raise ValueError(f"step() got a plain list of {len(batch)} items: pass MicroBatches([...]) for micro-batches "
+                         "(micro-batch j runs on rank j mod W; curvzo_ds.split_batch makes them), or a tuple or dict "
+                         "for this rank's own batch")
 
 
 def _rounds_away(e: ParamEntry) -> bool:

@@ -40,8 +40,8 @@ class ZOTrainer(Trainer):
     From TrainingArguments: learning_rate, weight_decay, lr_scheduler_type (constant or linear),
     max_steps (or num_train_epochs), seed, the logging / eval / save strategies and steps,
     save_total_limit, metric_for_best_model, report_to and `deepspeed`. The ZO method's own
-    options come from `zo_config`. `loss_fn(model, batch)` returns `(loss_sum, count)` or a mean
-    loss; it defaults to the Trainer's `compute_loss`. Each rank steps on its own batch of the
+    options come from `zo_config`. `loss_fn(model, batch)` returns `(loss_sum, count)`; it defaults to the
+    Trainer's `compute_loss`, a mean loss, as `(mean, 1)`. Each rank steps on its own batch of the
     sharded loader, so the trajectory depends on the world size (the CLI, or `split_batch` in an
     Accelerate loop, does not). Checkpoints: `output_dir/checkpoint-<step>/` in this project's
     format with trainer_state.json; `train(resume_from_checkpoint=...)` continues bit for bit.
@@ -90,7 +90,7 @@ class ZOTrainer(Trainer):
                     max_steps=max_steps, seed=args.seed)
 
     def _zo_loss(self, model, batch):
-        return self.compute_loss(model, self._prepare_inputs(batch))
+        return self.compute_loss(model, self._prepare_inputs(batch)), 1  # a mean loss: each rank's batch weighs 1
 
     def _zo_setup(self, max_steps: int) -> ZOEngine:
         overrides = self._zo_overrides(max_steps)

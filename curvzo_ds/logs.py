@@ -15,6 +15,7 @@ import time
 
 from .config import ConfigError
 from .jsonio import dumps, replace_atomic
+from .startup import take_captured
 
 METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger("curvzo_ds")
@@ -149,6 +150,8 @@ def setup_logging(rank: int, level: str) -> None:
     root.addHandler(pending)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for line in take_captured():  # DeepSpeed's start-up prints, kept off stdout (startup.py)
+        log.info("deepspeed: %s", line)
 
 
 class PendingRecords(logging.Handler):
@@ -214,11 +217,20 @@ def progress_logging(bar):
 
 
 def make_progress(cfg, rank: int, start: int):
-    """A tqdm bar on rank 0 when stderr is a terminal, else log lines (every `progress_interval` seconds)."""
+    """A tqdm bar on rank 0 when stderr is a terminal with a width, else log lines (every `progress_interval`
+    seconds): a terminal that reports 0 columns (some container and CI consoles) shows no tqdm bar at all."""
     if rank != 0 or cfg.disable_tqdm:
         return None
-    if not sys.stderr.isatty():
+    if not sys.stderr.isatty() or terminal_columns() == 0:
         return LogProgress(cfg.max_steps, start, cfg.progress_interval)
     from tqdm.auto import tqdm
 
     return tqdm(total=cfg.max_steps, initial=start, desc="curvzo", unit="step", dynamic_ncols=True)
+
+
+def terminal_columns() -> int:
+    """The width of the terminal on stderr (0 when it reports none)."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        return 0

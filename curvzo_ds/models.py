@@ -10,6 +10,7 @@ The demo models are tiny and built whole on every rank from a config and a fixed
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -18,6 +19,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from . import ds_compat
 from .config import DEMO_MODELS, ConfigError, TrainConfig
+from .hub import offline_unless_reachable
 from .tasks import demo_model_config
 from .tasks import load_tokenizer as load_demo_tokenizer
 
@@ -33,6 +35,7 @@ def model_hidden_size(cfg: TrainConfig) -> int | None:
     """The hidden size, for DeepSpeed's "auto" bucket sizes (read from the config only)."""
     if cfg.model in DEMO_MODELS:
         return demo_model_config(demo_kind(cfg.model)).hidden_size
+    probe_hub(cfg.model)
     try:
         conf = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     except OSError as e:
@@ -51,10 +54,17 @@ def refused(key: str, value: str, e: ValueError) -> ConfigError:
     return ConfigError(f"{key}={value!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
 
+def probe_hub(name: str) -> None:
+    """Before a hub id is resolved: one probe, so that an unreachable hub fails at once (hub.py)."""
+    if not os.path.isdir(name):
+        offline_unless_reachable()
+
+
 def load_tokenizer(cfg: TrainConfig):
     if cfg.tokenizer is None and cfg.model in DEMO_MODELS:
         tok = load_demo_tokenizer(demo_kind(cfg.model))
     else:
+        probe_hub(cfg.tokenizer or cfg.model)
         try:
             tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
         except ValueError as e:
@@ -74,6 +84,7 @@ def build_model(cfg: TrainConfig, ds_config: dict, group=None, mpu=None):
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(demo_model_config(demo_kind(cfg.model))).to(dtype)
     else:
+        probe_hub(cfg.model)
         if ds_config.get("zero_optimization", {}).get("stage") == 3:
             keep_alive = HfDeepSpeedConfig(ds_config)
         with ds_compat.zero_init_group(group if keep_alive is not None else None, mpu):

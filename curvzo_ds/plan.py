@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, OPTConfi
 
 from .config import ConfigError, TrainConfig
 from .ds_config import load_ds_config, resolve_ds_config
+from .hub import offline_unless_reachable
 from .tasks import demo_model_config
 
 GiB = 2**30
@@ -82,11 +83,13 @@ def model_config(model: str, trust_remote_code: bool = False):
         cls, fields = PUBLISHED[published_key(model)]
         conf = cls(**fields)
         return conf, 2 * n_params(conf), "hub"  # float16 files
+    offline_unless_reachable()
     try:
         return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code), None, "hub"
     except (OSError, ValueError):
-        raise ConfigError(f"--model {model}: not a local model directory, and not a built-in name ({names}, demo); "
-                          "hub ids cannot be fetched here, pass a directory holding its config.json") from None
+        raise ConfigError(f"--model {model}: not a local model directory, not a built-in name ({names}, demo), and "
+                          "its config is not in the hub cache (or the hub cannot be reached): pass a directory "
+                          "holding its config.json") from None
 
 
 def meta_model(conf) -> torch.nn.Module:
@@ -171,6 +174,7 @@ class Plan:
     #            and copied) + runtime
     adamw_states: int  # DeepSpeed's ZeRO-3 model-state estimate for AdamW (GPU bytes)
     adamw_per_row: int  # activations of one sequence kept for backward (`training_activation_bytes`)
+    dtype_from: str = ""  # where dtype came from when --dtype was not given
 
     @property
     def activations(self) -> int:
@@ -244,7 +248,8 @@ class Plan:
                   f"for backward; {self.adamw / max(self.total, 1):.1f}x)", self.adamw)]
         width = max(len(label) for label, _ in rows)
         lines = [f"curvzo-ds plan: {self.model}, {self.params / 1e9:.3f} B parameters in {self.tensors} tensors; "
-                 f"world size {self.world_size}, shard group {self.group}, {self.dtype}, offload_param "
+                 f"world size {self.world_size}, shard group {self.group}, {self.dtype}"
+                 f"{f' ({self.dtype_from})' if self.dtype_from else ''}, offload_param "
                  f"{self.offload}; {where} per rank {self.memory / GiB:.1f} GiB"]
         lines += [f"  {label:<{width}} {value / GiB:9.3f} GiB" for label, value in rows]
         lines.append(f"  largest batch that fits at {self.seq_len} tokens: {self.max_batch}")
@@ -367,10 +372,11 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
                 dtype: str = "bfloat16", offload: str = "none", batch: int = 4, seq_len: int = 512,
                 gpu_memory: int | str = 80 * GiB, fp32_master: bool | str = "auto", deepspeed: str | None = None,
                 device: str = "gpu", label_positions: int = 1, trust_remote_code: bool = False) -> Plan:
-    """The plan of one rank (rank 0, the largest). Raises ConfigError for what cannot be planned."""
+    """The plan of one rank (rank 0, the largest). Raises ConfigError for what cannot be planned. `dtype="auto"`: the
+    model config's torch_dtype when it names one of fp32, bf16, fp16, else bf16."""
     dtype = DTYPE_NAMES.get(dtype, dtype)
-    if dtype not in WIDTH:
-        raise ConfigError(f"--dtype {dtype}: use bf16, fp16 or fp32")
+    if dtype not in WIDTH and dtype != "auto":
+        raise ConfigError(f"--dtype {dtype}: use auto, bf16, fp16 or fp32")
     if isinstance(fp32_master, str) and fp32_master != "auto":
         fp32_master = {"true": True, "false": False}.get(fp32_master.lower(), fp32_master)
     if fp32_master not in ("auto", True, False):
@@ -389,8 +395,16 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
     memory = parse_memory(gpu_memory) if isinstance(gpu_memory, str) else int(gpu_memory)
 
     conf, checkpoint, source = model_config(model, trust_remote_code)
+    dtype_from = ""
+    if dtype == "auto":
+        dtype = config_dtype(conf)
+        dtype_from = "the model config's torch_dtype" if dtype else "--dtype auto: no torch_dtype in the model config"
+        dtype = dtype or "bfloat16"
+    asked = dtype
     zero, dtype, offload = zero_settings(deepspeed, dtype, offload, world_size,
                                          getattr(conf, "hidden_size", None) or getattr(conf, "d_model", None))
+    if dtype != asked:
+        dtype_from = f"the deepspeed config {deepspeed}"
     width = WIDTH[dtype]
     net = meta_model(conf)
     named = list(net.named_parameters())  # tied tensors once
@@ -453,7 +467,15 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
         tied=tied, runtime=runtime, per_row=per_row,
         table=TABLE_ROW * (len(numels) + len(persistent)), zo_state=16 * 8 * len(numels),
         checkpoint=checkpoint, load=load, adamw_states=adamw_states,
-        adamw_per_row=training_activation_bytes(conf, seq_len, width, label_positions))
+        adamw_per_row=training_activation_bytes(conf, seq_len, width, label_positions), dtype_from=dtype_from)
+
+
+def config_dtype(conf) -> str | None:
+    """The dtype a model config names, if it is one plan knows (transformers reads a config.json's `torch_dtype`,
+    the older key, into `dtype` too)."""
+    named = getattr(conf, "dtype", None)
+    name = str(named).removeprefix("torch.") if named is not None else None
+    return name if name in WIDTH else None
 
 
 def plan(**kwargs) -> Plan:

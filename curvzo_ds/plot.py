@@ -1,9 +1,10 @@
 """`curvzo-ds plot RUN... --out F.png`: one PNG of a set of runs, one colour per run.
 
 Panels: training loss (raw and smoothed); dev loss; the task metric on dev, with the best-dev step marked and
-the test score at that step (summary.json) labelled; the budget B and the blocks drawn; B as the fraction of
-parameters; d_eff / G and H; and a heat map of pi per block over steps (pi.bin, curvzo_ds/pilog.py) of the first
-run that has one. The title names the model, task and method.
+the test score at that step (summary.json) in a box inside the axes, one line per run; the budget B and the blocks
+drawn; B as the fraction of parameters; d_eff / G and H; and, when a run has one, a heat map of pi per block over
+steps (pi.bin, curvzo_ds/pilog.py) of the first such run. The title names the model, task and method; each run's
+legend label its method, LoRA rank, learning rate, seed and world size.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> str:
 
 
 def figure(run_dirs: list[str]):
-    """The matplotlib Figure of the runs: axes 0-5 the curves, 6 the heat map (then its colour bar)."""
+    """The matplotlib Figure of the runs: axes 0-5 the curves; 6 the heat map (then its colour bar) when a run has
+    a pi file. Without one (MeZO writes none) there is no heat-map row, and a note at the bottom says why."""
     runs = [load_run(d) for d in run_dirs]
     try:
         import matplotlib
@@ -76,25 +78,34 @@ def figure(run_dirs: list[str]):
     except ImportError:
         raise ConfigError("curvzo-ds plot needs matplotlib: pip install 'curvzo_ds[plot]'") from None
 
-    fig = plt.figure(figsize=(17, 13))
-    grid = fig.add_gridspec(3, 3, height_ratios=[1, 1, 1.5], hspace=0.38, wspace=0.22, top=0.92)
+    with_pi = any(run.pi is not None and len(run.pi[0]) for run in runs)
+    legend_rows = -(-len(runs) // 2)
+    head = 0.95 + 0.3 * legend_rows  # inches above the panels: the title, the legend (two runs a row), panel titles
+    height = (13 if with_pi else 8.6) + head
+    fig = plt.figure(figsize=(17, height))
+    rows = 3 if with_pi else 2
+    grid = fig.add_gridspec(rows, 3, height_ratios=[1, 1, 1.5][:rows], hspace=0.42, wspace=0.22,
+                            top=1 - head / height, bottom=0.05 if with_pi else 0.09)
     axes = [fig.add_subplot(grid[0, 0])]
     axes += [fig.add_subplot(grid[i // 3, i % 3], sharex=axes[0]) for i in range(1, 6)]
-    heat = fig.add_subplot(grid[2, :], sharex=axes[0])
     colors = [f"C{i % 10}" for i in range(len(runs))]
     panels = (_train_loss, _dev_loss, _dev_metric, _budget, _fraction, _d_eff)
     for ax, panel in zip(axes, panels):
+        ax.margins(x=0.02, y=0.12)
         empty = panel(ax, runs, colors)  # what to say when the runs have no data for it
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.margins(y=0.12)
         if not ax.lines:
             _no_data(ax, empty)
-    _heatmap(fig, heat, runs)
-    fig.suptitle(_title(runs), fontsize=14, y=0.995)
+    if with_pi:
+        _heatmap(fig, fig.add_subplot(grid[2, :], sharex=axes[0]), runs)
+    else:
+        fig.text(0.5, 0.01, f"no pi heat map: none of these runs has a pi file ({PI_FILE}); MeZO writes none, its "
+                 "pi is all 1", ha="center", va="bottom", color="0.4", fontsize=11)
+    fig.suptitle(_title(runs), fontsize=14, y=1 - 0.12 / height)
     handles = [plt.Line2D([], [], color=c, linewidth=2.5) for c in colors]
-    fig.legend(handles, [r.label for r in runs], loc="upper center", ncol=min(len(runs), 4), frameon=False,
-               bbox_to_anchor=(0.5, 0.975), fontsize=11)
+    fig.legend(handles, [r.label for r in runs], loc="upper center", ncol=min(len(runs), 2), frameon=False,
+               bbox_to_anchor=(0.5, 1 - 0.45 / height), fontsize=11)
     return fig
 
 
@@ -112,15 +123,32 @@ def load_run(run_dir: str) -> RunData:
                           "step")
     config, summary = _read_json(run_dir, "config.json"), _read_json(run_dir, "summary.json")
     name = os.path.basename(os.path.normpath(run_dir))
-    method = config.get("method") or summary.get("method")
     pi = None
     if has_pi(run_dir):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # a damaged pi file: no heat map
             pi = read_pi(run_dir)
-    return RunData(label=f"{name} ({method})" if method else name, config=config, summary=summary,
+    return RunData(label=run_label(name, config, summary), config=config, summary=summary,
                    train=[r for r in rows if "split" not in r],
                    dev=_by_step([r for r in rows if r.get("split") == "dev"]),
                    test=_by_step([r for r in rows if r.get("split") == "test"]), pi=pi)
+
+
+def run_label(name: str, config: dict, summary: dict) -> str:
+    """`name (method, LoRA r=8, lr 3e-4, seed 42, 2 ranks)`: what tells runs apart, from config.json and
+    summary.json (what a run lacks is left out)."""
+    method = config.get("method") or summary.get("method")
+    parts = [str(method)] if method else []
+    if config.get("lora"):
+        parts.append(f"LoRA r={config.get('lora_r')}" if config.get("lora_r") else "LoRA")
+    if _number(config.get("learning_rate")):
+        parts.append(f"lr {config['learning_rate']:g}")
+    seed = config.get("seed", summary.get("seed"))
+    if _number(seed):
+        parts.append(f"seed {seed}")
+    world = summary.get("world_size")
+    if _number(world):
+        parts.append(f"{world} rank{'s' if world != 1 else ''}")
+    return f"{name} ({', '.join(parts)})" if parts else name
 
 
 def _train_loss(ax, runs, colors) -> str:
@@ -147,8 +175,10 @@ def _dev_loss(ax, runs, colors) -> str:
 
 
 def _dev_metric(ax, runs, colors) -> str:
-    metrics = []
-    for index, (run, color) in enumerate(zip(runs, colors)):
+    import matplotlib.pyplot as plt
+
+    metrics, notes = [], []
+    for run, color in zip(runs, colors):
         metric = run.metric
         steps, values = _series(run.dev, metric) if metric else ([], [])
         if not steps:
@@ -160,13 +190,17 @@ def _dev_metric(ax, runs, colors) -> str:
             continue
         step, value, test = best
         ax.axvline(step, color=color, linestyle=":", linewidth=1)
-        if value is not None:
-            ax.plot([step], [value], "*", color=color, markersize=15, markeredgecolor="black", zorder=5)
-        text = f"best dev @ {step}" + (f"\ntest {metric} {test:.4g}" if test is not None else "\nno test score")
-        at = value if value is not None else values[steps.index(step)] if step in steps else values[-1]
-        ax.annotate(text, (step, at), xytext=(8, -14 - 30 * index),
-                    textcoords="offset points", fontsize=8, va="top",
-                    bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": color, "alpha": 0.9})
+        if value is not None:  # not clipped: the best step is often the last, on the axes' edge
+            ax.plot([step], [value], "*", color=color, markersize=15, markeredgecolor="black", zorder=5,
+                    clip_on=False)
+        shown = f" ({metric} {value:.3g})" if value is not None else ""
+        notes.append((color, f"best dev @ {step}{shown}: " +
+                      (f"test {metric} {test:.4g}" if test is not None else "no test score")))
+    if notes:  # one line per run in a box inside the axes, where the curves leave room (matplotlib's "best")
+        handles = [plt.Line2D([], [], color=c, marker="*", markersize=11, markeredgecolor="black", linestyle="")
+                   for c, _ in notes]
+        ax.legend(handles, [text for _, text in notes], loc="best", fontsize=8.5, framealpha=0.9,
+                  handletextpad=0.3, borderaxespad=0.4)
     name = "/".join(dict.fromkeys(metrics)) or "metric"
     ax.set(title=f"dev {name} (star: best dev, with the test score there)", ylabel=name)
     return "no data: no dev evaluations (num_dev, eval_steps)"
@@ -191,7 +225,9 @@ def _fraction(ax, runs, colors) -> str:
         steps, fraction = _series(run.train, "param_fraction")
         if steps:
             ax.plot(steps, fraction, color=color, linewidth=1.8)
-    ax.set(title="B as the fraction of parameters perturbed (expected)", ylabel="fraction of parameters")
+    ax.set_title("B as the fraction of parameters perturbed (expected)\nblocks differ in size: when pi moves to "
+                 "large blocks,\nfewer blocks hold more parameters", fontsize=10.5)
+    ax.set_ylabel("fraction of parameters")
     return "no data: no param_fraction logged"
 
 
@@ -208,12 +244,7 @@ def _d_eff(ax, runs, colors) -> str:
 
 
 def _heatmap(fig, ax, runs) -> None:
-    index = next((i for i, run in enumerate(runs) if run.pi is not None and len(run.pi[0])), None)
-    if index is None:
-        ax.set_title("pi per block")
-        ax.tick_params(labelbottom=False, bottom=False)  # not set_xticks: the x axis is shared
-        _no_data(ax, f"no data: none of these runs has a pi file ({PI_FILE}); MeZO writes none, its pi is all 1")
-        return
+    index = next(i for i, run in enumerate(runs) if run.pi is not None and len(run.pi[0]))
     run = runs[index]
     steps, names, pi = run.pi
     cols = widest_blocks(pi, HEATMAP_BLOCKS)

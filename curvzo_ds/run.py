@@ -51,6 +51,18 @@ from .tasks.splits import data_source
 log = logging.getLogger("curvzo_ds")
 
 
+def warn_idle_ranks(cfg: TrainConfig, group_size: int) -> None:
+    """A global batch of fewer micro-batches than the ranks that share it leaves ranks with no examples: they run
+    zero-weight forwards only (ZeRO-3's gathers are collective), so the job is as slow as one with more data."""
+    parts = -(-cfg.global_batch_size // cfg.micro_batch_size)
+    if parts < group_size:
+        log.warning("global_batch_size=%d in micro-batches of %d is %d micro-batch%s per step for %d ranks: %d of "
+                    "them get no examples and only keep ZeRO-3's gathers in step: give each rank a micro-batch "
+                    "(global_batch_size >= %d x micro_batch_size), or start fewer ranks", cfg.global_batch_size,
+                    cfg.micro_batch_size, parts, "" if parts == 1 else "es", group_size, group_size - parts,
+                    group_size)
+
+
 def load_data(cfg: TrainConfig) -> tuple:
     """(task, tokenizer, encoded train examples, {"dev"/"test": encoded examples}) as `curvzo-ds train` uses them."""
     task = get_task(cfg.task)
@@ -80,11 +92,15 @@ class Run:
         self.shard_group, self.replica_group = shard_groups(group_size)
         user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()
         # Each replica group processes the whole global batch: DeepSpeed's data-parallel world is the group.
-        self.ds_config, notes = resolve_ds_config(user_ds, cfg, group_size, model_hidden_size(cfg))
+        self.ds_config, notes = resolve_ds_config(user_ds, cfg, group_size, model_hidden_size(cfg),
+                                                  f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else
+                                                  "the Accelerate config")
         for note in notes:
             log.warning("deepspeed config: %s", note)
         cfg.validate()
         self.cfg = cfg
+        if self.rank == 0:
+            warn_idle_ranks(cfg, group_size)
         try:  # the task and its data are the user's: their errors are one line (exit 2), on every rank
             with main_process_first(Comm()):  # rank 0 fills the download and tokenizer caches first
                 self.task, self.tokenizer, self.train_data, self.eval_data = load_data(cfg)
@@ -194,13 +210,21 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
         pi_log.close()
         if bar is not None:
             bar.close()
-    if saved != engine.step_count:
+    if saved != engine.step_count and not _resumed_at(run, manager.path_for(engine.step_count)):
         save()
     step = engine.step_count  # the weights' steps: the best checkpoint may be loaded below to evaluate test
     digest = params_digest(engine.entries, engine.world)
     final, best, test = _final_evaluations(run, manager, writer, last_dev)
+    best = _with_digest(run, best, step, digest)
     writer.close()
     return _finish(run, manager, step, digest, final, best, test, time.time() - start)
+
+
+def _resumed_at(run: Run, checkpoint: str) -> bool:
+    """Whether the run resumed from `checkpoint` itself: a resume that took no step (max_steps equal to the
+    checkpoint's step) does not write it again (its eval.json stays)."""
+    loaded = getattr(run, "resumed_from", None)
+    return bool(loaded) and os.path.isdir(checkpoint) and os.path.samefile(loaded, checkpoint)
 
 
 def _start(run: Run, manager: CheckpointManager, resume) -> float:
@@ -208,7 +232,7 @@ def _start(run: Run, manager: CheckpointManager, resume) -> float:
     the directory itself (another run, a file, no space, no permission). Then the log file, the resumed state and
     config.json. Returns the seconds the resumed run had already trained."""
     cfg, engine = run.cfg, run.engine
-    path = manager.resume_path(resume)
+    path = run.resumed_from = manager.resume_path(resume)
     trainer = check_resume(run, path) if path else None
     prepare_output_dir(cfg, bool(resume), engine.world)
     log_to_file(os.path.join(cfg.output_dir, "logs", f"rank-{run.rank:05d}.log"), append=bool(resume))
@@ -249,6 +273,28 @@ def _final_evaluations(run: Run, manager: CheckpointManager, writer: MetricsWrit
     return final, best, test
 
 
+def _with_digest(run: Run, best: dict | None, step: int, digest: str) -> dict | None:
+    """The best-dev result with its parameters' digest: the final one, or that of its checkpoint (loaded here unless
+    _final_evaluations already loaded it to evaluate test)."""
+    if best is None or best["step"] == step:
+        return best and {**best, "digest": digest}
+    if run.engine.step_count != best["step"]:
+        load_checkpoint(run.engine, best["checkpoint"])
+    return {**best, "digest": params_digest(run.engine.entries, run.engine.world)}
+
+
+def done_line(metric: str, step: int, best: dict | None, test: dict | None, final: dict, checkpoint: str,
+              digest: str) -> str:
+    """The run's last log line: the best-dev checkpoint's test score and digest (MeZO's rule), then the final
+    weights' (summary.json's `best_dev`, `test`, `final` and `params_digest`)."""
+    score = lambda metrics: f"test {metric} {_fmt_value((metrics or {}).get(metric))}"  # noqa: E731
+    parts = [f"done: {step} steps"]
+    if best:
+        parts.append(f"best dev at step {best['step']} ({best['checkpoint']}): {score(test)}, digest {best['digest']}")
+    parts.append(f"final step {step} ({checkpoint}): {score(final.get('test'))}, digest {digest}")
+    return "; ".join(parts)
+
+
 def _finish(run: Run, manager: CheckpointManager, step: int, digest: str, final: dict, best: dict | None,
             test: dict | None, wall_seconds: float) -> dict:
     """summary.json (rank 0) and the done line for a run that ended at `step`; every rank returns the summary."""
@@ -263,7 +309,8 @@ def _finish(run: Run, manager: CheckpointManager, step: int, digest: str, final:
         "seed": cfg.seed,
         "steps": step,  # the steps the weights have (a resume past max_steps is refused)
         "final": final,
-        "best_dev": ({"step": best["step"], **best["metrics"]} if best else None),
+        "best_dev": ({"step": best["step"], **best["metrics"], "checkpoint": best["checkpoint"],
+                      "digest": best["digest"]} if best else None),
         "test": test,
         "skipped_steps": engine.skipped_total,
         "num_blocks": engine.num_blocks,
@@ -280,9 +327,7 @@ def _finish(run: Run, manager: CheckpointManager, step: int, digest: str, final:
     }
     if run.rank == 0:
         write_json_atomic(os.path.join(cfg.output_dir, "summary.json"), summary)
-        where = (f"at the best-dev checkpoint, step {best['step']} (MeZO's rule)" if best else "at the last step")
-        log.info("done: %d steps; test %s %s %s; digest %s", cfg.max_steps, manager.metric,
-                 _fmt_value((test or {}).get(manager.metric)), where, digest)
+        log.info("%s", done_line(manager.metric, step, best, test, final, manager.path_for(step), digest))
     engine.world.barrier()
     return summary
 
@@ -428,8 +473,11 @@ def probe_write(directory: str, size: int = 1 << 16) -> None:
 
 
 def run_eval(cfg: TrainConfig, resume: str | bool | None = None) -> dict | None:
-    """Evaluate a checkpoint (or the initial model) on dev and test; rank 0 writes output_dir/eval.json and returns
-    the results (other ranks return None)."""
+    """Evaluate a checkpoint on dev and test; rank 0 writes output_dir/eval.json and returns the results (other ranks
+    return None). Without `resume` it evaluates the untrained model and writes nothing (only the CLI's stdout has the
+    result), and it refuses an output_dir that holds a run: there the result would pass for the run's."""
+    if not resume:
+        refuse_untrained_eval_of_a_run(cfg.output_dir)
     run = Run(cfg)
     path = run.checkpoints().resume_path(resume)
     if path:
@@ -438,11 +486,26 @@ def run_eval(cfg: TrainConfig, resume: str | bool | None = None) -> dict | None:
     results["step"] = run.engine.step_count
     results["params_digest"] = params_digest(run.engine.entries, run.engine.comm)
     if run.rank == 0:
+        if not path:
+            log.info("evaluated the untrained model (no --resume); nothing written: pass --resume CHECKPOINT to "
+                     "evaluate a checkpoint")
+            return results
         os.makedirs(run.cfg.output_dir, exist_ok=True)
         write_json_atomic(os.path.join(run.cfg.output_dir, "eval.json"), results)
         log.info("wrote %s", os.path.join(run.cfg.output_dir, "eval.json"))
         return results
     return None
+
+
+def refuse_untrained_eval_of_a_run(out: str) -> None:
+    """`eval` without --resume next to a run: one line that points to --resume (issue 28)."""
+    held = sorted(n for n in (os.listdir(out) if os.path.isdir(out) else [])
+                  if n in RUN_FILES or n.startswith("checkpoint-"))
+    if held:
+        raise ConfigError(f"output_dir={out} holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}), "
+                          "and without --resume eval would evaluate the untrained model: pass --resume for its newest "
+                          "checkpoint (or --resume CHECKPOINT), or set output_dir to another directory to evaluate "
+                          "the untrained model")
 
 
 def config_hash(config: dict) -> str:

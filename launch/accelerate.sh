@@ -2,5 +2,7 @@
 # accelerate launch with the ZeRO-3 config; several nodes, run on each: NPROC=<ranks in all> ACCELERATE_ARGS=
 # "--num_machines N --machine_rank R --main_process_ip HOST --main_process_port PORT
 # --deepspeed_multinode_launcher standard" (without `standard`, DeepSpeed's pdsh runs from machine 0 only).
-exec accelerate launch --config_file "${ACCELERATE_CONFIG:-ds_configs/accelerate_zero3.yaml}" \
+# Exit code 3: the ranks (on this machine) stopped on a signal after a checkpoint (launch/preempt.bash).
+source "$(dirname "${BASH_SOURCE[0]}")/preempt.bash"
+run_job accelerate launch --config_file "${ACCELERATE_CONFIG:-ds_configs/accelerate_zero3.yaml}" \
     --num_processes "${NPROC:-2}" ${ACCELERATE_ARGS:-} -m curvzo_ds.cli train --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"

@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Installed means: the project's distribution is there (the source tree alone also imports) with its test extras.
 if ! python -c "import importlib.metadata as m; m.version('curvzo_ds'); import deepspeed, peft, pytest" 2>/dev/null; then
-    python -m pip install -q torch==2.13.0          # the CPU wheel; an unpinned torch pulls CUDA
+    python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu  # PyPI's pulls CUDA
     python -m pip install -q -e ".[test]"
 fi
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" OMP_NUM_THREADS=1
-exec torchrun --nproc_per_node "${NPROC:-2}" --master_port "${MASTER_PORT:-29500}" -m curvzo_ds.cli train --deepspeed ds_configs/zero3.json --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"
+source launch/preempt.bash  # exit code 3: stopped on a signal after a checkpoint
+run_job torchrun --nproc_per_node "${NPROC:-2}" --master_port "${MASTER_PORT:-29500}" -m curvzo_ds.cli train --deepspeed ds_configs/zero3.json --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"

@@ -3,4 +3,6 @@
 extra=()
 if [ "$(id -u)" = 0 ]; then extra+=(--allow-run-as-root); fi
 if [ "${NPROC:-2}" -gt "$(nproc)" ]; then extra+=(--oversubscribe); fi
-exec mpirun -np "${NPROC:-2}" "${extra[@]}" ${MPI_ARGS:-} python -m curvzo_ds.cli train --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"
+# Exit code 3: the ranks stopped on a signal after a checkpoint (launch/preempt.bash).
+source "$(dirname "${BASH_SOURCE[0]}")/preempt.bash"
+run_job mpirun -np "${NPROC:-2}" "${extra[@]}" ${MPI_ARGS:-} python -m curvzo_ds.cli train --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"

@@ -17,7 +17,9 @@ import pytest
 
 from tests.helpers import COMMON, ENV, ROOT, run_checked
 
-pytestmark = pytest.mark.slow  # ~60 processes of 3-10 s each
+# ~110 processes of 3-10 s each, two at a time, all in the first test's set-up: more than the 600 s per test of
+# pyproject.toml on a loaded 2-core machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 DS = ROOT / "tests" / "ds_configs"
 # Train and eval cases start from the finished run's own settings, so only the case's key differs.
 BASE = [*COMMON, "--set", "max_steps=3", "--set", "output_dir={done}"]
@@ -71,6 +73,12 @@ CASES = [
     ("config-missing", ["train", "--config", "{tmp}/none.yaml"], "none.yaml: no such file"),
     ("config-bad-yaml", ["train", "--config", "{tmp}/bad.yaml"], "not valid YAML"),
     ("config-a-list", ["train", "--config", "{tmp}/list.yaml"], "must be a mapping"),
+    ("config-duplicate-key", ["train", "--config", "{tmp}/duplicate.yaml"],
+     "duplicate.yaml line 3: duplicate key 'learning_rate' (first at line 1)"),
+    ("config-bad-yaml-line", ["train", "--config", "{tmp}/bad-line-3.yaml"], "bad-line-3.yaml line 3 column"),
+    ("linear-without-max-steps", ["train", "--set", "lr_scheduler_type=linear", "--set", "max_steps=0"],
+     "lr_scheduler_type=linear needs max_steps"),
+    ("save-steps-negative", ["train", "--set", "save_steps=-1"], "an integer >= 0 (0: only at the end)"),
     ("task-upper-case", ["train", "--set", "task=SST2"], "names are lower case"),
     ("model-missing", ["train", "--set", "model={tmp}/no-model"], "no-model"),
     ("model-remote-code", ["train", "--set", "model={tmp}/remote-model"], "runs only with trust_remote_code=true"),
@@ -94,6 +102,26 @@ CASES = [
     ("ds-bf16-and-fp16", ["train", "--deepspeed", "{ds}/bf16_and_fp16.json"], "bf16.enabled and fp16.enabled"),
     ("ds-mics", ["train", "--deepspeed", "{tmp}/mics.json"], "mics_shard_size"),
     ("ds-micro-batch-zero", ["train", "--deepspeed", "{tmp}/micro.json"], "train_micro_batch_size_per_gpu=0"),
+    # a key set explicitly (BASE's --set, or the YAML) that the --deepspeed file sets to another value (issue 28 §1):
+    # refused naming both values and where each came from, for every key the DeepSpeed config maps
+    ("ds-conflict-global-batch", ["train", "--deepspeed", "{tmp}/batch32.json"],
+     "global_batch_size=8 (--set) conflicts with train_batch_size=32 (--deepspeed {tmp}/batch32.json)"),
+    ("ds-conflict-accumulation", ["train", "--deepspeed", "{tmp}/accum2.json"],
+     "global_batch_size=8 (--set) conflicts with gradient_accumulation_steps=2 (x micro_batch_size 2 x 1 rank = 4)"),
+    ("ds-conflict-micro-batch", ["train", "--deepspeed", "{tmp}/micro4.json"],
+     "micro_batch_size=2 (--set) conflicts with train_micro_batch_size_per_gpu=4 (--deepspeed {tmp}/micro4.json)"),
+    ("ds-conflict-bf16", ["train", "--set", "dtype=float32", "--deepspeed", "{tmp}/bf16.json"],
+     "dtype=float32 (--set) conflicts with bf16.enabled=true (--deepspeed {tmp}/bf16.json)"),
+    ("ds-conflict-fp16", ["train", "--set", "dtype=bfloat16", "--deepspeed", "{tmp}/fp16.json"],
+     "dtype=bfloat16 (--set) conflicts with fp16.enabled=true"),
+    ("ds-conflict-stage", ["train", "--set", "zero_stage=3", "--deepspeed", "{tmp}/stage0.json"],
+     "zero_stage=3 (--set) conflicts with zero_optimization.stage=0"),
+    ("ds-conflict-offload", ["train", "--set", "offload_param=none", "--deepspeed", "{tmp}/offload.json"],
+     "offload_param=none (--set) conflicts with zero_optimization.offload_param.device=cpu"),
+    ("ds-conflict-from-yaml", ["train", "--config", "{tmp}/float32.yaml", "--deepspeed", "{tmp}/bf16.json"],
+     "dtype=float32 (--config {tmp}/float32.yaml) conflicts with bf16.enabled=true (--deepspeed {tmp}/bf16.json)"),
+    ("eval-ds-conflict", ["eval", "--resume", "{done}/checkpoint-3", "--deepspeed", "{tmp}/batch32.json"],
+     "global_batch_size=8 (--set) conflicts with train_batch_size=32"),
     # task directories
     ("task-dir-missing", ["train", "--set", "task={tmp}/no-task"], "neither a built-in task"),
     ("task-no-task-json", ["train", "--set", "task={tmp}/tasks/no-task-json"], "no task.json"),
@@ -124,6 +152,8 @@ CASES = [
     ("eval-no-run-config", ["eval", "--resume", "{done}"], "no run_config.json"),
     ("eval-checksum", ["eval", "--resume", "{tmp}/corrupt"], "checksum mismatch"),
     ("eval-changes-model", ["eval", "--set", "model=demo-opt", "--resume", "{done}/checkpoint-3"], "model"),
+    # eval with no --resume would evaluate the untrained model, next to a finished run (issue 28 §2)
+    ("eval-no-resume-on-a-run", ["eval"], "holds a run"),
     # export
     ("export-out-a-file", ["export", "{done}/checkpoint-3", "--out", "{done}/summary.json"], "existing file"),
     ("export-merge-full", ["export", "{done}/checkpoint-3", "--out", "{tmp}/merged", "--merge-lora"],
@@ -131,6 +161,8 @@ CASES = [
     ("export-not-a-checkpoint", ["export", "{done}", "--out", "{tmp}/export"], "no manifest.json"),
     ("export-missing", ["export", "{tmp}/no-checkpoint", "--out", "{tmp}/export"], "no-checkpoint"),
     ("export-checksum", ["export", "{tmp}/corrupt", "--out", "{tmp}/export"], "checksum mismatch"),
+    # an export over a non-empty directory would mix two exports' files (issue 28 §4)
+    ("export-out-not-empty", ["export", "{done}/checkpoint-3", "--out", "{done}"], "pass --overwrite"),
     # plot
     ("plot-empty-dir", ["plot", "{tmp}/empty"], "holds no metrics.jsonl"),
     ("plot-missing-dir", ["plot", "{tmp}/no-run"], "no such directory"),
@@ -179,6 +211,14 @@ def places(tmp_path_factory):
     (tmp / "list.json").write_text("[3]\n")
     (tmp / "mics.json").write_text(json.dumps({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}))
     (tmp / "micro.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 0}))
+    for name, ds in (("batch32", {"train_batch_size": 32}), ("accum2", {"gradient_accumulation_steps": 2}),
+                     ("micro4", {"train_micro_batch_size_per_gpu": 4}), ("bf16", {"bf16": {"enabled": True}}),
+                     ("fp16", {"fp16": {"enabled": True}}), ("stage0", {"zero_optimization": {"stage": 0}}),
+                     ("offload", {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})):
+        (tmp / f"{name}.json").write_text(json.dumps(ds))
+    (tmp / "float32.yaml").write_text("dtype: float32\n")
+    (tmp / "duplicate.yaml").write_text("learning_rate: 1e-3\nseed: 1\nlearning_rate: 1e-4\n")
+    (tmp / "bad-line-3.yaml").write_text("seed: 1\nzo_eps: 1e-3\nlearning_rate: 1e-3: 2\n")
     # Hub-style directories whose config names code of their own: it must never run (it would exit 1).
     for name, config, module in (("remote-model", "config.json", "configuration_x"),
                                  ("remote-tokenizer", "tokenizer_config.json", "tokenization_x")):
@@ -241,4 +281,4 @@ def test_a_bad_input_is_one_line_and_exit_2(places, outcomes, name, args, words)
 
 
 def test_the_table_is_large_and_its_ids_unique():
-    assert len(CASES) >= 50 and len({c[0] for c in CASES}) == len(CASES)
+    assert len(CASES) >= 112 and len({c[0] for c in CASES}) == len(CASES)

@@ -17,7 +17,7 @@ def engine():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
     x = torch.randn(16, 4)
-    return ZOEngine(model, lambda m, b: m(b).square().mean(), method="mezo", learning_rate=1e-2), x
+    return ZOEngine(model, lambda m, b: (m(b).square().mean(), 1), method="mezo", learning_rate=1e-2), x
 
 
 def weights(e):
@@ -71,7 +71,7 @@ def test_a_corrupt_incomplete_or_foreign_checkpoint_is_refused_by_name(tmp_path)
     os.remove(os.path.join(path, "manifest.json"))
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         ckpt.load_checkpoint(e, path)
-    other = ZOEngine(torch.nn.Sequential(torch.nn.Linear(4, 3)), lambda m, b: m(b).sum(), method="mezo")
+    other = ZOEngine(torch.nn.Sequential(torch.nn.Linear(4, 3)), lambda m, b: (m(b).sum(), 1), method="mezo")
     good = ckpt.write_checkpoint(e, str(tmp_path / "good"))
     with pytest.raises(ValueError, match="does not match this model's trainable parameters"):
         ckpt.load_checkpoint(other, good)

@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -104,3 +105,20 @@ def test_presets_are_mezos_for_full_and_lora_runs_and_give_way_to_the_user():
     assert (demo.learning_rate, demo.zo_eps, demo.max_steps, demo.eval_steps) == (3e-4, 1e-2, 300, 100)
     mine = resolve_presets(TrainConfig(model="facebook/opt-13b", learning_rate=1e-7, zo_eps=1e-4, max_steps=5))
     assert (mine.learning_rate, mine.zo_eps, mine.max_steps) == (1e-7, 1e-4, 5)
+
+
+def test_the_jit_cache_is_per_python_environment_and_the_users_setting_wins(monkeypatch, tmp_path):
+    """Issue 28 §11: two environments (sys.prefix) get two TORCH_EXTENSIONS_DIRs under the cache, so they never
+    rebuild each other's DeepSpeed op; a TORCH_EXTENSIONS_DIR set by the user is kept."""
+    from curvzo_ds import startup
+
+    monkeypatch.setenv("CURVZO_DS_CACHE", str(tmp_path))
+    dirs = []
+    for prefix in ("/opt/venvs/a", "/opt/venvs/b", "/opt/venvs/a"):
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        monkeypatch.setattr(sys, "prefix", prefix)
+        dirs.append(startup.extensions_dir())
+        assert os.environ["TORCH_EXTENSIONS_DIR"] == dirs[-1]
+    assert dirs[0] == dirs[2] != dirs[1] and all(d.startswith(str(tmp_path / "torch_extensions")) for d in dirs)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/my/own")
+    assert startup.extensions_dir() == "/my/own"

@@ -153,6 +153,53 @@ def test_bad_values_name_the_key(user, key):
     assert key in str(err.value)
 
 
+# DESIGN.md §5: every key a DeepSpeed config maps (ds_policy.MAPPED_FIELDS), set explicitly to another value, is
+# refused naming both values and both places. (DeepSpeed dict, the explicit key and value, the words of the error.)
+CONFLICTS = [
+    ({"train_batch_size": 32}, "global_batch_size", 8,
+     "global_batch_size=8 (--set) conflicts with train_batch_size=32"),
+    ({"gradient_accumulation_steps": 4}, "global_batch_size", 8,
+     "global_batch_size=8 (--set) conflicts with gradient_accumulation_steps=4 (x micro_batch_size 4 x 2 ranks = 32)"),
+    ({"train_micro_batch_size_per_gpu": 2}, "micro_batch_size", 4,
+     "micro_batch_size=4 (--set) conflicts with train_micro_batch_size_per_gpu=2"),
+    ({"bf16": {"enabled": True}}, "dtype", "float32", "dtype=float32 (--set) conflicts with bf16.enabled=true"),
+    ({"fp16": {"enabled": True}}, "dtype", "bfloat16", "dtype=bfloat16 (--set) conflicts with fp16.enabled=true"),
+    ({"zero_optimization": {"stage": 0}}, "zero_stage", 3,
+     "zero_stage=3 (--set) conflicts with zero_optimization.stage=0"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param", "none",
+     "offload_param=none (--set) conflicts with zero_optimization.offload_param.device=cpu"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "none"}}}, "offload_param", "cpu",
+     "offload_param=cpu (--set) conflicts with zero_optimization.offload_param.device=none"),
+]
+
+
+def test_every_mapped_key_has_a_conflict_case():
+    from curvzo_ds.ds_policy import MAPPED_FIELDS
+
+    assert {key for _, key, _, _ in CONFLICTS} == set(MAPPED_FIELDS)
+
+
+@pytest.mark.parametrize("user,key,value,words", CONFLICTS, ids=[f"{c[1]}-{i}" for i, c in enumerate(CONFLICTS)])
+def test_an_explicit_key_that_the_deepspeed_config_contradicts_is_refused(user, key, value, words):
+    from curvzo_ds.config import set_sources
+
+    cfg = set_sources(TrainConfig(**{key: value}), {key: "--set"})
+    with pytest.raises(ConfigError) as err:
+        resolve_ds_config(user, cfg, WORLD, HIDDEN, "--deepspeed ds.json")
+    assert str(err.value).startswith(words + " (--deepspeed ds.json)") and "\n" not in str(err.value)
+    assert cfg == TrainConfig(**{key: value})  # nothing half-applied
+    # The same key from a YAML file names the file; set there to the DeepSpeed value, it is no conflict; set only in
+    # the DeepSpeed config, the DeepSpeed value is taken.
+    yaml_cfg = set_sources(TrainConfig(**{key: value}), {key: "--config run.yaml"})
+    with pytest.raises(ConfigError, match=r"\(--config run\.yaml\) conflicts"):
+        resolve_ds_config(user, yaml_cfg, WORLD, HIDDEN)
+    taken = TrainConfig(**{key: value})
+    resolve_ds_config(user, taken, WORLD, HIDDEN)
+    agreed = set_sources(TrainConfig(**{key: getattr(taken, key)}), {key: "--set"})
+    resolve_ds_config(user, agreed, WORLD, HIDDEN)
+    assert getattr(agreed, key) == getattr(taken, key) != value
+
+
 def test_load_errors_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match="cannot be read"):
         load_ds_config(str(tmp_path / "missing.json"))

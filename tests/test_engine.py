@@ -135,7 +135,7 @@ def test_warmup_mean_is_applied_when_the_last_warmup_step_is_skipped(skip):
                    budget_max=budget, score_warmup_steps=warm)
 
     def loss(model, batch):
-        return model() * (math.nan if batch == "nan" else 1.0)
+        return model() * (math.nan if batch == "nan" else 1.0), 1
 
     engine = ZOEngine(Quadratic((4,) * 8, seed=1), loss, cfg)
     for _ in range(warm - 1):
@@ -316,7 +316,7 @@ def test_weight_decay_scales_selected_tensors_by_one_minus_lr_wd_over_pi():
     torch.manual_seed(0)
     net = TinyNet().double()
     lr, wd = 0.1, 0.5
-    engine = ZOEngine(net, lambda m, b: torch.tensor(1.0), ZOConfig(
+    engine = ZOEngine(net, lambda m, b: (torch.tensor(1.0), 1), ZOConfig(
         method="fixed", budget=0.5, budget_floor=0.2, score_init=1.0, score_warmup_steps=0, learning_rate=lr,
         zo_eps=1e-2, weight_decay=wd))
     engine.sampler.scores = torch.tensor([4.0, 1.0, 0.25, 0.5, 2.0, 0.1], dtype=torch.float64)
@@ -342,7 +342,7 @@ def test_loss_runs_without_autograd():
 
     def loss(model, batch):
         modes.append(torch.is_grad_enabled())
-        return model()
+        return model(), 1
 
     engine = ZOEngine(Quadratic(), loss, ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-3))
     assert torch.is_grad_enabled()
@@ -391,11 +391,11 @@ def test_step_forwards_run_in_eval_mode_so_dropout_cannot_split_l_plus_and_l_min
     ids = torch.randint(2, 64, (4, 12), generator=torch.Generator().manual_seed(1))
 
     def loss_fn(m, batch):
-        return m(input_ids=batch, labels=batch).loss
+        return m(input_ids=batch, labels=batch).loss, 1
 
     model.train()
     with torch.no_grad():
-        assert loss_fn(model, ids).item() != loss_fn(model, ids).item()  # dropout is live in train mode
+        assert loss_fn(model, ids)[0].item() != loss_fn(model, ids)[0].item()  # dropout is live in train mode
     engine = ZOEngine(model, loss_fn, ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-3))
     r = engine.step(ids)
     assert r.loss_plus == r.loss_minus and r.projected_grad == 0.0

@@ -7,6 +7,7 @@ difference shows the adapters trained and were exported).
 """
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -75,36 +76,64 @@ def test_lora_export_and_merge(lora_run, tmp_path):
 
 LOAD_AND_GENERATE = """
 import sys
-from peft import AutoPeftModelForCausalLM
+from peft import AutoPeftModelForCausalLM, PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
-kind, path = sys.argv[1], sys.argv[2]
-model = (AutoPeftModelForCausalLM if kind == "adapter" else AutoModelForCausalLM).from_pretrained(path).eval()
+how, path = sys.argv[1], sys.argv[2]
+if how == "full":
+    model = AutoModelForCausalLM.from_pretrained(path)
+elif how == "adapter":
+    model = AutoPeftModelForCausalLM.from_pretrained(path)
+else:  # the line export prints for loading from any directory: PeftModel onto the base named in sys.argv[3]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sys.argv[3]), path)
+model = model.eval()
 tokenizer = AutoTokenizer.from_pretrained(path)
 ids = tokenizer("A fun film. It was", return_tensors="pt").input_ids
 out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-print("new tokens", out.shape[1] - ids.shape[1])
+print("new tokens", out.shape[1] - ids.shape[1], "logits", model(ids).logits.sum().item())
 """
+
+
+def load_and_generate(how: str, path, cwd, *base) -> str:
+    env = {**ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", LOAD_AND_GENERATE, how, str(path), *map(str, base)], env=env,
+                          cwd=str(cwd), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "new tokens 4" in proc.stdout, (how, path, proc.stderr[-2000:])
+    return proc.stdout.split("logits")[1].strip()
 
 
 def test_every_export_loads_offline_in_a_fresh_process_and_generates(straight, lora_run, tmp_path, capsys):
     """Full, LoRA adapter (its base model named in adapter_config.json) and merged LoRA, each loaded with
-    from_pretrained by a new process with HF_HUB_OFFLINE=1 (no retries against the hub), then generate()."""
+    from_pretrained by a new process with HF_HUB_OFFLINE=1 (no retries against the hub), then generate(). The
+    demo's adapter names its base "base", relative to itself (issue 28 §5): AutoPeftModelForCausalLM loads it in
+    the adapter's directory, and the printed PeftModel line loads it from any directory, also after the export
+    was moved."""
     exports = {"full": (straight[0] / "checkpoint-12", []), "adapter": (lora_run[0] / "checkpoint-8", []),
                "merged": (lora_run[0] / "checkpoint-8", ["--merge-lora"])}
-    env = {**ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     for kind, (ckpt, extra) in exports.items():
         out = tmp_path / kind
         assert main(["export", str(ckpt), "--out", str(out), *extra]) == 0
         printed = capsys.readouterr().out
-        assert f"from_pretrained({str(out)!r})" in printed or f"from_pretrained({str(out / 'adapter')!r})" in printed
-        targets = [("full", out)] if kind == "full" else [("adapter", out)] if kind == "adapter" else [
-            ("full", out), ("adapter", out / "adapter")]
-        for how, path in targets:
-            proc = subprocess.run([sys.executable, "-c", LOAD_AND_GENERATE, how, str(path)], env=env,
-                                  capture_output=True, text=True, timeout=300)
-            assert proc.returncode == 0 and "new tokens 4" in proc.stdout, (kind, how, proc.stderr[-2000:])
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == str((tmp_path / "adapter" / "base").resolve())
+        if kind == "full":
+            assert f"from_pretrained({str(out)!r})" in printed
+            load_and_generate("full", out, tmp_path)
+            continue
+        adapter = out / "adapter" if kind == "merged" else out
+        recipe = f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({str(out / 'base')!r}), " \
+                 f"{str(adapter)!r})"
+        assert recipe in printed, printed
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == ("../base" if kind == "merged" else "base")
+        logits = load_and_generate("adapter", ".", adapter)  # in the adapter's directory
+        assert load_and_generate("anywhere", adapter, tmp_path, out / "base") == logits
+        if kind == "merged":
+            assert f"from_pretrained({str(out)!r})" in printed
+            load_and_generate("full", out, tmp_path)
+            continue
+        moved = tmp_path / "elsewhere" / "copied-export"
+        shutil.copytree(out, moved)
+        shutil.rmtree(out)
+        assert load_and_generate("adapter", ".", moved) == logits
+        assert load_and_generate("anywhere", moved, tmp_path, moved / "base") == logits
 
 
 def test_merge_lora_on_a_full_checkpoint_and_out_onto_a_file_are_one_line_errors(straight, tmp_path, capsys):
@@ -116,13 +145,37 @@ def test_merge_lora_on_a_full_checkpoint_and_out_onto_a_file_are_one_line_errors
     assert "existing file" in capsys.readouterr().err and (tmp_path / "file").read_text() == "keep me"
 
 
-def test_the_adapter_names_a_hub_id_as_given_and_a_local_directory_by_its_absolute_path(tmp_path, monkeypatch):
+def test_the_adapter_names_a_hub_id_as_given_and_a_local_directory_relative_to_itself(tmp_path, monkeypatch):
     """What export writes as base_model_name_or_path for the two non-demo kinds of model (the demo's is tested
-    above, by loading): from_pretrained(adapter) must find the base from any working directory."""
+    above, by loading): a hub id as given; a local directory by its path from the adapter (issue 28 §5), so that
+    moving the export and the model together keeps it loadable."""
     from curvzo_ds.config import TrainConfig
     from curvzo_ds.export import _base_model
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "my-model").mkdir()
-    assert _base_model(TrainConfig(model="my-model", lora=True), "out") == (str(tmp_path / "my-model"), None)
-    assert _base_model(TrainConfig(model="facebook/opt-125m", lora=True), "out") == ("facebook/opt-125m", None)
+    (tmp_path / "models" / "my-model").mkdir(parents=True)
+    assert _base_model(TrainConfig(model="models/my-model", lora=True), "stage", "exports/a", "exports/a") == \
+        ("../../models/my-model", None, "models/my-model")
+    assert _base_model(TrainConfig(model="facebook/opt-125m", lora=True), "stage", "out", "out/adapter") == \
+        ("facebook/opt-125m", None, None)
+
+
+def test_an_export_over_another_needs_overwrite_and_then_replaces_it_whole(straight, lora_run, tmp_path, capsys):
+    """Issue 28 §4: a LoRA export onto a full one is refused (nothing changes); with --overwrite the directory holds
+    exactly what a fresh LoRA export holds, byte for byte, and none of the full export's files."""
+    full, lora = str(straight[0] / "checkpoint-12"), str(lora_run[0] / "checkpoint-8")
+    out, fresh = tmp_path / "export", tmp_path / "fresh"
+    assert main(["export", full, "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert main(["export", lora, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not empty" in err and "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert main(["export", lora, "--out", str(out), "--overwrite"]) == 0
+    assert main(["export", lora, "--out", str(fresh)]) == 0
+
+    def tree(root):
+        return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+    assert tree(out) == tree(fresh) and "model.safetensors" not in tree(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "fresh"]  # no staging directory left behind

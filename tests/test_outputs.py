@@ -48,11 +48,15 @@ def test_summary_provenance_and_one_log_file_per_rank(tmp_path):
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
     assert summary["config_hash"] == "sha256:" + hashlib.sha256(canonical).hexdigest()
     assert " INFO model demo:" in first and first.count(" INFO done:") == 1  # from Run() on, before the dir check
-    # the resolved rate and eps, once per run; the done line says which test score it prints and its step
+    # the resolved rate and eps, once per run; the done line pairs each test score with its step, checkpoint and
+    # digest (here the best dev is the last step, so both pairs are the final weights')
     assert first.count("learning_rate 0.0003 (constant), zo_eps 0.01,") == 1, first
-    best = summary["best_dev"]["step"]
-    assert (f"done: 3 steps; test accuracy {summary['test']['accuracy']:.4g} at the best-dev checkpoint, step {best} "
-            "(MeZO's rule)") in first, first
+    best = summary["best_dev"]
+    assert best["step"] == 3 and best["digest"] == summary["params_digest"]
+    assert (f"done: 3 steps; best dev at step 3 ({out / 'checkpoint-3'}): test accuracy "
+            f"{summary['test']['accuracy']:.4g}, digest {summary['params_digest']}; final step 3 "
+            f"({out / 'checkpoint-3'}): test accuracy {summary['final']['test']['accuracy']:.4g}, digest "
+            f"{summary['params_digest']}") in first, first
     resumed = train(5, "--resume")
     assert resumed.startswith(first) and resumed.count(" INFO done:") == 2 and "resumed from" in resumed
     assert json.loads((out / "summary.json").read_text())["config_hash"] != summary["config_hash"]  # max_steps

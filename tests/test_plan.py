@@ -44,6 +44,41 @@ def test_a_directory_without_config_json_is_one_line(capsys, tmp_path):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "config.json" in err
 
 
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: auto)", "(default: 4)", "(default: 512)", "(default: 80GiB)", "(default: demo)"):
+        assert default in text, default
+    assert "else bf16" in text and "local cache" in text
+
+
+def test_dtype_auto_follows_the_model_configs_torch_dtype(capsys, tmp_path):
+    """Issue 28 §10: without --dtype, a float32 model is planned in float32 (4 bytes a weight), and the plan says
+    why; a config that names no dtype is planned in bf16; --dtype and a DeepSpeed bf16 section still win."""
+    from transformers import LlamaConfig
+
+    small = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    for name, dtype in (("fp32", "float32"), ("fp16", "float16"), ("none", None)):
+        LlamaConfig(**small).save_pretrained(tmp_path / name)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        config.pop("dtype", None)
+        if dtype:
+            config["torch_dtype"] = dtype  # the older key, as most published checkpoints still write it
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    fp32 = plan_memory(str(tmp_path / "fp32"), 2, dtype="auto")
+    assert (fp32.dtype, fp32.dtype_from) == ("float32", "the model config's torch_dtype")
+    assert fp32.shard == 2 * plan_memory(str(tmp_path / "fp32"), 2, dtype="bf16").shard
+    assert plan_memory(str(tmp_path / "fp16"), 2, dtype="auto").dtype == "float16"
+    assert plan_memory(str(tmp_path / "none"), 2, dtype="auto").dtype == "bfloat16"
+    assert plan_memory(str(tmp_path / "fp32"), 2, dtype="fp16").dtype == "float16"
+    (tmp_path / "bf16.json").write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}))
+    assert plan_memory(str(tmp_path / "fp32"), 2, dtype="auto", deepspeed=str(tmp_path / "bf16.json")).dtype_from \
+        .startswith("the deepspeed config")
+    code, out, _ = run_plan(capsys, "--model", str(tmp_path / "fp32"), "--world-size", "2")
+    assert code == 0 and "float32 (the model config's torch_dtype)" in out.splitlines()[0]
+
+
 def test_published_names_and_parameter_counts():
     assert {published_key(n) for n in ("llama2-7b", "Llama-2-7b-hf", "meta-llama/Llama-2-7b-hf")} == {"llama2-7b"}
     assert published_key("facebook/OPT-13B") == "opt-13b"

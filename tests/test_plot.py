@@ -60,7 +60,7 @@ def panels_with_data(fig) -> list[str]:
     """The titles of the curve panels that have a line with points, and of the heat map if it has cells."""
     axes = fig.axes
     titles = [ax.get_title() for ax in axes[:6] if any(len(line.get_xdata()) for line in ax.lines)]
-    if axes[6].collections and axes[6].collections[0].get_array().size:
+    if len(axes) > 6 and axes[6].collections and axes[6].collections[0].get_array().size:
         titles.append(axes[6].get_title())
     return titles
 
@@ -81,7 +81,7 @@ def test_plot_of_a_real_run(real_run, tmp_path):
         assert fig._suptitle.get_text() == "model demo · task demo · method curvzo"
         metric_ax = fig.axes[2]
         summary = json.loads((real_run / "summary.json").read_text())
-        labels = [t.get_text() for t in metric_ax.texts]
+        labels = [t.get_text() for t in metric_ax.get_legend().get_texts()]
         assert any(f"best dev @ {summary['best_dev']['step']}" in t and f"{summary['test']['accuracy']:.4g}" in t
                    for t in labels), labels
     finally:
@@ -142,8 +142,8 @@ def test_runs_compared_by_colour(real_run, tmp_path):
     fig = figure([str(real_run), mezo, bare])
     try:
         (legend,) = fig.legends
-        assert [t.get_text() for t in legend.get_texts()] == ["curvzo-demo (curvzo)", "mezo-s0 (mezo)",
-                                                              "no-eval (curvzo)"]
+        assert [t.get_text() for t in legend.get_texts()] == ["curvzo-demo (curvzo, lr 0.0003, seed 42, 1 rank)",
+                                                              "mezo-s0 (mezo)", "no-eval (curvzo)"]
         assert fig._suptitle.get_text() == "model demo · task demo · method curvzo, mezo"
         assert len(panels_with_data(fig)) == 7
         assert "the first run with a pi file" in fig.axes[6].get_title()
@@ -163,13 +163,49 @@ def test_a_run_without_adaptive_fields_dev_test_or_pi(tmp_path):
     try:
         titles = panels_with_data(fig)
         assert len(titles) == 3, titles  # training loss, budget, param fraction
-        said = [" ".join(t.get_text().split()) for ax in fig.axes[:7] for t in ax.texts]  # wrapped lines
+        assert len(fig.axes) == 6  # no empty heat-map panel: a note at the bottom says why
+        said = [" ".join(t.get_text().split()) for ax in fig.axes for t in ax.texts]  # wrapped lines
         assert any("d_eff and H are logged by adaptive CurvZO" in t for t in said), said
-        assert any("no dev evaluations" in t for t in said) and any(PI_FILE in t for t in said)
+        assert any("no dev evaluations" in t for t in said)
+        assert any(PI_FILE in t.get_text() and "MeZO writes none" in t.get_text() for t in fig.texts)
     finally:
         plt.close(fig)
     assert png_size(plot_runs([run]))[0] > 0  # default: <run>/metrics.png
     assert (tmp_path / "mezo" / "metrics.png").exists()
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_best_dev_notes_stay_inside_the_panel(tmp_path, count):
+    """Issue 28 §13: with the best dev at the last step, the runs' best-dev notes (one box, a line per run) lie
+    inside the dev panel, the stars are drawn unclipped on its edge, and a MeZO-only figure has no heat-map panel."""
+    import matplotlib.pyplot as plt
+
+    runs = [make_run(tmp_path / f"run{i}", "mezo", steps=200, seed=i, adaptive=False) for i in range(count)]
+    fig = figure(runs)
+    try:
+        renderer = fig.canvas.get_renderer()
+        fig.canvas.draw()
+        ax = fig.axes[2]
+        box, panel = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert panel.x0 <= box.x0 and box.x1 <= panel.x1 and panel.y0 <= box.y0 and box.y1 <= panel.y1, (box, panel)
+        notes = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert notes == ["best dev @ 200 (accuracy 0.7): test accuracy 0.66"] * count, notes
+        stars = [line for line in ax.lines if line.get_marker() == "*"]
+        assert len(stars) == count and all(star.get_xdata()[0] == 200 and not star.get_clip_on() for star in stars)
+        assert len(fig.axes) == 6  # MeZO only: no pi file, no heat map
+        assert "fewer blocks hold more parameters" in fig.axes[4].get_title()
+    finally:
+        plt.close(fig)
+
+
+def test_a_run_is_labelled_with_its_method_lora_lr_seed_and_world_size(tmp_path):
+    from curvzo_ds.plot import run_label
+
+    config = {"method": "curvzo", "lora": True, "lora_r": 8, "learning_rate": 5e-5, "seed": 3}
+    assert run_label("a", config, {"world_size": 2}) == "a (curvzo, LoRA r=8, lr 5e-05, seed 3, 2 ranks)"
+    assert run_label("b", {"method": "mezo", "learning_rate": 3e-4, "seed": 0}, {"world_size": 1}) == \
+        "b (mezo, lr 0.0003, seed 0, 1 rank)"
+    assert run_label("c", {}, {}) == "c"
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys):

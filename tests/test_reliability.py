@@ -21,6 +21,7 @@ from tests.helpers import (
     ENV,
     ROOT,
     RUN,
+    SCRIPT_PATH,
     checkpoints,
     finish,
     free_port,
@@ -60,6 +61,29 @@ def test_sigterm_saves_at_a_step_boundary_and_resume_is_exact(reference, tmp_pat
     assert saved and 20 <= saved[-1] < 400 and saved[-1] % 100 != 0, saved  # a boundary, not a regular save
     assert all(f"at step {saved[-1]}" in line for line in stops)  # the same boundary on both ranks
     assert resume(out)["params_digest"] == reference
+
+
+@pytest.mark.multirank
+def test_a_launch_script_exits_3_when_the_ranks_stopped_on_a_signal(tmp_path):
+    """Issue 28 §12: SIGTERM to launch/torchrun.sh alone (as a batch system signals a job script): the script passes
+    it to torchrun, both ranks save the same boundary checkpoint, torchrun exits 1 and the script 3. A job that
+    fails otherwise keeps torchrun's code."""
+    env = {**ENV, "NPROC": "2", "MASTER_PORT": str(free_port()), "PATH": SCRIPT_PATH}
+    out = tmp_path / "script"
+    proc = start(["bash", str(ROOT / "launch" / "torchrun.sh")], out, env=env)
+    wait_for_steps(out, proc, 20)
+    os.kill(proc.pid, signal.SIGTERM)  # the script only: start() made it the leader of its own session
+    code = finish(proc)
+    text = log_of(out)
+    stops = [line for line in text.splitlines() if line.startswith("curvzo-ds train: stopped on a signal (SIGTERM)")]
+    assert code == 3 and len(stops) == 2, f"exit {code}:\n{text[-3000:]}"
+    assert "(the launcher exited 1): exit 3" in text, text[-3000:]
+    saved = checkpoints(out)
+    assert saved and 20 <= saved[-1] < 400 and saved[-1] % 100 != 0, saved
+    env["MASTER_PORT"] = str(free_port())
+    bad = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), "--set", "max_steps=abc"], env=env,
+                         cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "exit 3" not in bad.stderr, bad.stderr[-3000:]
 
 
 @pytest.mark.multirank

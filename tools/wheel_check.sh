@@ -3,6 +3,8 @@
 # files, install it non-editable in a fresh venv, and from a directory outside the repository run `curvzo-ds --help`
 # and the default job (the built-in demo, 2 CPU ranks under ZeRO-3, shortened), then check its summary.json.
 # An editable install reads the source tree and hides package data missing from the wheel; this does not.
+# Last, README.md's CPU install line, as written, in a venv of its own (it downloads the dependencies): it must
+# install torch's CPU wheel and no CUDA package, and give a working `curvzo-ds`.
 #   bash tools/wheel_check.sh            # MAX_STEPS=4 by default
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,8 +12,8 @@ repo=$(pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
-# The dependencies, as tools/test.sh installs them (torch first, pinned: an unpinned torch pulls CUDA packages).
-python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
+# The dependencies, as tools/test.sh installs them (torch first: the CPU wheel; PyPI's Linux wheel pulls CUDA).
+python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 python -c "import deepspeed, transformers, accelerate, peft" 2>/dev/null || python -m pip install -q -e ".[test]"
 
 # Build from a copy of what a clone holds (tracked and new files): no stale build/ in the tree goes into the wheel,
@@ -76,3 +78,25 @@ assert sorted(os.listdir(os.path.join(run, "logs"))) == ["rank-00000.log", "rank
 assert "[rank 1] INFO" in open(os.path.join(run, "logs", "rank-00001.log")).read()  # left out of the console
 print(f"wheel_check: the default job ran {steps} steps on 2 ranks; digest {summary['params_digest']}")
 EOF
+
+# README.md's CPU line, exactly as written (the line that names PyTorch's CPU index), run in a copy of the clone with
+# a fresh venv's pip first on PATH. Only pip's patience is set here: an index that cannot be reached fails over in
+# seconds to the machine's other sources (a pip.conf find-links or mirror), as it would for a user.
+line=$(grep -m1 'download.pytorch.org/whl/cpu' "$repo/README.md" | sed 's/ *#.*$//')
+[ -n "$line" ] || { echo "wheel_check: README.md has no CPU install line" >&2; exit 1; }
+python -m venv "$work/readme-venv"
+(cd "$work/src" && PATH="$work/readme-venv/bin:$PATH" PIP_RETRIES=1 PIP_TIMEOUT=20 bash -c "$line" \
+    > "$work/readme-install.log" 2>&1) \
+    || { tail -n 30 "$work/readme-install.log"; echo "wheel_check: the README's CPU line failed: $line" >&2; exit 1; }
+"$work/readme-venv/bin/python" - <<'EOF'
+from importlib import metadata
+
+import torch
+
+cuda = sorted(d.metadata["Name"] for d in metadata.distributions()
+              if d.metadata["Name"].lower().startswith(("nvidia-", "cuda-", "triton")))
+assert torch.__version__.endswith("+cpu") and torch.version.cuda is None, torch.__version__
+assert not cuda, f"the README's CPU line installed CUDA packages: {cuda}"
+print(f"wheel_check: the README's CPU line installs torch {torch.__version__}, no CUDA package")
+EOF
+"$work/readme-venv/bin/curvzo-ds" plan --world-size 2 | tail -n 1 | grep -q "fits"

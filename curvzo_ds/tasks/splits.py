@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from curvzo_ds.hub import offline_unless_reachable
 from curvzo_ds.tasks.task import Task, get_task
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ def _read_hub(task: Task) -> dict[str, list[dict]]:
     if task.hub is None:
         raise ValueError(f"task {task.name!r} has no hub dataset; leave data_dir unset to use its own files")
     path, name, revision = task.hub
+    offline_unless_reachable()  # an unreachable hub fails at once below, from the cache
     try:
         import datasets
 

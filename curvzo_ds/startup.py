@@ -1,0 +1,55 @@
+"""Process start-up details: a JIT build cache per Python environment, and DeepSpeed's start-up prints kept off
+stdout.
+
+- DeepSpeed compiles its CPU shared-memory op (and torch any other JIT extension) into `TORCH_EXTENSIONS_DIR`,
+  by default `~/.cache/torch_extensions`, shared by every Python environment of the user. Two environments with
+  different torch or DeepSpeed builds then rebuild the op on every start (60-130 s). Unless the user set it,
+  `TORCH_EXTENSIONS_DIR` becomes `<cache>/torch_extensions/<this environment>`, where `<cache>` is
+  `$CURVZO_DS_CACHE` or `~/.cache/curvzo_ds` (as for the noise kernel) and the last part names `sys.prefix`.
+- `stdout_to_log()`: what DeepSpeed prints while it starts (`... built successfully`) is kept and logged by
+  `logs.setup_logging` (the rank's log file, and rank 0's console on stderr); compiler output goes to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import sys
+
+_captured: list[str] = []
+
+
+def extensions_dir() -> str:
+    """TORCH_EXTENSIONS_DIR for this Python environment (the user's own setting wins); sets it and returns it."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    cache = os.environ.get("CURVZO_DS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "curvzo_ds")
+    prefix = os.path.realpath(sys.prefix)
+    name = f"{os.path.basename(prefix) or 'python'}-{hashlib.sha256(prefix.encode()).hexdigest()[:12]}"
+    os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, "torch_extensions", name)
+    return os.environ["TORCH_EXTENSIONS_DIR"]
+
+
+@contextlib.contextmanager
+def stdout_to_log():
+    """For the body: Python's stdout is kept for the log (take_captured), file descriptor 1 goes to stderr."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        _captured.extend(line for line in buffer.getvalue().splitlines() if line.strip())
+
+
+def take_captured() -> list[str]:
+    """The lines kept by stdout_to_log since the last call."""
+    lines = list(_captured)
+    _captured.clear()
+    return lines
