@@ -57,7 +57,7 @@ ARMS = {"mezo": dict(method="mezo"), "curvzo": dict(method="curvzo"),
         "static-0.1%": dict(method="mezo", static=0.001), "static-1%": dict(method="mezo", static=0.01)}
 # Learning-rate grids, from 10-step pilots on sentiment (seed 0): MeZO at 1e-5 moved the dev loss from 0.369 to 0.345;
 # the 0.1% mask diverged at 3e-3 and reached 0.163 at 5e-4. The dense grids were first 1e-5..1e-4; MeZO's best was
-# its top (1e-4), so they were moved up one point (the 1e-5 runs stay in runs/ and in tables.md's grid table).
+# its top (1e-4), so they were moved up one point (the 1e-5 runs stay in runs/, experiments/RESULTS.md quotes them).
 GRID = {"mezo": [3e-5, 1e-4, 3e-4], "curvzo": [3e-5, 1e-4, 3e-4], "oracle": [3e-5, 1e-4, 3e-4],
         "static-0.1%": [1e-4, 3e-4, 1e-3], "static-1%": [3e-5, 1e-4, 3e-4]}
 CONFIGS = {
