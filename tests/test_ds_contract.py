@@ -34,7 +34,12 @@ PARAM_ATTRIBUTES = {
     "ds_status": None,  # a ZeroParamStatus (checked below)
     "ds_id": int,  # models.py: present only on a parameter zero.Init partitioned
     "all_gather": Callable,  # gather_persistent: p.all_gather(param_list=[...])
+    "partition": Callable,  # forget_backward: p.partition(param_list=[...], has_been_updated=False)
+    "ds_active_sub_modules": set,  # forget_backward: the modules that still hold a gathered parameter
 }
+# What forget_backward calls on the ZeRO-3 parameter coordinator (after static_mask's probe).
+COORDINATOR_ATTRIBUTES = ("release_backward_leftovers", "is_invalid_trace", "_invalidate_trace",
+                          "_PartitionedParameterCoordinator__params_to_release")
 DS_PARAM_METHODS = ("all_gather", "partition", "all_gather_coalesced")  # what zero.Init adds to a parameter
 ENGINE_ATTRIBUTES = ("_config",)  # engine._config.zero_config: the engine's DeepSpeedZeroConfig
 
@@ -147,6 +152,15 @@ def test_the_engine_attributes(engine):
               and r.key not in CONFIG_ONLY}
     assert read >= wanted, f"DeepSpeed {VERSION}: engine_settings could not read {sorted(wanted - read)}"
     assert refusal(settings) is None
+
+
+def test_the_parameter_coordinator_forget_backward_uses(engine):
+    coordinator = get("engine.optimizer.get_param_coordinator", engine.optimizer, "get_param_coordinator")()
+    for attr in COORDINATOR_ATTRIBUTES:
+        expect(f"the parameter coordinator's {attr}", get(f"the parameter coordinator's {attr}", coordinator, attr),
+               Callable)
+    ds_compat.forget_backward(engine, list(engine.module.parameters()))  # finds the cached release sets, or raises
+    assert coordinator.is_invalid_trace()
 
 
 def test_every_refused_zero_setting_is_read_from_the_zero_config():
