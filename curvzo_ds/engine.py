@@ -29,6 +29,7 @@ import torch
 from . import ds_compat
 from .comm import Comm, bits_float64, float64_bits
 from .config import RunEnded, ZOConfig
+from .data.losses import loss_parts
 from .data.stream import MicroBatches, round_robin_slots
 from .mask import MaskedPerturber, StaticMask
 from .noise import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
@@ -463,16 +464,6 @@ class ZOEngine:
                                  for k in diff) or "the trainable parameters or noise definition"
                 raise ValueError(f"rank {rank} disagrees with rank 0 on {what}. Every rank must start with the "
                                  "same seed, configuration and model, or the noise would not match.")
-
-
-def loss_parts(out) -> tuple:
-    """(loss_sum, count) of a loss function's result (docs/contracts.md); anything else is refused in one line."""
-    if not (isinstance(out, tuple | list) and len(out) == 2):
-        shown = f"a {type(out).__name__}" if not torch.is_tensor(out) else f"a tensor of shape {list(out.shape)}"
-        raise ValueError(f"loss_fn returned {shown}: it must return (loss_sum, count), and the step's loss is "
-                         "the sum of loss_sum over the sum of count (docs/contracts.md); for a mean loss return "
-                         "(mean, 1)")
-    return tuple(out)
 
 
 def _check_batch(batch) -> None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 
 from . import ds_compat
+from .data.losses import loss_parts
+from .data.stream import MicroBatches
 from .noise import NoiseSource
 from .params import ParamEntry
 
@@ -64,8 +66,6 @@ class StaticMask:
 def fit(engine, batches, fraction: float) -> StaticMask:
     """The mask of the top `fraction` of trainable elements by squared batch gradient over `batches` (a list of
     MicroBatches or of micro-batches: each item is one step's global batch). Collective over the engine's ranks."""
-    from .data.stream import MicroBatches
-    from .engine import loss_parts
 
     entries, module = engine.entries, engine.module
     if not 0 < fraction <= 1:

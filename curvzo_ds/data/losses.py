@@ -107,3 +107,13 @@ def classification_eval(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor,
     """One forward for evaluation: (loss_sum, count) of classification_loss, and the predictions."""
     scores = candidate_scores(model, batch)
     return *_cross_entropy(scores, batch), _argmax_per_example(scores, batch)
+
+
+def loss_parts(out) -> tuple:
+    """(loss_sum, count) of a loss function's result (docs/contracts.md); anything else is refused in one line."""
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        shown = f"a {type(out).__name__}" if not torch.is_tensor(out) else f"a tensor of shape {list(out.shape)}"
+        raise ValueError(f"loss_fn returned {shown}: it must return (loss_sum, count), and the step's loss is "
+                         "the sum of loss_sum over the sum of count (docs/contracts.md); for a mean loss return "
+                         "(mean, 1)")
+    return tuple(out)
