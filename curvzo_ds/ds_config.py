@@ -2,9 +2,9 @@
 
 CurvZO takes no optimizer step, so a DeepSpeed config written for Adam (the Hugging Face
 `ds_config_zero3.json` shape) carries keys that either mean something else here or cannot be
-served. `resolve_ds_config` reads the user's dict, moves what belongs to our config (batch sizes,
-dtype, ZeRO stage, parameter offload) into `cfg`, and returns the dict to hand to
-`deepspeed.initialize(model=..., config=...)` together with one-line warnings for what it dropped.
+served. `resolve_ds_config` reads the user's dict and returns the dict to hand to
+`deepspeed.initialize(model=..., config=...)`, the values of our keys that it maps (batch sizes, dtype,
+ZeRO stage, parameter offload), and one-line warnings for what it dropped. It edits nothing it is given.
 What cannot be served raises `ConfigError` naming the key, the reason and the fix.
 
 Policy:
@@ -32,7 +32,9 @@ Policy:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+from types import SimpleNamespace
 from typing import Any
 
 from .config import ConfigError, TrainConfig
@@ -68,15 +70,21 @@ def load_ds_config(path: str) -> dict:
     return data
 
 
-def resolve_ds_config(user: dict | None, cfg: TrainConfig, world_size: int,
-                      hidden_size: int | None) -> tuple[dict, list[str]]:
-    """Map `user` onto `cfg` and return (config for deepspeed.initialize, warnings).
+def resolve_ds_config(user: dict | None, world_size: int, hidden_size: int | None,
+                      **ours: Any) -> tuple[dict, dict, list[str]]:
+    """(config for deepspeed.initialize, mapped values, warnings) for the user's DeepSpeed config `user`.
 
-    Only the `MAPPED_FIELDS` of `cfg` change, and only when no ConfigError is raised; the
-    user's keys win over `cfg`'s values. `user` itself is not edited.
+    `ours`: the current values of our `MAPPED_FIELDS` (global_batch_size, micro_batch_size, dtype, zero_stage,
+    offload_param); one not given takes TrainConfig's default. The mapped values are those five after the user's
+    keys are applied (the user's win): `dataclasses.replace(cfg, **mapped)` is the run's config. Nothing given
+    is edited.
     """
+    unknown = set(ours) - set(MAPPED_FIELDS)
+    if unknown:
+        raise TypeError(f"resolve_ds_config maps {', '.join(MAPPED_FIELDS)}, not {', '.join(sorted(unknown))}")
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in MAPPED_FIELDS}
+    staged = SimpleNamespace(**{**defaults, **ours})
     user = copy.deepcopy(user or {})
-    staged = copy.copy(cfg)
     warnings: list[str] = []
     out: dict[str, Any] = {}
 
@@ -114,12 +122,10 @@ def resolve_ds_config(user: dict | None, cfg: TrainConfig, world_size: int,
     elif staged.dtype == "float16":
         out["fp16"] = {"enabled": True}
     _refuse_auto(out, "")
-    for name in MAPPED_FIELDS:
-        setattr(cfg, name, getattr(staged, name))
-    return out, warnings
+    return out, {name: getattr(staged, name) for name in MAPPED_FIELDS}, warnings
 
 
-def _map_batch(user: dict, cfg: TrainConfig, world_size: int, warnings: list[str]) -> None:
+def _map_batch(user: dict, cfg, world_size: int, warnings: list[str]) -> None:
     total, micro, accum = (_batch_value(user.pop(key, None), key) for key in BATCH_KEYS)
     if micro is not None:
         cfg.micro_batch_size = micro
@@ -141,7 +147,7 @@ def _batch_value(value: Any, key: str) -> int | None:
     return number
 
 
-def _map_dtype(user: dict, cfg: TrainConfig, warnings: list[str]) -> None:
+def _map_dtype(user: dict, cfg, warnings: list[str]) -> None:
     if "bfloat16" in user and "bf16" not in user:  # DeepSpeed's older spelling
         user["bf16"] = user.pop("bfloat16")
     chosen, loss_scaling = [], []
@@ -170,7 +176,7 @@ def _map_dtype(user: dict, cfg: TrainConfig, warnings: list[str]) -> None:
                         "computes none")
 
 
-def _map_zero(zero: Any, cfg: TrainConfig, hidden_size: int | None, warnings: list[str]) -> dict:
+def _map_zero(zero: Any, cfg, hidden_size: int | None, warnings: list[str]) -> dict:
     if zero is None:
         zero = {}
     if not isinstance(zero, dict):

@@ -1,11 +1,17 @@
 """`curvzo-ds export CKPT --out DIR [--merge-lora]`: a checkpoint to a Hugging Face directory that loads offline.
 
-- Full fine-tuning: safetensors shards of the trainable tensors under their `save_pretrained` names,
+Every front end (the CLI, `from_accelerator`, `ZOTrainer`) writes the same model record and files into its
+checkpoints (checkpoint.write_model_files); export reads only those, so it works the same for all of them:
+- Full fine-tuning: safetensors shards of the trained tensors under their `save_pretrained` names,
   config.json and the tokenizer: `AutoModelForCausalLM.from_pretrained(DIR)`.
-- LoRA: the peft adapter (adapter_model.safetensors, adapter_config.json naming its base model) in DIR:
-  `AutoPeftModelForCausalLM.from_pretrained(DIR)`. The base is the run's `model` (a hub id or a local
-  path); the built-in demo models have no path, so their base is saved to DIR/base and named there.
+- LoRA (peft): the adapter (adapter_model.safetensors, adapter_config.json naming its base model) in DIR:
+  `AutoPeftModelForCausalLM.from_pretrained(DIR)`, or `PeftModel.from_pretrained(base, DIR)`. The base is the
+  model the adapter was made on (its name or path); the built-in demo models have none, so their base is built
+  from the run's config and saved to DIR/base.
 - LoRA with `--merge-lora`: the merged model in DIR itself, the adapter in DIR/adapter.
+What it cannot write faithfully it refuses in one line: a full model some of whose parameters were frozen (the
+checkpoint lacks them), a model without a Hugging Face config, several adapters, tensors that are not peft's
+adapter keys, a merge without a known base model, a checkpoint without a model record (an older curvzo_ds).
 Tensors are assembled one at a time from the ranks' slices; one process, no GPU needed.
 """
 
@@ -34,20 +40,54 @@ def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False) -> li
     manifest = read_manifest(checkpoint)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"--out {out} is an existing file: pass a directory (it is created if missing)")
-    lora = bool(manifest.get("trainer", {}).get("lora"))
-    if merge_lora and not lora:
-        raise ConfigError(f"--merge-lora: {checkpoint} is a full fine-tuning checkpoint (no LoRA adapter to merge); "
-                          "export it without --merge-lora")
-    cfg = _run_config(checkpoint)
+    model = manifest.get("model")
+    if not isinstance(model, dict):
+        raise ConfigError(f"{checkpoint} has no model record in its manifest (written by an older curvzo_ds): "
+                          "export it with the curvzo_ds version that wrote it")
+    if model["kind"] == "full":
+        if merge_lora:
+            raise ConfigError(f"--merge-lora: {checkpoint} is a full fine-tuning checkpoint (no LoRA adapter to "
+                              "merge); export it without --merge-lora")
+        return _export_full(checkpoint, model, out)
+    return _export_adapter(checkpoint, model, out, merge_lora)
+
+
+def _export_full(checkpoint: str, model: dict, out: str) -> list[str]:
+    frozen = model["frozen"]
+    if frozen:
+        raise ConfigError(f"{checkpoint} holds the trained parameters only, and {len(frozen)} of the model's were "
+                          f"frozen (e.g. {frozen[0]}): a model written from it would miss them; load your base model "
+                          "and copy the checkpoint's tensors into it (checkpoint.consolidated_state_dict)")
+    if not model["hf_config"]:
+        raise ConfigError(f"{checkpoint} has no config.json: the model was not a Hugging Face model, and export "
+                          "writes from_pretrained directories only (checkpoint.consolidated_state_dict gives the "
+                          "tensors)")
     tensors = consolidated_state_dict(checkpoint)
     os.makedirs(out, exist_ok=True)
-    if not lora:
-        _save_sharded(tensors, out)
-        _copy(checkpoint, out, ("config.json", *TOKENIZER_FILES))
-        return [f"wrote the model to {out}: AutoModelForCausalLM.from_pretrained({out!r})"]
-    if cfg is None:
-        raise ConfigError(f"{checkpoint} has no run_config.json: its LoRA base model is unknown")
-    base_ref, base = _base_model(cfg, out)
+    _save_sharded(tensors, out)
+    _copy(checkpoint, out, ("config.json", *TOKENIZER_FILES))
+    return [f"wrote the model to {out}: AutoModelForCausalLM.from_pretrained({out!r})"]
+
+
+def _export_adapter(checkpoint: str, model: dict, out: str, merge_lora: bool) -> list[str]:
+    if len(model["adapters"]) != 1:
+        raise ConfigError(f"{checkpoint} was trained with the peft adapters {model['adapters']}: export writes one "
+                          "adapter; train one")
+    tensors = consolidated_state_dict(checkpoint)
+    keys = set(model["adapter_keys"])
+    if set(tensors) != keys:
+        odd = sorted(set(tensors) ^ keys)
+        raise ConfigError(f"{checkpoint}: its tensors are not the keys of peft's adapter state dict ({odd[0]} is in "
+                          "one and not the other; a modules_to_save or a non-LoRA adapter?): it cannot be written "
+                          "as a peft adapter")
+    base_ref, base = model["base_model"], None
+    cfg = _run_config(checkpoint)  # the CLI's run: a demo model is built from it
+    if base_ref is None and cfg is not None and cfg.model in DEMO_MODELS:
+        base_ref, base = _demo_base(cfg, out)
+    if merge_lora and base_ref is None:
+        raise ConfigError(f"--merge-lora: {checkpoint} does not name its base model (the model had no name_or_path "
+                          "when peft wrapped it): export the adapter without --merge-lora and merge it onto your base")
+    os.makedirs(out, exist_ok=True)
     adapter_dir = os.path.join(out, "adapter") if merge_lora else out
     os.makedirs(adapter_dir, exist_ok=True)
     save_file(tensors, os.path.join(adapter_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -57,12 +97,20 @@ def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False) -> li
     with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
         json.dump(adapter_config, f, indent=2)
     _copy(checkpoint, adapter_dir, TOKENIZER_FILES)
-    lines = [f"wrote the LoRA adapter to {adapter_dir} (base model {base_ref}): "
-             f"AutoPeftModelForCausalLM.from_pretrained({adapter_dir!r})"]
+    if base_ref is None:
+        lines = [f"wrote the LoRA adapter to {adapter_dir} (no base model recorded: the model had no name_or_path "
+                 f"when peft wrapped it): PeftModel.from_pretrained(your_base_model, {adapter_dir!r})"]
+    elif adapter_config.get("task_type") == "CAUSAL_LM":
+        lines = [f"wrote the LoRA adapter to {adapter_dir} (base model {base_ref}): "
+                 f"AutoPeftModelForCausalLM.from_pretrained({adapter_dir!r})"]
+    else:  # peft's Auto classes need the task type in the adapter config
+        lines = [f"wrote the LoRA adapter to {adapter_dir} (base model {base_ref}): PeftModel.from_pretrained("
+                 f"AutoModelForCausalLM.from_pretrained({base_ref!r}), {adapter_dir!r})"]
     if merge_lora:
         if base is None:
-            base = AutoModelForCausalLM.from_pretrained(base_ref, dtype=DTYPES[cfg.dtype],
-                                                        trust_remote_code=cfg.trust_remote_code)
+            dtype = DTYPES[cfg.dtype] if cfg is not None else "auto"
+            base = AutoModelForCausalLM.from_pretrained(base_ref, dtype=dtype,
+                                                        trust_remote_code=cfg is not None and cfg.trust_remote_code)
         with torch.no_grad():
             merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
         merged.save_pretrained(out)
@@ -87,18 +135,14 @@ def _run_config(checkpoint: str) -> TrainConfig | None:
     return TrainConfig(**{k: v for k, v in saved.items() if k in known})
 
 
-def _base_model(cfg: TrainConfig, out: str):
-    """(how the adapter names its base, the base model if it had to be built here). A hub id stays a hub id; a
-    local path becomes absolute; a demo model is built from its seed and saved to out/base."""
-    if cfg.model in DEMO_MODELS:
-        base, _ = build_model(resolve_presets(TrainConfig(**{**cfg.__dict__, "lora": False})), {})
-        path = os.path.abspath(os.path.join(out, "base"))
-        base.save_pretrained(path)
-        load_tokenizer(cfg).save_pretrained(path)
-        return path, base
-    if os.path.isdir(cfg.model):
-        return os.path.abspath(cfg.model), None
-    return cfg.model, None
+def _demo_base(cfg: TrainConfig, out: str):
+    """(how the adapter names its base, the base model): a demo model is built from the run's seed and saved to
+    out/base (it has no hub id or path of its own)."""
+    base, _ = build_model(resolve_presets(TrainConfig(**{**cfg.__dict__, "lora": False})), {})
+    path = os.path.abspath(os.path.join(out, "base"))
+    base.save_pretrained(path)
+    load_tokenizer(cfg).save_pretrained(path)
+    return path, base
 
 
 def _save_sharded(tensors: dict, out: str) -> None:

@@ -2,7 +2,7 @@
 
 Layers, bottom to top; a module imports from its own layer or below, never from above:
 0. foundations: config, the DeepSpeed policy table, the algorithm (sampling), noise, params, the passes over the
-   weights (perturb), comm,
+   weights (perturb), the bf16 visibility check, comm,
    ds_compat, digest, JSON and system info, distributed start-up, tasks and data;
 1. the engine;
 2. checkpoints;
@@ -16,8 +16,8 @@ import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "curvzo_ds"
 LAYERS = {
-    0: {"config", "ds_policy", "sampling", "noise", "kernels", "params", "perturb", "comm", "ds_compat", "digest",
-        "jsonio", "sysinfo", "distributed", "tasks", "data", "versions"},
+    0: {"config", "ds_policy", "sampling", "noise", "kernels", "params", "perturb", "visibility", "comm", "ds_compat",
+        "digest", "jsonio", "sysinfo", "distributed", "tasks", "data", "versions"},
     1: {"engine"},
     2: {"checkpoint"},
     3: {"run", "integrations", "hf_trainer", "evaluate", "models", "ds_config", "logs", "export", "plot", "bench",

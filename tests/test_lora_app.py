@@ -114,15 +114,3 @@ def test_merge_lora_on_a_full_checkpoint_and_out_onto_a_file_are_one_line_errors
     (tmp_path / "file").write_text("keep me")
     assert main(["export", ckpt, "--out", str(tmp_path / "file")]) == 2
     assert "existing file" in capsys.readouterr().err and (tmp_path / "file").read_text() == "keep me"
-
-
-def test_the_adapter_names_a_hub_id_as_given_and_a_local_directory_by_its_absolute_path(tmp_path, monkeypatch):
-    """What export writes as base_model_name_or_path for the two non-demo kinds of model (the demo's is tested
-    above, by loading): from_pretrained(adapter) must find the base from any working directory."""
-    from curvzo_ds.config import TrainConfig
-    from curvzo_ds.export import _base_model
-
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "my-model").mkdir()
-    assert _base_model(TrainConfig(model="my-model", lora=True), "out") == (str(tmp_path / "my-model"), None)
-    assert _base_model(TrainConfig(model="facebook/opt-125m", lora=True), "out") == ("facebook/opt-125m", None)
