@@ -42,7 +42,7 @@ def run_bench(cfg, steps: int) -> None:
     rss_setup, peak_setup = rss_bytes(trim=True), peak_rss_bytes()
     times = []
     for t in range(steps):
-        batch = run.micro_batches(t)
+        batch = run.batch(t)
         start = time.perf_counter()
         run.engine.step(batch)
         times.append(time.perf_counter() - start)
@@ -54,8 +54,8 @@ def run_bench(cfg, steps: int) -> None:
                                                   rss_bytes(trim=True), peak_rss_bytes()))
     if run.rank == 0:
         warm = sorted(times[1:] or times)
-        print(f"model {cfg.model} method {cfg.method} world {run.world} blocks {run.engine.num_blocks} "
-              f"params {run.engine.num_params}")
+        print(f"model {cfg.model} method {cfg.method} world {run.topology.job.world_size} "
+              f"blocks {run.engine.num_blocks} params {run.engine.num_params}")
         print(f"step seconds: median {warm[len(warm) // 2]:.4f} min {warm[0]:.4f} max {warm[-1]:.4f} "
               f"(first {times[0]:.4f})")
         print(f"rank 0 owns {owned} elements ({owned / run.engine.num_params:.3f} of the model); "

@@ -1,15 +1,18 @@
 """Checkpoints without an optimizer: each rank saves what it owns; reload at any world size.
 
 `checkpoint-<step>/` holds one safetensors file per rank with the rank's owned slice of every
-trainable tensor (1-D, with its global [lo, hi) in the manifest), and `manifest.json`: format,
-step, world size, the SHA-256 of every file, the tensors' shapes and dtypes, the engine's ZO
-state (step, seed, scores, noise definition) and the trainer's state (data position is the step,
-best dev result). A checkpoint is written under `checkpoint-<step>.tmp` and renamed when complete,
-so a crash never leaves a directory that looks complete. `engine.save_checkpoint` of DeepSpeed
-is not used: it needs an optimizer (docs/deepspeed.md).
+trainable tensor (1-D, with its global [lo, hi) in the manifest), `manifest.json` (format, step,
+world size, the SHA-256 of every file, the tensors' shapes and dtypes, the engine's ZO state: step,
+seed, scores, noise definition; the model record; the trainer's state: the state of each stateful
+component) and what an export needs beside the weights. A checkpoint is written under
+`checkpoint-<step>.tmp` and renamed when complete, so a crash never leaves a directory that looks
+complete. `engine.save_checkpoint` of DeepSpeed is not used: it needs an optimizer (docs/deepspeed.md).
 
-`CheckpointManager` is the run lifecycle around them (save, rotation that keeps the best, resume
-paths, the best evaluation), shared by the CLI, `from_accelerator` and `ZOTrainer`.
+`write_model_files` is the one writer of what an export needs (the model's config.json, a peft
+adapter's adapter_config.json, the tokenizer, and the manifest's "model" record), for every front end:
+every checkpoint goes through it. `CheckpointManager` is the run lifecycle around checkpoints (save
+when due, rotation that keeps the best, resume paths, the best evaluation, stateful components),
+shared by the CLI, `from_accelerator` and `ZOTrainer`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from .config import ConfigError, RunEnded
 from .engine import ZOEngine
 from .jsonio import replace_atomic
 from .mask import StaticMask
-from .params import intersect
+from .params import canonical_name, intersect
 
 log = logging.getLogger("curvzo_ds")
 FORMAT = "curvzo_ds-checkpoint-v1"
@@ -51,37 +54,79 @@ def _jsonable_state(state: dict) -> dict:
 
 
 def save_checkpoint(engine: ZOEngine, output_dir: str, trainer_state: dict | None = None,
-                    write_extra: Callable[[str], None] | None = None) -> str:
+                    write_extra: Callable[[str], None] | None = None, tokenizer=None) -> str:
     """Collective: every rank writes its owned slices to `output_dir/checkpoint-<step>`; returns that path.
 
-    `write_extra(dir)` runs on rank 0 before the rename (model config, tokenizer, LoRA config).
+    Rank 0 adds the model files (write_model_files, with `tokenizer` when given) and then runs
+    `write_extra(dir)` for the caller's own files, before the rename.
     """
     return write_checkpoint(engine, os.path.join(output_dir, f"checkpoint-{engine.step_count}"), trainer_state,
-                            write_extra)
+                            write_extra, tokenizer)
 
 
 def write_checkpoint(engine: ZOEngine, final: str, trainer_state: dict | None = None,
-                     write_extra: Callable[[str], None] | None = None) -> str:
+                     write_extra: Callable[[str], None] | None = None, tokenizer=None) -> str:
     """Collective: the checkpoint at exactly `final` (written as `final.tmp`, renamed when complete).
 
     With replica groups (hybrid sharding) every group holds the same shards: group 0 writes them, and the
     others learn from it whether that worked."""
-    if engine.replicas == 1:
-        return _write_group(engine, final, trainer_state, write_extra)
+    topology = engine.topology
+    if topology.replicas == 1:
+        return _write_group(engine, final, trainer_state, write_extra, tokenizer)
     error = None
-    if engine.replica == 0:
+    if topology.replica == 0:
         try:
-            _write_group(engine, final, trainer_state, write_extra)
+            _write_group(engine, final, trainer_state, write_extra, tokenizer)
         except CheckpointWriteError as e:
             error = str(e)
-    error = engine.world.broadcast_object(error)
+    error = topology.job.broadcast_object(error)
     if error:
         raise CheckpointWriteError(error)
     return final
 
 
+def write_model_files(directory: str, module, tokenizer=None) -> dict:
+    """What an export needs beside the weights, written the same way for every front end (rank 0): the model's
+    config.json (the base model's, under peft), a peft adapter's adapter_config.json, and the tokenizer when there
+    is one. Returns the manifest's "model" record, which export reads to refuse what it cannot write faithfully:
+    - full fine-tuning: {"kind": "full", "hf_config": whether config.json was written, "frozen": the canonical
+      names of parameters that were not trained (a full export from the checkpoint would lack them)};
+    - peft: {"kind": "peft", "peft_type", "adapters" (names), "base_model" (the adapter config's
+      base_model_name_or_path, absolute when it is a local directory; None when unknown), "adapter_keys" (the keys
+      of peft's adapter state dict, which the checkpoint's tensors must be)}.
+    """
+    peft = getattr(module, "peft_config", None)
+    base = module.get_base_model() if peft is not None else module
+    hf_config = getattr(base, "config", None)
+    if hasattr(hf_config, "to_json_file"):
+        hf_config.to_json_file(os.path.join(directory, "config.json"))
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+    if peft is None:
+        seen, frozen = set(), []
+        for name, p in module.named_parameters():
+            if id(p) not in seen and not p.requires_grad:
+                frozen.append(canonical_name(name, False))
+            seen.add(id(p))
+        return {"kind": "full", "hf_config": hasattr(hf_config, "to_json_file"), "frozen": sorted(frozen)}
+    from peft import get_peft_model_state_dict
+
+    adapters = sorted(peft)
+    record = {"kind": "peft", "adapters": adapters, "peft_type": None, "base_model": None, "adapter_keys": []}
+    if len(adapters) == 1:
+        adapter = peft[adapters[0]]
+        adapter.save_pretrained(directory)
+        source = adapter.base_model_name_or_path
+        record.update(peft_type=str(getattr(adapter.peft_type, "value", adapter.peft_type)),
+                      base_model=(os.path.abspath(source) if source and os.path.isdir(source) else source) or None,
+                      # the keys only; save_embedding_layers=False: no look-up of the base model's config (the hub)
+                      adapter_keys=sorted(get_peft_model_state_dict(module, adapter_name=adapters[0],
+                                                                    save_embedding_layers=False)))
+    return record
+
+
 def _write_group(engine: ZOEngine, final: str, trainer_state: dict | None,
-                 write_extra: Callable[[str], None] | None) -> str:
+                 write_extra: Callable[[str], None] | None, tokenizer=None) -> str:
     comm = engine.comm
     step = engine.step_count
     tmp = final + ".tmp"
@@ -125,6 +170,7 @@ def _write_group(engine: ZOEngine, final: str, trainer_state: dict | None,
                                      "numel": e.numel} for e in engine.entries},
                 "engine": _jsonable_state(engine.state_dict()),
                 "trainer": trainer_state or {},
+                "model": write_model_files(tmp, engine.module, tokenizer),
             }
             if engine.static_mask is not None:
                 manifest["static_mask"] = {"fraction": engine.static_mask.fraction,
@@ -235,24 +281,34 @@ def rotate_checkpoints(output_dir: str, keep: int | None, protect: str | None = 
 
 
 class CheckpointManager:
-    """One run's checkpoint lifecycle, shared by the CLI, `from_accelerator` and `ZOTrainer`.
+    """One run's checkpoints, shared by the CLI, `from_accelerator` and `ZOTrainer` (torchtitan's shape).
 
-    - `save(engine, ...)`: collective; writes `output_dir/checkpoint-<step>` (or `path`), then rank 0
+    - `save(engine)`: collective; writes `output_dir/checkpoint-<step>` (or `path`): the weights, the engine's ZO
+      state, the model files (write_model_files, with `tokenizer`), the front end's own files (`write_extra(dir)`,
+      rank 0) and the trainer state: the manager's own `state_dict()` (the best evaluation) and that of each
+      component in `states` (objects with `state_dict()` / `load_state_dict()`), under their names. Then rank 0
       rotates to `save_total_limit`, never deleting the best checkpoint, and every rank meets at a barrier;
+    - `maybe_save(engine, last)`: `save` when `save_steps` divides the step or at the last step, once per step;
     - `track(step, metrics)`: the best evaluation so far by `metric` (higher is better unless
-      `greater_is_better=False`); a new best is protected from rotation once it is saved;
-    - `resume_path(resume)`: `True` is the newest complete checkpoint, a path is checked to exist;
-    - `state_dict()` / `load_state_dict()`: the best result, carried in each checkpoint's trainer state.
+      `greater_is_better=False`); the best is protected from rotation once it is saved;
+    - `load(engine, path)`: the weights, the ZO state, and the state of the manager and of every component;
+    - `resume_path(resume)`: `True` is the newest complete checkpoint, a path is checked to exist.
+    Collectives run on the engine's job (`engine.topology.job`).
     """
 
-    def __init__(self, output_dir: str, comm, *, save_total_limit: int | None = None, metric: str | None = None,
-                 greater_is_better: bool = True):
+    def __init__(self, output_dir: str, *, save_steps: int = 0, save_total_limit: int | None = None,
+                 metric: str | None = None, greater_is_better: bool = True, tokenizer=None,
+                 states: dict | None = None, write_extra: Callable[[str], None] | None = None):
         self.output_dir = output_dir
-        self.comm = comm
+        self.save_steps = save_steps
         self.save_total_limit = save_total_limit
         self.metric = metric
         self.greater_is_better = greater_is_better
-        self.best: dict | None = None  # {"step", "metrics", "checkpoint"}
+        self.tokenizer = tokenizer
+        self.states = dict(states or {})
+        self.write_extra = write_extra
+        self.best: dict | None = None  # {"step", "metrics", "checkpoint": the saved one, protected from rotation}
+        self.saved_step: int | None = None  # the step of the last save of this run
 
     def path_for(self, step: int) -> str:
         return os.path.join(self.output_dir, f"checkpoint-{step}")
@@ -269,26 +325,54 @@ class CheckpointManager:
         return value > best if self.greater_is_better else value < best
 
     def track(self, step: int, metrics: dict) -> bool:
-        """Record an evaluation at `step`; True when it is the best so far (its checkpoint is then
-        `path_for(step)`, which the caller should save)."""
+        """Record an evaluation at `step`; True when it is the best so far. Its checkpoint is protected from
+        rotation once `save` writes the checkpoint of that step (until then the previous best one stays)."""
         if not self.is_better(metrics):
             return False
-        self.best = {"step": step, "metrics": dict(metrics), "checkpoint": self.path_for(step)}
+        self.best = {"step": step, "metrics": dict(metrics), "checkpoint": self.best and self.best["checkpoint"]}
         return True
 
-    def save(self, engine, trainer_state: dict | None = None, write_extra: Callable[[str], None] | None = None,
-             path: str | None = None, mark_latest: bool = False) -> str:
+    def save(self, engine, path: str | None = None, mark_latest: bool = False,
+             extra_state: dict | None = None) -> str:
         """Collective: write the checkpoint of the engine's current step, rotate, and meet at a barrier.
 
-        `mark_latest`: also name it in `output_dir/latest` (DeepSpeed's convention, read by `tagged_latest`)."""
-        path = write_checkpoint(engine, path or self.path_for(engine.step_count), trainer_state, write_extra)
-        if self.comm.rank == 0:
+        `mark_latest`: also name it in `output_dir/latest` (DeepSpeed's convention, read by `tagged_latest`);
+        `extra_state`: more trainer state for this checkpoint only (DeepSpeed's client_state)."""
+        step = engine.step_count
+        path = path or self.path_for(step)
+        if self.best is not None and self.best["step"] == step:
+            self.best["checkpoint"] = path
+        trainer = {"checkpoints": self.state_dict(), **{name: s.state_dict() for name, s in self.states.items()},
+                   **(extra_state or {})}
+        path = write_checkpoint(engine, path, trainer, self.write_extra, self.tokenizer)
+        job = engine.topology.job
+        if job.rank == 0:
             rotate_checkpoints(self.output_dir, self.save_total_limit,
                                protect=self.best["checkpoint"] if self.best else None)
             if mark_latest:
                 replace_atomic(os.path.join(self.output_dir, "latest"), os.path.basename(path))
-        self.comm.barrier()
+        job.barrier()
+        self.saved_step = step
+        log.info("saved %s%s", path, " (the best evaluation so far)" if self.best and self.best["step"] == step
+                 and self.metric else "")
         return path
+
+    def maybe_save(self, engine, last: bool = False) -> str | None:
+        """Save when `save_steps` divides the step or at the `last` step, unless this step is saved already;
+        returns the path written, or None."""
+        step = engine.step_count
+        due = last or (self.save_steps and step % self.save_steps == 0)
+        return self.save(engine) if due and self.saved_step != step else None
+
+    def load(self, engine, path: str) -> dict:
+        """Collective: the checkpoint's weights and ZO state into `engine`, and its trainer state into the manager
+        and each component; returns the trainer state."""
+        trainer = load_checkpoint(engine, path)
+        # A checkpoint from before issue 27 holds the same states in one flat mapping ("best_dev", "seconds").
+        self.load_state_dict(trainer.get("checkpoints", trainer))
+        for name, component in self.states.items():
+            component.load_state_dict(trainer.get(name, trainer))
+        return trainer
 
     def tagged_latest(self) -> str:
         """The checkpoint `output_dir/latest` names (DeepSpeed's `load_checkpoint(dir)` with no tag)."""
@@ -314,10 +398,10 @@ class CheckpointManager:
         return str(resume)
 
     def state_dict(self) -> dict:
-        return {"best": self.best}
+        return {"best_dev": self.best}
 
     def load_state_dict(self, state: dict) -> None:
-        self.best = state.get("best")
+        self.best = state.get("best_dev")
 
 
 def read_manifest(path: str) -> dict:
@@ -392,7 +476,7 @@ def load_checkpoint(engine: ZOEngine, path: str) -> dict:
         engine.set_static_mask(StaticMask.from_full(engine.entries, read_static_mask(path, manifest, verified),
                                                     manifest["static_mask"]["fraction"]))
     engine.load_state_dict(manifest["engine"])
-    engine.world.barrier()
+    engine.topology.job.barrier()
     return manifest.get("trainer", {})
 
 

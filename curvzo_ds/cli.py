@@ -144,19 +144,54 @@ def eval_config(values: dict, resume) -> tuple[TrainConfig, str]:
     return cfg, str(path)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `curvzo-ds` parser: one subcommand per front end, every option with its help text."""
-    parser = argparse.ArgumentParser(prog="curvzo-ds", description="CurvZO zeroth-order fine-tuning on ZeRO-3.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("train", "train a model (one rank of a launcher's job, or alone)"),
-                       ("eval", "evaluate a checkpoint (--resume) on dev and test; without --resume, the untrained "
-                                "model (printed only, and refused where output_dir holds a run)")):
-        p = sub.add_parser(name, help=text, epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("--config", help="a YAML file of key: value")
-        p.add_argument("--deepspeed", help="your DeepSpeed config (JSON); each key honoured, mapped or refused")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key")
-        p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-                       help="resume from CHECKPOINT, or from the newest complete one in output_dir")
+# One function per subcommand registers its parser and its handler (accelerate's commands/ shape); `main` only
+# parses, dispatches and turns the errors a user can fix into one line.
+
+
+def _run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="a YAML file of key: value")
+    p.add_argument("--deepspeed", help="your DeepSpeed config (JSON); each key honoured, mapped or refused")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                   help="resume from CHECKPOINT, or from the newest complete one in output_dir")
+
+
+def train_command(sub) -> None:
+    p = sub.add_parser("train", help="train a model (one rank of a launcher's job, or alone)", epilog=_keys_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _run_options(p)
+    p.set_defaults(handler=_train)
+
+
+def _train(args) -> None:
+    cfg = load_config(args.config, args.set, args.deepspeed)
+    from .run import run_train  # deepspeed and transformers load only for these
+
+    run_train(cfg, args.resume)
+
+
+def eval_command(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a checkpoint (--resume) on dev and test; without --resume, the untrained "
+                                    "model (printed only, and refused where output_dir holds a run)",
+                       epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    _run_options(p)
+    p.set_defaults(handler=_eval)
+
+
+def _eval(args) -> None:
+    values = read_values(args.config, args.set, args.deepspeed)
+    cfg, resume = eval_config(values, args.resume) if args.resume else (load_config(
+        args.config, args.set, args.deepspeed), None)
+    set_sources(cfg, key_sources(args.config, args.set, values))
+    from .run import run_eval
+
+    with stdout_to_stderr() as stdout:  # only the JSON result goes to stdout: `curvzo-ds eval | jq` works
+        results = run_eval(cfg, resume)
+        if results is not None:
+            stdout.write(json.dumps(results, indent=1) + "\n")
+
+
+def export_command(sub) -> None:
     p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
     p.add_argument("checkpoint", help="a checkpoint directory (output_dir/checkpoint-N)")
     p.add_argument("--out", required=True, help="the directory to write (from_pretrained loads it)")
@@ -164,9 +199,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA runs: write the merged model to --out itself and the adapter to --out/adapter")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty --out (the new export is renamed into place when complete)")
+    p.set_defaults(handler=_export)
+
+
+def _export(args) -> None:
+    from .export import export_checkpoint
+
+    for line in export_checkpoint(args.checkpoint, args.out, args.merge_lora, args.overwrite):
+        print(line)
+
+
+def plot_command(sub) -> None:
     p = sub.add_parser("plot", help="draw loss and evaluation curves of runs to a PNG")
     p.add_argument("run_dirs", nargs="+", help="one or more run directories (output_dir), compared by colour")
     p.add_argument("--out", help="the PNG to write (default: metrics.png in the first run directory)")
+    p.set_defaults(handler=_plot)
+
+
+def _plot(args) -> None:
+    from .plot import plot_runs
+
+    print(plot_runs(args.run_dirs, args.out))
+
+
+def bench_command(sub) -> None:
     p = sub.add_parser("bench", help="the benchmark suite: step time against two forwards, noise, memory, ranks",
                        description="Without options: the suite (a 28M Llama, batch 16 x 64/256/1024 tokens, MeZO, "
                                    "CurvZO at 0.3 G and adaptive CurvZO, a MeZO-style reference step, peak memory "
@@ -180,6 +236,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="with --run or --drift: steps to take")
     p.add_argument("--drift", choices=["bfloat16", "float16"],
                    help="instead: weight drift of DTYPE steps with and without fp32_master_weights")
+    p.set_defaults(handler=_bench)
+
+
+def _bench(args) -> None:
+    from .bench import drift, run_bench, run_suite
+
+    if args.drift:
+        drift(args.steps, args.drift)
+    elif args.run:
+        run_bench(load_config(None, args.set, None), args.steps)
+    else:
+        run_suite(args.out, _ints(args.seq_lens, "--seq-lens"), args.rounds, _ints(args.world_sizes, "--world-sizes"))
+
+
+def plan_command(sub) -> None:
     p = sub.add_parser("plan", help="per-rank memory of a model under ZeRO-3 with CurvZO, from its config",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Per-rank memory of CurvZO under ZeRO-3 from the model's config on the meta device "
@@ -203,6 +274,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-positions", type=int, default=1, help="logit positions per sequence (the loss's)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the model directory's own Python code to read its config (off by default)")
+    p.set_defaults(handler=_plan)
+
+
+def _plan(args) -> None:
+    from .plan import plan
+
+    plan(model=args.model, world_size=args.world_size, shard_group_size=args.shard_group_size, dtype=args.dtype,
+         offload=args.offload, batch=args.batch, seq_len=args.seq_len, gpu_memory=args.gpu_memory,
+         fp32_master=args.fp32_master_weights, deepspeed=args.deepspeed, device=args.device,
+         label_positions=args.label_positions, trust_remote_code=args.trust_remote_code)
+
+
+def diagnose_command(sub) -> None:
     p = sub.add_parser("diagnose", help="do the scores track curvature? CurvZO steps next to the backprop gradient",
                        description="One process, plain model (no DeepSpeed): for each estimator, --steps CurvZO steps "
                                    "of the configured run; every --probe-every steps, the backprop gradient on the "
@@ -215,6 +299,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=200, help="steps per estimator")
     p.add_argument("--probe-every", type=int, default=10, help="steps between two backprop probes")
     p.add_argument("--out", required=True, help="directory for diagnose.json and the PNGs")
+    p.set_defaults(handler=_diagnose)
+
+
+def _diagnose(args) -> None:
+    from .diagnose import diagnose
+
+    cfg = load_config(args.config, args.set, None)
+    for line in diagnose(cfg, [x.strip() for x in args.estimators.split(",") if x.strip()], args.steps,
+                         args.probe_every, args.out):
+        print(line)
+
+
+COMMANDS = (train_command, eval_command, export_command, plot_command, bench_command, plan_command, diagnose_command)
+# A directory or run that is not what the command needs is the user's to fix: one line (exit 2), not a traceback.
+VALUE_ERRORS_ARE_THE_USERS = ("export", "plot")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `curvzo-ds` parser: one subcommand per front end, every option with its help text."""
+    parser = argparse.ArgumentParser(prog="curvzo-ds", description="CurvZO zeroth-order fine-tuning on ZeRO-3.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for register in COMMANDS:
+        register(sub)
     return parser
 
 
@@ -226,63 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     extensions_dir()  # a JIT build cache per Python environment, unless TORCH_EXTENSIONS_DIR is set (startup.py)
     try:
-        if args.command == "train":
-            cfg = load_config(args.config, args.set, args.deepspeed)
-            from .run import run_train  # deepspeed and transformers load only for these
-
-            run_train(cfg, args.resume)
-        elif args.command == "eval":
-            values = read_values(args.config, args.set, args.deepspeed)
-            cfg, resume = eval_config(values, args.resume) if args.resume else (load_config(
-                args.config, args.set, args.deepspeed), None)
-            set_sources(cfg, key_sources(args.config, args.set, values))
-            from .run import run_eval
-
-            with stdout_to_stderr() as stdout:  # only the JSON result goes to stdout: `curvzo-ds eval | jq` works
-                results = run_eval(cfg, resume)
-                if results is not None:
-                    stdout.write(json.dumps(results, indent=1) + "\n")
-        elif args.command == "export":
-            from .export import export_checkpoint
-
-            for line in export_checkpoint(args.checkpoint, args.out, args.merge_lora, args.overwrite):
-                print(line)
-        elif args.command == "plot":
-            from .plot import plot_runs
-
-            print(plot_runs(args.run_dirs, args.out))
-        elif args.command == "bench":
-            from .bench import drift, run_bench, run_suite
-
-            if args.drift:
-                drift(args.steps, args.drift)
-            elif args.run:
-                run_bench(load_config(None, args.set, None), args.steps)
-            else:
-                run_suite(args.out, _ints(args.seq_lens, "--seq-lens"), args.rounds,
-                          _ints(args.world_sizes, "--world-sizes"))
-        elif args.command == "diagnose":
-            from .diagnose import diagnose
-
-            cfg = load_config(args.config, args.set, None)
-            for line in diagnose(cfg, [x.strip() for x in args.estimators.split(",") if x.strip()], args.steps,
-                                 args.probe_every, args.out):
-                print(line)
-        elif args.command == "plan":
-            from .plan import plan
-
-            plan(model=args.model, world_size=args.world_size, shard_group_size=args.shard_group_size,
-                 dtype=args.dtype, offload=args.offload, batch=args.batch, seq_len=args.seq_len,
-                 gpu_memory=args.gpu_memory, fp32_master=args.fp32_master_weights, deepspeed=args.deepspeed,
-                 device=args.device, label_positions=args.label_positions, trust_remote_code=args.trust_remote_code)
+        args.handler(args)
     except (ConfigError, FileNotFoundError) as e:
         _say(f"curvzo-ds {args.command}: error: {e}")
         return 2
     except RunEnded as e:  # the run stopped for a stated reason: one line (the log above has the context)
         _say(f"curvzo-ds {args.command}: {'' if e.exit_code == 3 else 'error: '}{e}")
         return e.exit_code
-    except ValueError as e:  # a checkpoint or run directory that is not what the command needs (export, plot)
-        if args.command not in ("export", "plot"):
+    except ValueError as e:
+        if args.command not in VALUE_ERRORS_ARE_THE_USERS:
             raise
         _say(f"curvzo-ds {args.command}: error: {e}")
         return 2

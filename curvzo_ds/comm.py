@@ -1,4 +1,5 @@
-"""The engine's few collectives, on an explicit process group (no-ops in one process).
+"""The engine's few collectives, on an explicit process group (no-ops in one process), and the wire format of
+the step's one all-reduce (`StepPacket`).
 
 Per step the engine sends one all-reduce of int64 values: the fixed-point block statistics
 (G values) and, as bit patterns, the float64 loss sums of each micro-batch slot (each slot is
@@ -96,3 +97,56 @@ def float64_bits(values: torch.Tensor) -> torch.Tensor:
 
 def bits_float64(values: torch.Tensor) -> torch.Tensor:
     return values.contiguous().view(torch.float64)
+
+
+class StepPacket:
+    """The one all-reduce of a step, int64, packed and unpacked here (docs/deepspeed.md):
+
+        [q x `sums` block sums | `moved` counts | q x slots x (L+ sum, L- sum, count) | stop flag]
+
+    The block sums (fixed-point sums of z^2 over each rank's owned elements, 0 for MeZO, which reads no scores)
+    and the counts of bf16/fp16 elements that +eps z moved (visibility steps only) add up over the ranks. Each
+    (L+, L-, count) of a direction and micro-batch slot is written, as float64 bit patterns, by the one rank that
+    evaluated it and is 0 elsewhere, so the integer sum returns it exactly. The stop flag (pre-emption) counts the
+    ranks that asked to stop.
+    """
+
+    def __init__(self, directions: int, sums: int, slots: int, moved: int = 0, stop: bool = False, device=None):
+        self.directions, self.sums, self.slots = directions, sums, slots
+        self.moved_at = directions * sums
+        self.losses_at = self.moved_at + moved
+        self.flag_at = self.losses_at + 3 * directions * slots
+        self.has_stop = stop
+        self.values = torch.zeros(self.flag_at + stop, dtype=torch.int64, device=device)
+
+    def put_sums(self, direction: int, sums: torch.Tensor) -> None:
+        self.values[direction * self.sums: (direction + 1) * self.sums] = sums
+
+    def put_moved(self, counts: torch.Tensor) -> None:
+        self.values[self.moved_at: self.losses_at] = counts
+
+    def put_losses(self, direction: int, slot: int, plus: torch.Tensor, minus: torch.Tensor) -> None:
+        """A slot's [loss_sum, count] float64 pairs at +eps and -eps (device tensors: no host read here)."""
+        at = self.losses_at + 3 * (direction * self.slots + slot)
+        self.values[at: at + 3] = float64_bits(torch.stack([plus[0], minus[0], plus[1]]))
+
+    def put_stop(self, flag: bool) -> None:
+        self.values[self.flag_at] = int(flag)
+
+    def all_reduce(self, comm: Comm) -> None:
+        """The sum over `comm`'s group, read back to the host (the step's one synchronisation)."""
+        self.values = comm.all_reduce_sum_int64(self.values)
+
+    def block_sums(self) -> torch.Tensor:
+        """[q * sums] int64."""
+        return self.values[:self.moved_at]
+
+    def moved(self) -> torch.Tensor | None:
+        return self.values[self.moved_at: self.losses_at].to(torch.float64) if self.losses_at > self.moved_at else None
+
+    def losses(self) -> list[list[list[float]]]:
+        """Per direction, per slot: [L+ sum, L- sum, count]."""
+        return bits_float64(self.values[self.losses_at: self.flag_at]).view(self.directions, self.slots, 3).tolist()
+
+    def stop(self) -> bool:
+        return bool(self.values[self.flag_at]) if self.has_stop else False

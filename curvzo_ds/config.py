@@ -16,10 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .ds_policy import REFUSAL_BY_KEY
+from .params import Granularity
+from .sampling import ESTIMATORS, Method
 
-METHODS = ("curvzo", "mezo", "us_ab", "fixed")
-SCORE_ESTIMATORS = ("normalized", "raw", "unbiased", "unbiased_element", "per_element", "ht")
-GRANULARITIES = ("tensor", "layer", "chunk")
+# The valid values of the mode keys, from their one definition each (sampling.Method, sampling.ESTIMATORS,
+# params.Granularity).
+METHODS = tuple(m.value for m in Method)
+SCORE_ESTIMATORS = tuple(ESTIMATORS)
+GRANULARITIES = tuple(g.value for g in Granularity)
 
 
 def key(default: Any, doc: str):
@@ -38,6 +42,10 @@ class RunEnded(RuntimeError):
     """A run stopped for a reason it states in one line (the CLI prints it and exits with `exit_code`)."""
 
     exit_code = 1
+
+
+class RanksDisagree(RunEnded):
+    """Ranks that must agree (on the configuration, the model, the noise kernel, the data or the ZO state) do not."""
 
 
 class ConfigError(ValueError):

@@ -22,14 +22,14 @@ import torch
 
 from . import data as D
 from .comm import Comm
-from .config import SCORE_ESTIMATORS, ConfigError, TrainConfig, resolve_presets, zo_part
-from .data.stream import MicroBatches, micro_batch_indices
+from .config import ConfigError, TrainConfig, resolve_presets, zo_part
+from .data.stream import MicroBatches
 from .engine import ZOEngine
 from .evaluate import evaluate
 from .jsonio import write_json_atomic
 from .models import build_model
-from .run import load_data
-from .sampling import CurvZOSampler, adaptive_budget
+from .run import load_data, step_batch
+from .sampling import ESTIMATORS, CurvZOSampler, adaptive_budget, expected_scores
 
 log = logging.getLogger("curvzo_ds")
 
@@ -42,27 +42,6 @@ def corr_log(x, y) -> float:
     lx, ly = lx - lx.mean(), ly - ly.mean()
     den = (lx.norm() * ly.norm()).item()
     return (lx * ly).sum().item() / den if den > 0 else math.nan
-
-
-def expected_scores(pi: torch.Tensor, sizes: torch.Tensor, energy: torch.Tensor, estimator: str,
-                    masks: torch.Tensor) -> torch.Tensor:
-    """The mean of one step's block scores at inclusion probabilities pi, for block energies a = ||g_i||^2.
-
-    Exact for raw, unbiased and unbiased_element. For the Eq. 27 family (normalized, per_element, ht) the
-    mean given the mask M is m_i (n_i ||g_M||^2 + 2 a_i) / (N_M + 2) (tests/test_sampler.py checks it);
-    it is averaged over `masks` ([K, G] draws at pi).
-    """
-    n, a = sizes.to(torch.float64), energy.to(torch.float64)
-    if estimator == "raw":
-        return pi * n * ((pi * a).sum() - pi * a) + pi * (n + 2) * a
-    if estimator == "unbiased":
-        return a.clone()
-    if estimator == "unbiased_element":
-        return a / n
-    m = masks.to(torch.float64)
-    given = m * (n * (m @ a)[:, None] + 2 * a) / ((m @ n)[:, None] + 2)
-    mean = given.mean(0)
-    return {"normalized": mean, "per_element": mean / n, "ht": mean / pi}[estimator]
 
 
 def _sampler(cfg, sizes: torch.Tensor, uniforms=None) -> CurvZOSampler:
@@ -144,10 +123,7 @@ class PlainRun:
             self.engine.fit_static_mask([self.batch(t) for t in range(cfg.static_mask_batches)])
 
     def batch(self, step: int) -> MicroBatches:
-        cfg = self.cfg
-        parts = micro_batch_indices(step, len(self.train_data), cfg.global_batch_size, cfg.micro_batch_size, cfg.seed)
-        return MicroBatches([D.collate([self.train_data[i] for i in part], self.tokenizer.pad_token_id)
-                             for part in parts])
+        return step_batch(self.cfg, self.train_data, self.tokenizer.pad_token_id, step)
 
     def block_energy(self, batch: MicroBatches) -> torch.Tensor:
         """||g_i||^2 per block of the gradient of the batch's mean loss (the loss the step's Delta differentiates),
@@ -192,13 +168,12 @@ def trace(cfg: TrainConfig, steps: int, probe_every: int) -> dict:
                pi=[], budget=[], d_eff=[], entropy=[], loss=[], probe_step=[], energy=[], scores=[])
     for t in range(steps):
         batch = run.batch(t)
-        pi = engine.sampler.probabilities(t).pi  # what the step's plan will use (a pure function of S)
         if t in probes:
             rec["probe_step"].append(t)
             rec["energy"].append(run.block_energy(batch).tolist())
             rec["scores"].append(engine.sampler.scores.tolist())
         r = engine.step(batch)
-        rec["pi"].append(pi.tolist())
+        rec["pi"].append(r.pi.tolist())  # the pi the step drew from
         for key, value in (("budget", r.budget), ("d_eff", r.d_eff), ("entropy", r.score_entropy), ("loss", r.loss)):
             rec[key].append(value)
     rec["warmup_steps"] = cfg.score_warmup_steps if cfg.score_init == "warmup" else 0
@@ -228,10 +203,10 @@ def summarize(rec: dict, cfg) -> dict:
 
 def diagnose(cfg: TrainConfig, estimators: list[str], steps: int, probe_every: int, out_dir: str) -> list[str]:
     """Run each estimator from the same start, write diagnose.json and one PNG per estimator; return the table."""
-    bad = [e for e in estimators if e not in SCORE_ESTIMATORS] or ([] if estimators else ["(none)"])
+    bad = [e for e in estimators if e not in ESTIMATORS] or ([] if estimators else ["(none)"])
     if bad or steps < 1 or probe_every < 1:
         raise ConfigError(f"--estimators {','.join(estimators)} --steps {steps} --probe-every {probe_every}: use "
-                          f"estimators from {', '.join(SCORE_ESTIMATORS)} and integers >= 1")
+                          f"estimators from {', '.join(ESTIMATORS)} and integers >= 1")
     os.makedirs(out_dir, exist_ok=True)
     records = []
     for est in estimators:

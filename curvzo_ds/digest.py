@@ -31,11 +31,3 @@ def params_digest(entries, comm) -> str:
             if comm.rank == 0:
                 hash_tensor(h, e.name, e.param.data.view(e.shape))
     return comm.broadcast_object("sha256:" + h.hexdigest() if comm.rank == 0 else None)
-
-
-def state_dict_digest(tensors: dict[str, torch.Tensor]) -> str:
-    """The same digest from full tensors in memory (an export or a one-process model)."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        hash_tensor(h, name, tensors[name])
-    return "sha256:" + h.hexdigest()

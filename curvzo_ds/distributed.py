@@ -11,6 +11,7 @@ Rank and world size are always read back from torch.distributed, never from Acce
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import os
@@ -20,6 +21,8 @@ import subprocess
 import torch
 import torch.distributed as dist
 
+from .comm import Comm
+from .config import ConfigError
 from .startup import extensions_dir, stdout_to_log
 
 log = logging.getLogger("curvzo_ds")
@@ -124,16 +127,11 @@ def pin_threads(threads: int | None) -> int:
     return threads
 
 
-def shard_groups(size: int | None):
+def shard_groups(size: int):
     """Hybrid sharding: (this rank's shard group, ranks g*K .. g*K+K-1 for K = `size`; its replica group, the
     ranks that hold the same shard: k, k+K, k+2K, ...). Every rank creates every group, in the same order, as
-    torch.distributed requires. (None, None) when the shard group is the whole world."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if size is None or size == world:
-        return None, None
-    if size > world or world % size:
-        raise ValueError(f"shard_group_size={size} must divide the world size {world}")
-    rank = dist.get_rank()
+    torch.distributed requires. `size` divides the world size (Topology.create checks it)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
     shard = replica = None
     for g in range(world // size):
         group = dist.new_group(list(range(g * size, (g + 1) * size)))
@@ -144,6 +142,61 @@ def shard_groups(size: int | None):
         if k == rank % size:
             replica = group
     return shard, replica
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Which ranks share what; made once per job and passed to whoever needs it (docs/scaling.md).
+
+    - `job`: every rank. The step's one all-reduce, the start-up agreement checks, evaluation, summaries,
+      checkpoint rotation and barriers.
+    - `shard`: the ranks of this rank's ZeRO-3 partition (the whole job unless hybrid sharding): micro-batches
+      are dealt over it, and it writes one checkpoint file per rank.
+    - `replica_group`: the process group of the ranks that hold the same shard as this one (None when the shard
+      group is the job).
+    The job is `replicas` equal, contiguous shard groups; this rank is in group `replica`.
+    """
+
+    job: Comm
+    shard: Comm
+    replica_group: object = None
+
+    @property
+    def replicas(self) -> int:
+        return self.job.world_size // self.shard.world_size
+
+    @property
+    def replica(self) -> int:
+        return self.job.rank // self.shard.world_size
+
+    @classmethod
+    def create(cls, shard_group_size: int | None = None) -> Topology:
+        """The job's topology for `shard_group_size` ranks per ZeRO-3 partition (None: the world size). Collective
+        when it makes groups (every rank calls it, with the same size)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        size = shard_group_size or world
+        if size > world or world % size:
+            raise ConfigError(f"shard_group_size={size} must divide the world size {world}: set it to the ranks of "
+                              "one node, or leave it unset (the world size)")
+        if size == world:
+            return cls.of(None)
+        return cls.of(*shard_groups(size))
+
+    @classmethod
+    def of(cls, shard_group=None, replica_group=None) -> Topology:
+        """Around a shard group that exists (None: the whole job); it must be one of equal, contiguous groups."""
+        job = Comm(None)
+        shard = Comm(shard_group) if shard_group is not None else job
+        if job.world_size % shard.world_size or job.rank % shard.world_size != shard.rank:
+            raise ValueError("hybrid sharding needs equal, contiguous shard groups (ranks g*K .. g*K+K-1)")
+        return cls(job, shard, replica_group)
+
+    def check_directions(self, num_directions: int) -> None:
+        """Each replica group evaluates its own directions, so every group must get as many."""
+        if num_directions % self.replicas:
+            raise ConfigError(f"num_directions={num_directions} must be a multiple of the number of replica groups "
+                              f"({self.replicas} = world size {self.job.world_size} / shard_group_size "
+                              f"{self.shard.world_size}), so that every group evaluates the same number of directions")
 
 
 class GroupMPU:

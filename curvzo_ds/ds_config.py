@@ -2,9 +2,9 @@
 
 CurvZO takes no optimizer step, so a DeepSpeed config written for Adam (the Hugging Face
 `ds_config_zero3.json` shape) carries keys that either mean something else here or cannot be
-served. `resolve_ds_config` reads the user's dict, moves what belongs to our config (batch sizes,
-dtype, ZeRO stage, parameter offload) into `cfg`, and returns the dict to hand to
-`deepspeed.initialize(model=..., config=...)` together with one-line warnings for what it dropped.
+served. `resolve_ds_config` reads the user's dict and returns the dict to hand to
+`deepspeed.initialize(model=..., config=...)`, the values of our keys that it maps (batch sizes, dtype,
+ZeRO stage, parameter offload), and one-line warnings for what it dropped. It edits nothing it is given.
 What cannot be served raises `ConfigError` naming the key, the reason and the fix.
 
 Policy:
@@ -34,10 +34,12 @@ Policy:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+from types import SimpleNamespace
 from typing import Any
 
-from .config import ConfigError, TrainConfig, sources_of
+from .config import ConfigError, TrainConfig
 from .ds_policy import (
     BATCH_KEYS,
     DROPPED,
@@ -70,18 +72,25 @@ def load_ds_config(path: str) -> dict:
     return data
 
 
-def resolve_ds_config(user: dict | None, cfg: TrainConfig, world_size: int,
-                      hidden_size: int | None, where: str = "the deepspeed config") -> tuple[dict, list[str]]:
-    """Map `user` onto `cfg` and return (config for deepspeed.initialize, warnings).
+def resolve_ds_config(user: dict | None, world_size: int, hidden_size: int | None, *,
+                      explicit: dict[str, str] | None = None, where: str = "the deepspeed config",
+                      **ours: Any) -> tuple[dict, dict, list[str]]:
+    """(config for deepspeed.initialize, mapped values, warnings) for the user's DeepSpeed config `user`.
 
-    Only the `MAPPED_FIELDS` of `cfg` change, and only when no ConfigError is raised. A key that `cfg` was given
-    explicitly (config.sources_of: `--set` or the YAML) and that `user` sets to another value is refused, naming
-    both values and where each came from (`where`: the DeepSpeed config's name); otherwise the user's keys win
-    over `cfg`'s defaults. `user` itself is not edited.
+    `ours`: the current values of our `MAPPED_FIELDS` (global_batch_size, micro_batch_size, dtype, zero_stage,
+    offload_param); one not given takes TrainConfig's default. The mapped values are those five after the user's
+    keys are applied: `dataclasses.replace(cfg, **mapped)` is the run's config. A key of `ours` that was given
+    explicitly (`explicit`: name -> where it came from, config.sources_of: `--set` or the YAML) and that `user`
+    sets to another value is refused, naming both values and where each came from (`where`: the DeepSpeed
+    config's name, DESIGN.md §5); otherwise the user's keys win over our defaults. Nothing given is edited.
     """
+    unknown = set(ours) - set(MAPPED_FIELDS)
+    if unknown:
+        raise TypeError(f"resolve_ds_config maps {', '.join(MAPPED_FIELDS)}, not {', '.join(sorted(unknown))}")
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in MAPPED_FIELDS}
+    staged = SimpleNamespace(**{**defaults, **ours})
     user = copy.deepcopy(user or {})
     given = copy.deepcopy(user)
-    staged = copy.copy(cfg)
     warnings: list[str] = []
     out: dict[str, Any] = {}
 
@@ -91,7 +100,7 @@ def resolve_ds_config(user: dict | None, cfg: TrainConfig, world_size: int,
     _map_batch(user, staged, world_size, warnings)
     _map_dtype(user, staged, warnings)
     zero = _map_zero(user.pop("zero_optimization", None), staged, hidden_size, warnings)
-    _refuse_conflicts(given, cfg, staged, world_size, where)
+    _refuse_conflicts(given, ours, explicit or {}, staged, world_size, where)
 
     for key, reason in DROPPED.items():
         if key in user:
@@ -120,24 +129,21 @@ def resolve_ds_config(user: dict | None, cfg: TrainConfig, world_size: int,
     elif staged.dtype == "float16":
         out["fp16"] = {"enabled": True}
     _refuse_auto(out, "")
-    for name in MAPPED_FIELDS:
-        setattr(cfg, name, getattr(staged, name))
-    return out, warnings
+    return out, {name: getattr(staged, name) for name in MAPPED_FIELDS}, warnings
 
 
-def _refuse_conflicts(given: dict, cfg: TrainConfig, staged: TrainConfig, world_size: int, where: str) -> None:
+def _refuse_conflicts(given: dict, ours: dict, explicit: dict[str, str], staged, world_size: int, where: str) -> None:
     """DESIGN.md's rule: a key set explicitly (--set or the YAML) that the DeepSpeed config maps to another value is
     refused in one line naming both values and where each came from."""
-    explicit = sources_of(cfg)
     for name in MAPPED_FIELDS:
-        mine = getattr(cfg, name)
+        mine = ours.get(name)
         if name in explicit and mine != getattr(staged, name):
             theirs = _ds_setting(given, name, staged, world_size)
             raise ConfigError(f"{name}={mine} ({explicit[name]}) conflicts with {theirs} ({where}): make them agree, "
                               "or remove one of the two")
 
 
-def _ds_setting(given: dict, name: str, staged: TrainConfig, world_size: int) -> str:
+def _ds_setting(given: dict, name: str, staged, world_size: int) -> str:
     """The DeepSpeed key (and value) that set `name` in `staged`, as the user wrote it."""
     if name == "global_batch_size":
         if _batch_value(given.get("train_batch_size"), "train_batch_size") is not None:
@@ -153,7 +159,7 @@ def _ds_setting(given: dict, name: str, staged: TrainConfig, world_size: int) ->
     return f"zero_optimization.offload_param.device={staged.offload_param}"
 
 
-def _map_batch(user: dict, cfg: TrainConfig, world_size: int, warnings: list[str]) -> None:
+def _map_batch(user: dict, cfg, world_size: int, warnings: list[str]) -> None:
     total, micro, accum = (_batch_value(user.pop(key, None), key) for key in BATCH_KEYS)
     if micro is not None:
         cfg.micro_batch_size = micro
@@ -175,7 +181,7 @@ def _batch_value(value: Any, key: str) -> int | None:
     return number
 
 
-def _map_dtype(user: dict, cfg: TrainConfig, warnings: list[str]) -> None:
+def _map_dtype(user: dict, cfg, warnings: list[str]) -> None:
     if "bfloat16" in user and "bf16" not in user:  # DeepSpeed's older spelling
         user["bf16"] = user.pop("bfloat16")
     chosen, loss_scaling = [], []
@@ -204,7 +210,7 @@ def _map_dtype(user: dict, cfg: TrainConfig, warnings: list[str]) -> None:
                         "computes none")
 
 
-def _map_zero(zero: Any, cfg: TrainConfig, hidden_size: int | None, warnings: list[str]) -> dict:
+def _map_zero(zero: Any, cfg, hidden_size: int | None, warnings: list[str]) -> dict:
     if zero is None:
         zero = {}
     if not isinstance(zero, dict):

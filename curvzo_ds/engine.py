@@ -8,7 +8,10 @@ sampler's (sampling.py). The engine does the rest of a step (docs/algorithm.md, 
 2. one all-reduce of int64 values: the block sums and the per-micro-batch loss sums;
 3. every rank computes the same Delta and applies the same update. The update also undoes the
    perturbation, so each selected element's noise is generated three times, not four.
-No gradient, optimizer state or full parameter is created by the engine.
+No gradient, optimizer state or full parameter is created by the engine. The passes over the weights are
+the Perturber's (perturb.py), the all-reduce's wire format is StepPacket's (comm.py), the bf16/fp16
+visibility check is VisibilityMonitor's (visibility.py), and which ranks share what is the Topology's
+(distributed.py).
 """
 
 from __future__ import annotations
@@ -27,15 +30,17 @@ from typing import Any
 import torch
 
 from . import ds_compat
-from .comm import Comm, bits_float64, float64_bits
-from .config import RunEnded, ZOConfig
-from .data.losses import loss_parts
+from .comm import Comm, StepPacket, bits_float64, float64_bits
+from .config import RanksDisagree, RunEnded, ZOConfig
+from .data.losses import loss_parts, mean_loss
 from .data.stream import MicroBatches, round_robin_slots
+from .distributed import Topology
 from .mask import MaskedPerturber, StaticMask
 from .noise import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
 from .params import ParamEntry, collect_entries, make_blocks
 from .perturb import Perturber
 from .sampling import CurvZOSampler, StepPlan
+from .visibility import VisibilityMonitor
 
 log = logging.getLogger("curvzo_ds")
 
@@ -62,10 +67,12 @@ class StepResult:
     visibility_block: str | None = None
     skipped: str | None = None
     stop: bool = False  # with step(batch, stop_requested=...): some rank asked to stop (not a metric)
+    pi: torch.Tensor | None = None  # [G] the inclusion probabilities this update drew from (not a metric)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "stop" and (
-            v is not None or k.startswith("loss") or k == "projected_grad")}
+        """The metrics.jsonl fields (docs/outputs.md)."""
+        values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in ("stop", "pi"))
+        return {k: v for k, v in values if v is not None or k.startswith("loss") or k == "projected_grad"}
 
 
 LossFn = Callable[[Any, Any], Any]
@@ -102,9 +109,13 @@ class ZOEngine:
     `loss_fn(model, micro_batch)` returns `(loss_sum, count)` (docs/contracts.md); a mean loss is `(mean, 1)`.
     Only parameters with `requires_grad` are perturbed, so LoRA works as is.
     For an Accelerate loop, `curvzo_ds.from_accelerator` prepares the model and builds the engine.
+
+    `topology` (distributed.Topology): which ranks share a ZeRO-3 partition; `group` is the short form for a
+    shard group made by the caller (hybrid sharding); neither: the whole job is one partition.
     """
 
-    def __init__(self, model, loss_fn: LossFn, config: ZOConfig | None = None, *, group=None, **overrides):
+    def __init__(self, model, loss_fn: LossFn, config: ZOConfig | None = None, *, group=None,
+                 topology: Topology | None = None, **overrides):
         cfg = copy.deepcopy(config) if config is not None else ZOConfig()
         names = {f.name for f in dataclasses.fields(cfg)}
         for key, value in overrides.items():
@@ -122,17 +133,10 @@ class ZOEngine:
         if ds_compat.is_ds_engine(model):
             ds_compat.check_engine_supported(model)
         self.loss_fn = loss_fn
-        self.comm = Comm(group)  # the shard group: ZeRO-3's partition, the micro-batches
-        # Hybrid sharding: `group` is one of R equal, contiguous shard groups; the step's all-reduce spans them all.
-        self.world = Comm(None) if group is not None else self.comm
-        self.replicas = self.world.world_size // self.comm.world_size
-        self.replica = self.world.rank // self.comm.world_size
-        if self.replicas * self.comm.world_size != self.world.world_size or \
-                self.world.rank % self.comm.world_size != self.comm.rank:
-            raise ValueError("hybrid sharding needs equal, contiguous shard groups (ranks g*K .. g*K+K-1)")
-        if cfg.num_directions % self.replicas:
-            raise ValueError(f"num_directions={cfg.num_directions} must be a multiple of the number of replica "
-                             f"groups ({self.replicas}), so that every group evaluates the same number of directions")
+        # The step's all-reduce spans the job; ZeRO-3's partition and the micro-batches are the shard group's.
+        self.topology = topology if topology is not None else Topology.of(group)
+        self.topology.check_directions(cfg.num_directions)
+        self.comm: Comm = self.topology.shard
         self.entries: list[ParamEntry] = collect_entries(self.module, replicated_rank=self.comm.rank,
                                                          fp32_master=cfg.fp32_master_weights)
         if not self.entries:
@@ -153,10 +157,8 @@ class ZOEngine:
         self.sampler = CurvZOSampler(cfg, self.sizes, self.noise.mask_uniforms)
         self.perturber = Perturber(self.entries, self.blocks, self.noise, self.device)
         self.static_mask: StaticMask | None = None  # static_mask: set by fit_static_mask or a checkpoint
-        # Elements of each block stored in bf16/fp16 and edited without an fp32 copy: where +eps z can vanish.
-        self.low_precision = torch.tensor([sum(hi - lo for ei, lo, hi in b.segments if _rounds_away(self.entries[ei]))
-                                           for b in self.blocks], dtype=torch.float64)
-        self._warned_visibility: set[str] = set()
+        self.visibility = VisibilityMonitor(self.entries, self.blocks, self.device, cfg.visibility_steps,
+                                            cfg.visibility_warn, cfg.zo_eps)
         self.partitioned = any(e.partitioned for e in self.entries)
         self.timer: StepTimer | None = None
         self.last_mask: torch.Tensor | None = None
@@ -213,14 +215,16 @@ class ZOEngine:
         fraction = (self.static_mask.selected / self.num_params if self.static_mask is not None
                     else plan.param_fraction(self.sizes))
         base = dict(budget=plan.budget, n_selected=plan.n_selected, param_fraction=fraction,
-                    max_inv_pi=plan.max_inv_pi, learning_rate=lr, d_eff=plan.d_eff, score_entropy=plan.entropy)
+                    max_inv_pi=plan.max_inv_pi, learning_rate=lr, d_eff=plan.d_eff, score_entropy=plan.entropy,
+                    pi=plan.pi)
         self.last_mask = plan.mask
         if plan.n_selected == 0:
             # No block drawn: no forwards, no score update; the step is counted (docs/algorithm.md).
             self._end_step(plan, None, None)
             stop = self._agree(stop_requested) if stop_requested is not None else False
             return StepResult(t + 1, None, None, None, None, skipped="empty_mask", stop=stop, **base)
-        if self.replicas > 1 and not isinstance(batch, MicroBatches):
+        replicas, replica = self.topology.replicas, self.topology.replica
+        if replicas > 1 and not isinstance(batch, MicroBatches):
             raise ValueError("with replica groups, step() takes the global batch as MicroBatches (every group "
                              "evaluates the same data)")
         eps, q = cfg.zo_eps, cfg.num_directions
@@ -235,14 +239,15 @@ class ZOEngine:
         self.module.eval()  # dropout would give the two forwards different masks
         evals = []  # (direction, block sums of z^2, L+ slots, L- slots) of the directions this group evaluates
         # The visibility counts come from direction 0 (replica group 0); the other groups send zeros.
-        watch = self._visibility_watch(t) if self.replica == 0 else None
-        changed = None if self.replica == 0 else self._visibility_count(self._visibility_watch(t, none=True))
+        # A static mask writes its elements from fp32 values: no block to watch.
+        watch = self.visibility.watch(t, perturber if replica == 0 else None) if self.static_mask is None else None
+        changed = None if replica == 0 else self.visibility.moved(watch)
         try:
-            for d in range(self.replica, q, self.replicas):
+            for d in range(replica, q, replicas):
                 with self._section("perturb_stats"):
                     block_fixed = perturber.perturb(0.0, eps, stats=self.sampler.scored, direction=d)
                 if d == 0:
-                    changed = self._visibility_count(watch)
+                    changed = self.visibility.moved(watch)
                 with self._section("forwards"):
                     plus = self._forwards(batch)
                 with self._section("perturb"):
@@ -259,7 +264,7 @@ class ZOEngine:
                                                             stop_requested)
         base["stop"] = stop
         if changed is not None:
-            base.update(self._visibility(changed, plan.mask))
+            base.update(self.visibility.report(changed, plan.mask))
         deltas = [(lp - lm) / (2 * eps) for lp, lm in losses]
         loss_plus, loss_minus = (sum(x[i] for x in losses) / q for i in (0, 1))
         delta = sum(deltas) / q
@@ -288,38 +293,6 @@ class ZOEngine:
         self._end_step(plan, deltas, block_sq)
         return StepResult(t + 1, loss, loss_plus, loss_minus, delta, **base)
 
-    def _visibility_watch(self, t: int, none: bool = False) -> list | None:
-        """On a visibility step, (block, owned view, its values) of the drawn bf16/fp16 copies with no fp32 copy
-        (`none`: a visibility step with nothing watched here, so that this rank still sends its zeros)."""
-        every = self.cfg.visibility_steps
-        if not every or t % every or not self.low_precision.any() or self.static_mask is not None:
-            return None  # a static mask writes its elements from fp32 values: nothing to watch per block
-        return [] if none else [(b, view, view.clone()) for b, view in self.perturber.owned_low_precision()]
-
-    def _visibility_count(self, watch) -> torch.Tensor | None:
-        if watch is None:
-            return None
-        moved = torch.zeros(self.num_blocks, dtype=torch.int64, device=self.device)
-        for b, view, before in watch:
-            moved[b] += (view != before).sum().to(self.device)
-        return moved
-
-    def _visibility(self, moved: torch.Tensor, mask: torch.Tensor) -> dict:
-        """The drawn low-precision block whose elements moved least under +eps z, and that fraction; a warning
-        the first time a block falls below `visibility_warn`."""
-        watched = mask & (self.low_precision > 0)
-        if not watched.any():
-            return {}
-        fraction = torch.where(watched, moved / self.low_precision.clamp(min=1), torch.full_like(moved, 2.0))
-        b = int(fraction.argmin())
-        value, name = float(fraction[b]), self.blocks[b].name
-        if value < self.cfg.visibility_warn and name not in self._warned_visibility:
-            self._warned_visibility.add(name)
-            log.warning("block %s: +eps z changed only %.0f%% of its bf16/fp16 elements (zo_eps=%g is below the "
-                        "storage spacing of many weights): raise zo_eps or set fp32_master_weights=true", name,
-                        100 * value, self.cfg.zo_eps)
-        return {"visibility": value, "visibility_block": name}
-
     def _section(self, name: str):
         return self.timer.section(name) if self.timer is not None else contextlib.nullcontext()
 
@@ -345,7 +318,7 @@ class ZOEngine:
         for slot, row in local:
             vec[2 * slot: 2 * slot + 2] = float64_bits(row)
         vals = bits_float64(self.comm.all_reduce_sum_int64(vec)).view(total, 2).tolist()
-        return _ratio(vals, 0, 1)
+        return mean_loss((row[0], row[1]) for row in vals)
 
     # ----------------------------------------------------------------- forwards and reduction
     def _slot_count(self, batch) -> int:
@@ -374,39 +347,31 @@ class ZOEngine:
 
     def _agree(self, flag: bool) -> bool:
         """True on every rank if `flag` is set on any (a step without forwards has no all-reduce to carry it)."""
-        return bool(self.world.all_reduce_sum_int64(torch.tensor([int(flag)], dtype=torch.int64)).item())
+        return bool(self.topology.job.all_reduce_sum_int64(torch.tensor([int(flag)], dtype=torch.int64)).item())
 
     def _reduce(self, evals, total: int, changed=None, stop_requested=None):
-        """One all-reduce of int64 over every rank (all replica groups): for each of the q directions its G block
-        sums (none for MeZO); on visibility steps the G counts of moved bf16/fp16 elements; then for each
-        direction (L+, L-, count) of every micro-batch slot as float64 bit patterns (each slot of a direction is
-        written by one rank of the group that evaluated it, zero elsewhere, so the integer sum returns it
-        exactly). The all-reduce's result is the step's only read back to the host; with `stop_requested`, one
-        more value carries the stop flag. Returns ([(L+, L-)] per direction, block sums of z^2 [G] or [q, G],
-        moved counts or None, whether any rank asked to stop)."""
+        """The step's one all-reduce over every rank (all replica groups), StepPacket's wire format: for each of the
+        q directions its G block sums (none for MeZO); on visibility steps the G counts of moved bf16/fp16 elements;
+        (L+, L-, count) of every direction and micro-batch slot; with `stop_requested`, the stop flag. Returns
+        ([(L+, L-)] per direction, block sums of z^2 [G] or [q, G], moved counts or None, whether any rank asked to
+        stop)."""
         q, g = self.cfg.num_directions, (self.num_blocks if self.sampler.scored else 0)
-        c = self.num_blocks if changed is not None else 0
-        losses = q * g + c  # layout: [q x block sums (g) | moved counts (c) | q x 3 values per slot | stop flag]
-        flag = losses + 3 * q * total
-        vec = torch.zeros(flag + (stop_requested is not None), dtype=torch.int64, device=self.device)
+        packet = StepPacket(q, g, total, moved=self.num_blocks if changed is not None else 0,
+                            stop=stop_requested is not None, device=self.device)
         for d, block_fixed, plus, minus in evals:
             if g:
-                vec[d * g: (d + 1) * g] = block_fixed
+                packet.put_sums(d, block_fixed)
             for (slot, lp), (_, lm) in zip(plus, minus):
-                at = losses + 3 * (d * total + slot)
-                vec[at: at + 3] = float64_bits(torch.stack([lp[0], lm[0], lp[1]]))
+                packet.put_losses(d, slot, lp, lm)
         if changed is not None:
-            vec[q * g: losses] = changed
+            packet.put_moved(changed)
         if stop_requested is not None:
-            vec[flag] = int(stop_requested)
-        vec = self.world.all_reduce_sum_int64(vec)
-        vals = bits_float64(vec[losses:flag]).view(q, total, 3).tolist()
-        block_sq = (vec[:q * g].to(torch.float64) / 2.0**FIXED_POINT_BITS if g
+            packet.put_stop(stop_requested)
+        packet.all_reduce(self.topology.job)
+        block_sq = (packet.block_sums().to(torch.float64) / 2.0**FIXED_POINT_BITS if g
                     else torch.zeros(q * self.num_blocks, dtype=torch.float64))
-        moved = vec[q * g: losses].to(torch.float64) if c else None
-        stop = bool(vec[flag]) if stop_requested is not None else False
-        return ([(_ratio(v, 0, 2), _ratio(v, 1, 2)) for v in vals], block_sq if q > 1 else block_sq[:self.num_blocks],
-                moved, stop)
+        losses = [tuple(mean_loss((row[i], row[2]) for row in rows) for i in (0, 1)) for rows in packet.losses()]
+        return losses, block_sq if q > 1 else block_sq[:self.num_blocks], packet.moved(), packet.stop()
 
     # ----------------------------------------------------------------- state
     def state_hash(self) -> str:
@@ -450,20 +415,31 @@ class ZOEngine:
         self.skips_in_row = int(state["skips_in_row"])
 
     def _check_ranks_agree(self) -> None:
-        """Fail on every rank, at start-up, if ranks disagree on seed, config or model."""
-        if self.world.world_size == 1:
+        """Fail on every rank, at start-up, in one line, if ranks disagree on the configuration, the trainable blocks
+        or the noise: the generator's identity and a digest of a reference vector drawn by this rank's own kernel
+        (another kernel build or definition draws other bits, and the shards would get inconsistent noise)."""
+        job = self.topology.job
+        if job.world_size == 1:
             return
-        mine = {"config": dataclasses.asdict(self.cfg), "noise": self.noise.describe(),
-                "blocks": [(b.name, b.size) for b in self.blocks]}
-        everyone = self.world.all_gather_object(mine)
+        mine = {"config": dataclasses.asdict(self.cfg), "blocks": [(b.name, b.size) for b in self.blocks],
+                "noise": self.noise.describe(), "kernel": self.noise.reference_digest(self.device)}
+        everyone = job.all_gather_object(mine)
+        first = everyone[0]
         for rank, theirs in enumerate(everyone):
-            if theirs != everyone[0]:
-                diff = sorted(k for k in set(theirs["config"]) | set(everyone[0]["config"])
-                              if theirs["config"].get(k) != everyone[0]["config"].get(k))
-                what = ", ".join(f"{k}: {everyone[0]['config'].get(k)!r} vs {theirs['config'].get(k)!r}"
-                                 for k in diff) or "the trainable parameters or noise definition"
-                raise ValueError(f"rank {rank} disagrees with rank 0 on {what}. Every rank must start with the "
-                                 "same seed, configuration and model, or the noise would not match.")
+            if theirs == first:
+                continue
+            diff = sorted(k for k in set(theirs["config"]) | set(first["config"])
+                          if theirs["config"].get(k) != first["config"].get(k))
+            if diff:
+                what = ", ".join(f"{k}: {first['config'].get(k)!r} vs {theirs['config'].get(k)!r}" for k in diff)
+            elif theirs["blocks"] != first["blocks"]:
+                what = "the trainable parameters (another model, LoRA setting or block_granularity)"
+            else:
+                what = (f"the noise kernel (reference digest {first['kernel']} vs {theirs['kernel']}, generator "
+                        f"{first['noise']['ident']} vs {theirs['noise']['ident']}: another build of curvzo_ds or of "
+                        "its kernel)")
+            raise RanksDisagree(f"rank {rank} disagrees with rank 0 on {what}. Every rank must start with the same "
+                                "seed, configuration, model and curvzo_ds build, or the noise would not match.")
 
 
 def _check_batch(batch) -> None:
@@ -474,19 +450,5 @@ def _check_batch(batch) -> None:
                          "for this rank's own batch")
 
 
-def _rounds_away(e: ParamEntry) -> bool:
-    """Stored in bf16/fp16 and edited without an fp32 copy: a small +eps z can round back to the same value."""
-    return e.master is None and e.param.dtype in (torch.bfloat16, torch.float16)
-
-
 def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
-
-
-def _ratio(rows: list[list[float]], col: int, count_col: int) -> float:
-    """sum of loss sums / sum of counts, added in float64 in micro-batch order (docs/contracts.md)."""
-    num = den = 0.0
-    for row in rows:
-        num += row[col]
-        den += row[count_col]
-    return num / den if den else math.nan

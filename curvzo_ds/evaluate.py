@@ -1,4 +1,5 @@
-"""Evaluation under ZeRO-3: examples in fixed micro-batches, micro-batch j on rank j mod W.
+"""Evaluation under ZeRO-3: examples in fixed micro-batches, micro-batch j on rank j mod W; `Evaluator` holds a
+run's evaluation schedule.
 
 Every rank runs the same number of forwards (and of `generate` calls, with synced_gpus), so
 the collective gathers stay in step; the micro-batches and their padding do not depend on the
@@ -49,11 +50,8 @@ def evaluate(model, task, tokenizer, encoded: list[dict], micro_batch_size: int,
     finally:
         module.train(was_training)
     rows = sorted((row for part in comm.all_gather_object(results) for row in part), key=lambda x: x["chunk"])
-    num = den = 0.0
-    for row in rows:
-        num += row["loss_sum"]
-        den += row["count"]
-    out = {"loss": num / den if den else None}
+    loss = D.mean_loss((row["loss_sum"], row["count"]) for row in rows)
+    out = {"loss": loss if any(row["count"] for row in rows) else None}
     if task.is_classification:
         preds = [p for row in rows for p in row["pred"]]
         labels = [g for row in rows for g in row["labels"]]
@@ -64,3 +62,26 @@ def evaluate(model, task, tokenizer, encoded: list[dict], micro_batch_size: int,
         out["f1"] = sum(D.f1(p, g) for p, g in zip(preds, golds)) / max(len(golds), 1)
         out["exact_match"] = sum(D.exact_match(p, g) for p, g in zip(preds, golds)) / max(len(golds), 1)
     return out
+
+
+class Evaluator:
+    """A run's evaluations: `should_eval(step)` (dev every `eval_steps`), `evaluate(split, step)`, and the last
+    result of each split (`last[split] = (step, metrics)`), so that the end of a run need not evaluate again."""
+
+    def __init__(self, model, task, tokenizer, data: dict[str, list[dict]], micro_batch_size: int, comm, device,
+                 max_new_tokens: int, loss_fn, eval_steps: int = 0):
+        self.model, self.task, self.tokenizer, self.data = model, task, tokenizer, data
+        self.micro_batch_size, self.comm, self.device = micro_batch_size, comm, device
+        self.max_new_tokens, self.loss_fn, self.eval_steps = max_new_tokens, loss_fn, eval_steps
+        self.last: dict[str, tuple[int, dict]] = {}
+
+    def should_eval(self, step: int) -> bool:
+        return "dev" in self.data and bool(self.eval_steps) and step % self.eval_steps == 0
+
+    def evaluate(self, split: str, step: int | None = None) -> dict:
+        """The split's metrics (collective); with `step`, remembered as the split's last result at that step."""
+        metrics = evaluate(self.model, self.task, self.tokenizer, self.data[split], self.micro_batch_size,
+                           self.comm, self.device, self.max_new_tokens, self.loss_fn)
+        if step is not None:
+            self.last[split] = (step, metrics)
+        return metrics

@@ -1,13 +1,19 @@
 """`curvzo-ds export CKPT --out DIR [--merge-lora]`: a checkpoint to a Hugging Face directory that loads offline.
 
-- Full fine-tuning: safetensors shards of the trainable tensors under their `save_pretrained` names,
+Every front end (the CLI, `from_accelerator`, `ZOTrainer`) writes the same model record and files into its
+checkpoints (checkpoint.write_model_files); export reads only those, so it works the same for all of them:
+- Full fine-tuning: safetensors shards of the trained tensors under their `save_pretrained` names,
   config.json and the tokenizer: `AutoModelForCausalLM.from_pretrained(DIR)`.
-- LoRA: the peft adapter (adapter_model.safetensors, adapter_config.json naming its base model) in DIR:
-  `AutoPeftModelForCausalLM.from_pretrained(DIR)`. The base is the run's `model`: a hub id as it is, a local
-  directory by its path relative to the adapter (peft resolves it from the working directory, so the stdout
-  line also gives `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), DIR)`); the built-in demo
-  models have no path, so their base is saved to DIR/base and named "base".
+- LoRA (peft): the adapter (adapter_model.safetensors, adapter_config.json naming its base model) in DIR:
+  `AutoPeftModelForCausalLM.from_pretrained(DIR)`, or `PeftModel.from_pretrained(base, DIR)`. The base is the
+  model the adapter was made on: a hub id as it is, a local directory by its path relative to the adapter (peft
+  resolves it from the working directory, so the stdout line also gives `PeftModel.from_pretrained(
+  AutoModelForCausalLM.from_pretrained(BASE), DIR)`); the built-in demo models have no path, so their base is built
+  from the run's config, saved to DIR/base and named "base".
 - LoRA with `--merge-lora`: the merged model in DIR itself, the adapter in DIR/adapter.
+What it cannot write faithfully it refuses in one line: a full model some of whose parameters were frozen (the
+checkpoint lacks them), a model without a Hugging Face config, several adapters, tensors that are not peft's
+adapter keys, a merge without a known base model, a checkpoint without a model record (an older curvzo_ds).
 Tensors are assembled one at a time from the ranks' slices; one process, no GPU needed. The export is written
 beside DIR and renamed into place; a non-empty DIR is replaced only with `--overwrite`.
 """
@@ -44,35 +50,62 @@ def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False, overw
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise ConfigError(f"--out {out} is not empty: an export into it would mix its files with the new ones; pass "
                           "--overwrite to replace it, or choose another directory")
-    lora = bool(manifest.get("trainer", {}).get("lora"))
-    if merge_lora and not lora:
-        raise ConfigError(f"--merge-lora: {checkpoint} is a full fine-tuning checkpoint (no LoRA adapter to merge); "
-                          "export it without --merge-lora")
-    cfg = _run_config(checkpoint)
-    if lora and cfg is None:
-        raise ConfigError(f"{checkpoint} has no run_config.json: its LoRA base model is unknown")
-    tensors = consolidated_state_dict(checkpoint)
+    model = manifest.get("model")
+    if not isinstance(model, dict):
+        raise ConfigError(f"{checkpoint} has no model record in its manifest (written by an older curvzo_ds): "
+                          "export it with the curvzo_ds version that wrote it")
+    if model["kind"] == "full" and merge_lora:
+        raise ConfigError(f"--merge-lora: {checkpoint} is a full fine-tuning checkpoint (no LoRA adapter to "
+                          "merge); export it without --merge-lora")
     staging = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(os.path.abspath(out))}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     try:
-        lines = _write_export(checkpoint, tensors, cfg, lora, merge_lora, staging, out)
+        if model["kind"] == "full":
+            lines = _export_full(checkpoint, model, staging, out)
+        else:
+            lines = _export_adapter(checkpoint, model, staging, out, merge_lora)
         replace_dir(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return lines
 
 
-def _write_export(checkpoint: str, tensors: dict, cfg: TrainConfig | None, lora: bool, merge_lora: bool,
-                  staging: str, out: str) -> list[str]:
-    """The export's files, written into `staging`; the lines name `out`, where they will be."""
-    if not lora:
-        _save_sharded(tensors, staging)
-        _copy(checkpoint, staging, ("config.json", *TOKENIZER_FILES))
-        return [f"wrote the model to {out}: AutoModelForCausalLM.from_pretrained({out!r})"]
+def _export_full(checkpoint: str, model: dict, staging: str, out: str) -> list[str]:
+    """The files of a full model, written into `staging`; the lines name `out`, where they will be."""
+    frozen = model["frozen"]
+    if frozen:
+        raise ConfigError(f"{checkpoint} holds the trained parameters only, and {len(frozen)} of the model's were "
+                          f"frozen (e.g. {frozen[0]}): a model written from it would miss them; load your base model "
+                          "and copy the checkpoint's tensors into it (checkpoint.consolidated_state_dict)")
+    if not model["hf_config"]:
+        raise ConfigError(f"{checkpoint} has no config.json: the model was not a Hugging Face model, and export "
+                          "writes from_pretrained directories only (checkpoint.consolidated_state_dict gives the "
+                          "tensors)")
+    _save_sharded(consolidated_state_dict(checkpoint), staging)
+    _copy(checkpoint, staging, ("config.json", *TOKENIZER_FILES))
+    return [f"wrote the model to {out}: AutoModelForCausalLM.from_pretrained({out!r})"]
+
+
+def _export_adapter(checkpoint: str, model: dict, staging: str, out: str, merge_lora: bool) -> list[str]:
+    """The adapter (and with `merge_lora` the merged model), written into `staging`; the lines name `out`."""
+    if len(model["adapters"]) != 1:
+        raise ConfigError(f"{checkpoint} was trained with the peft adapters {model['adapters']}: export writes one "
+                          "adapter; train one")
+    tensors = consolidated_state_dict(checkpoint)
+    keys = set(model["adapter_keys"])
+    if set(tensors) != keys:
+        odd = sorted(set(tensors) ^ keys)
+        raise ConfigError(f"{checkpoint}: its tensors are not the keys of peft's adapter state dict ({odd[0]} is in "
+                          "one and not the other; a modules_to_save or a non-LoRA adapter?): it cannot be written "
+                          "as a peft adapter")
+    cfg = _run_config(checkpoint)  # the CLI's run: a demo model is built from it
     adapter = "adapter" if merge_lora else ""
     adapter_dir, out_adapter = os.path.join(staging, adapter), os.path.join(out, adapter).rstrip(os.sep)
-    base_ref, base, base_dir = _base_model(cfg, staging, out, out_adapter)
+    base_ref, base, base_dir = _base_model(model["base_model"], cfg, staging, out, out_adapter)
+    if merge_lora and base_ref is None:
+        raise ConfigError(f"--merge-lora: {checkpoint} does not name its base model (the model had no name_or_path "
+                          "when peft wrapped it): export the adapter without --merge-lora and merge it onto your base")
     os.makedirs(adapter_dir, exist_ok=True)
     save_file(tensors, os.path.join(adapter_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(checkpoint, "adapter_config.json")) as f:
@@ -81,25 +114,49 @@ def _write_export(checkpoint: str, tensors: dict, cfg: TrainConfig | None, lora:
     with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
         json.dump(adapter_config, f, indent=2)
     _copy(checkpoint, adapter_dir, TOKENIZER_FILES)
-    if base_dir is None:  # a hub id: found from any directory
-        lines = [f"wrote the LoRA adapter to {out_adapter} (base model {base_ref}): "
-                 f"AutoPeftModelForCausalLM.from_pretrained({out_adapter!r})"]
-    else:  # a path relative to the adapter; peft resolves it from the working directory
+    if base_ref is None:
+        lines = [f"wrote the LoRA adapter to {out_adapter} (no base model recorded: the model had no name_or_path "
+                 f"when peft wrapped it): PeftModel.from_pretrained(your_base_model, {out_adapter!r})"]
+    elif base_dir is not None:  # a path relative to the adapter; peft resolves it from the working directory
         lines = [f"wrote the LoRA adapter to {out_adapter} (base model {base_ref!r}, a path relative to the adapter, "
                  f"so AutoPeftModelForCausalLM.from_pretrained('.') works in {out_adapter}); from any directory: "
                  f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base_dir!r}), {out_adapter!r})"]
+    elif adapter_config.get("task_type") == "CAUSAL_LM":  # a hub id: found from any directory
+        lines = [f"wrote the LoRA adapter to {out_adapter} (base model {base_ref}): "
+                 f"AutoPeftModelForCausalLM.from_pretrained({out_adapter!r})"]
+    else:  # peft's Auto classes need the task type in the adapter config
+        lines = [f"wrote the LoRA adapter to {out_adapter} (base model {base_ref}): PeftModel.from_pretrained("
+                 f"AutoModelForCausalLM.from_pretrained({base_ref!r}), {out_adapter!r})"]
     if merge_lora:
         if base is None:
             if base_dir is None:
                 offline_unless_reachable()
-            base = AutoModelForCausalLM.from_pretrained(base_dir or base_ref, dtype=DTYPES[cfg.dtype],
-                                                        trust_remote_code=cfg.trust_remote_code)
+            dtype = DTYPES[cfg.dtype] if cfg is not None else "auto"
+            base = AutoModelForCausalLM.from_pretrained(base_dir or base_ref, dtype=dtype,
+                                                        trust_remote_code=cfg is not None and cfg.trust_remote_code)
         with torch.no_grad():
             merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
         merged.save_pretrained(staging)
         _copy(checkpoint, staging, TOKENIZER_FILES)
         lines.insert(0, f"wrote the merged model to {out}: AutoModelForCausalLM.from_pretrained({out!r})")
     return lines
+
+
+def _base_model(recorded: str | None, cfg: TrainConfig | None, staging: str, out: str, adapter_dir: str):
+    """(how the adapter names its base, the base model if it had to be built here, the base's directory or None).
+    `recorded` is the model record's base (its name_or_path when peft wrapped it). A hub id stays a hub id. A local
+    model directory is named by its path relative to `adapter_dir`, where the adapter will be. A demo model (no
+    name of its own) is built from the run's seed and saved to base/ in the export (staged in `staging`), named
+    "base" or "../base" from the adapter, so that the export can be moved or copied as a whole."""
+    if recorded is None and cfg is not None and cfg.model in DEMO_MODELS:
+        base, _ = build_model(resolve_presets(TrainConfig(**{**cfg.__dict__, "lora": False})), {})
+        base.save_pretrained(os.path.join(staging, "base"))
+        load_tokenizer(cfg).save_pretrained(os.path.join(staging, "base"))
+        base_dir = os.path.join(out, "base")
+        return os.path.relpath(base_dir, adapter_dir), base, base_dir
+    if recorded is not None and os.path.isdir(recorded):
+        return os.path.relpath(os.path.abspath(recorded), os.path.abspath(adapter_dir)), None, recorded
+    return recorded, None, None
 
 
 def replace_dir(new: str, target: str) -> None:
@@ -129,22 +186,6 @@ def _run_config(checkpoint: str) -> TrainConfig | None:
         saved = json.load(f)
     known = set(field_names())
     return TrainConfig(**{k: v for k, v in saved.items() if k in known})
-
-
-def _base_model(cfg: TrainConfig, staging: str, out: str, adapter_dir: str):
-    """(how the adapter names its base, the base model if it had to be built here, the base's directory or None for
-    a hub id). A hub id stays a hub id. A local model directory is named by its path relative to `adapter_dir`, where
-    the adapter will be. A demo model is built from its seed and saved to base/ in the export (staged in `staging`),
-    named "base" or "../base" from the adapter, so that the export can be moved or copied as a whole."""
-    if cfg.model in DEMO_MODELS:
-        base, _ = build_model(resolve_presets(TrainConfig(**{**cfg.__dict__, "lora": False})), {})
-        base.save_pretrained(os.path.join(staging, "base"))
-        load_tokenizer(cfg).save_pretrained(os.path.join(staging, "base"))
-        base_dir = os.path.join(out, "base")
-        return os.path.relpath(base_dir, adapter_dir), base, base_dir
-    if os.path.isdir(cfg.model):
-        return os.path.relpath(os.path.abspath(cfg.model), os.path.abspath(adapter_dir)), None, cfg.model
-    return cfg.model, None, None
 
 
 def _save_sharded(tensors: dict, out: str) -> None:

@@ -19,8 +19,7 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import TrainOutput, set_seed
 
-from . import ds_compat
-from .checkpoint import CheckpointManager, load_checkpoint
+from .checkpoint import CheckpointManager
 from .config import ZOConfig
 from .engine import StepResult, ZOEngine
 from .integrations import (
@@ -64,9 +63,10 @@ class ZOTrainer(Trainer):
         self.zo_engine: ZOEngine | None = None
         metric = self.args.metric_for_best_model
         self.zo_checkpoints = CheckpointManager(
-            self.args.output_dir, None, save_total_limit=self.args.save_total_limit,
+            self.args.output_dir, save_total_limit=self.args.save_total_limit,
             metric=(metric if metric.startswith("eval_") else f"eval_{metric}") if metric else None,
-            greater_is_better=self.args.greater_is_better is not False)
+            greater_is_better=self.args.greater_is_better is not False, tokenizer=self.processing_class,
+            write_extra=lambda directory: self.state.save_to_json(os.path.join(directory, "trainer_state.json")))
 
     def create_optimizer(self, model=None):
         raise RuntimeError("ZOTrainer has no optimizer: CurvZO updates the weights in place in ZOTrainer.train")
@@ -107,7 +107,6 @@ class ZOTrainer(Trainer):
         else:
             model = self.model.to(self.args.device)
         self.zo_engine = ZOEngine(model, self.zo_loss_fn or self._zo_loss, self.zo_config, **overrides)
-        self.zo_checkpoints.comm = self.zo_engine.comm
         if self.is_deepspeed_enabled:
             install_checkpoint_hooks(model, self.zo_engine)
         return self.zo_engine
@@ -150,7 +149,7 @@ class ZOTrainer(Trainer):
             path = self.zo_checkpoints.resume_path(resume_from_checkpoint)
             if path is None:
                 raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {args.output_dir}")
-            load_checkpoint(engine, path)
+            self.zo_checkpoints.load(engine, path)  # the weights, the ZO state and the best evaluation
             self.state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
             self._load_callback_state()
             log.info("resumed from %s at step %d", path, engine.step_count)
@@ -214,32 +213,20 @@ class ZOTrainer(Trainer):
 
     # ---------------------------------------------------------------- checkpoints
     def _zo_save(self) -> str:
-        engine, manager = self.zo_engine, self.zo_checkpoints
-        if self.state.best_global_step == self.state.global_step:  # the weights evaluated best are these
-            self.state.best_model_checkpoint = manager.path_for(self.state.global_step)
-
-        def extra(directory: str) -> None:  # rank 0, before the rename
-            self.state.save_to_json(os.path.join(directory, "trainer_state.json"))
-            module = ds_compat.module_of(engine.model)
-            if hasattr(getattr(module, "config", None), "to_json_file"):
-                module.config.to_json_file(os.path.join(directory, "config.json"))
-            if hasattr(self.processing_class, "save_pretrained"):
-                self.processing_class.save_pretrained(directory)
-
-        manager.best = ({"step": self.state.best_global_step, "metrics": {manager.metric: self.state.best_metric},
-                         "checkpoint": self.state.best_model_checkpoint} if self.state.best_model_checkpoint else None)
-        return manager.save(engine, {"global_step": self.state.global_step}, extra)
+        """The checkpoint of this step through the manager, which writes the model files like every front end's,
+        and trainer_state.json (the Trainer's own state, its best-model fields taken from the manager)."""
+        manager, step = self.zo_checkpoints, self.state.global_step
+        if manager.best is not None and manager.best["step"] == step:  # the weights evaluated best are these
+            self.state.best_model_checkpoint = manager.path_for(step)
+        return manager.save(self.zo_engine)
 
     def _zo_track_best(self, metrics: dict) -> None:
-        """The best `metric_for_best_model` so far and its step, updated after every evaluation."""
+        """The best `metric_for_best_model` so far (the manager's), mirrored into the TrainerState."""
         manager = self.zo_checkpoints
         if not manager.metric:
             return
         if manager.metric not in metrics:
             raise KeyError(f"metric_for_best_model={self.args.metric_for_best_model!r}: the evaluation gave no "
                            f"{manager.metric!r} (it gave {sorted(metrics)})")
-        if self.state.best_metric is not None:
-            manager.best = {"step": self.state.best_global_step, "metrics": {manager.metric: self.state.best_metric},
-                            "checkpoint": self.state.best_model_checkpoint}
         if manager.track(self.state.global_step, metrics):
             self.state.best_metric, self.state.best_global_step = metrics[manager.metric], self.state.global_step

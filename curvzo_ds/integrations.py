@@ -23,10 +23,9 @@ import torch.distributed as dist
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 
-from . import checkpoint as ckpt
 from . import ds_compat
 from .checkpoint import CheckpointManager
-from .config import ConfigError, TrainConfig, ZOConfig
+from .config import ConfigError, ZOConfig
 from .ds_config import resolve_ds_config
 from .engine import ZOEngine
 
@@ -42,8 +41,8 @@ def hidden_size(model) -> int | None:
 
 def clean_deepspeed_config(config: dict, world_size: int, micro_batch_size: int, hidden_size: int | None) -> dict:
     """`config` edited in place to what a ZO run can use (the `--deepspeed` policy); returns it."""
-    cfg = TrainConfig(micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * world_size)
-    cleaned, notes = resolve_ds_config(config, cfg, world_size, hidden_size)
+    cleaned, _, notes = resolve_ds_config(config, world_size, hidden_size, micro_batch_size=micro_batch_size,
+                                          global_batch_size=micro_batch_size * world_size)
     for note in notes:
         log.warning("deepspeed config: %s", note)
     config.clear()
@@ -134,14 +133,14 @@ def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
     """
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **_ignored):
         tag = str(tag) if tag is not None else f"global_step{engine.step_count}"
-        CheckpointManager(save_dir, engine.world).save(engine, {"client_state": client_state or {}},
-                                                       path=os.path.join(save_dir, tag), mark_latest=save_latest)
+        CheckpointManager(save_dir).save(engine, path=os.path.join(save_dir, tag), mark_latest=save_latest,
+                                         extra_state={"client_state": client_state or {}})
         return True
 
     def load_checkpoint(load_dir, tag=None, **_ignored):
-        manager = CheckpointManager(load_dir, engine.world)
+        manager = CheckpointManager(load_dir)
         path = manager.tagged_latest() if tag is None else os.path.join(load_dir, str(tag))
-        trainer = ckpt.load_checkpoint(engine, path)
+        trainer = manager.load(engine, path)
         return path, trainer.get("client_state", {})
 
     ds_engine.save_checkpoint = save_checkpoint
@@ -151,10 +150,10 @@ def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
 def _register_accelerate_hooks(accelerator, engine: ZOEngine) -> None:
     """Without DeepSpeed, save_state/load_state carry the ZO checkpoint in `<dir>/zo_checkpoint`."""
     def save(models, weights, output_dir):
-        CheckpointManager(output_dir, engine.world).save(engine, path=os.path.join(output_dir, ZO_CHECKPOINT))
+        CheckpointManager(output_dir).save(engine, path=os.path.join(output_dir, ZO_CHECKPOINT))
 
     def load(models, input_dir):
-        ckpt.load_checkpoint(engine, os.path.join(input_dir, ZO_CHECKPOINT))
+        CheckpointManager(input_dir).load(engine, os.path.join(input_dir, ZO_CHECKPOINT))
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)

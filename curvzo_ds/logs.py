@@ -1,4 +1,5 @@
-"""`metrics.jsonl` (one strict-JSON object per line, docs/outputs.md) and its TensorBoard mirror.
+"""`metrics.jsonl` (one strict-JSON object per line, docs/outputs.md) and its TensorBoard mirror; console and
+file logging; progress. `RunLog` is what a training run records as it goes (metrics, the pi side file, progress).
 
 Only rank 0 writes: other ranks build a `MetricsWriter(..., enabled=False)`, whose calls do nothing.
 """
@@ -15,6 +16,7 @@ import time
 
 from .config import ConfigError
 from .jsonio import dumps, replace_atomic
+from .pilog import PiWriter
 from .startup import take_captured
 
 METRICS_FILE = "metrics.jsonl"
@@ -234,3 +236,62 @@ def terminal_columns() -> int:
         return os.get_terminal_size(sys.stderr.fileno()).columns
     except (OSError, ValueError):
         return 0
+
+
+def tensorboard_wanted(cfg) -> bool:
+    """report_to: tensorboard (an error without the package), auto (when the package is installed), none."""
+    if cfg.report_to == "none":
+        return False
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        if cfg.report_to == "tensorboard":
+            raise
+        return False
+    return True
+
+
+class RunLog:
+    """What a training run records as it goes, on rank 0 (docs/outputs.md): a metrics.jsonl line every
+    `logging_steps`, at the last step and at a stop; the pi side file on the same logging steps (not for MeZO,
+    whose pi is all 1); eval lines; the progress bar or progress lines. On resume from `start` the files drop
+    what came after it. Build it only once the output directory has been checked: it writes there."""
+
+    def __init__(self, cfg, rank: int, block_names: list[str], start: int):
+        self.logging_steps, self.max_steps = cfg.logging_steps, cfg.max_steps
+        self.metrics = MetricsWriter(cfg.output_dir, enabled=rank == 0,
+                                     tensorboard=rank == 0 and tensorboard_wanted(cfg))
+        self.metrics.truncate_after(start)
+        self.pi = PiWriter(cfg.output_dir, block_names, enabled=rank == 0 and cfg.method != "mezo")
+        self.pi.truncate_after(start)
+        self.bar = make_progress(cfg, rank, start)
+
+    def step(self, r, seconds: float) -> None:
+        """A finished update (an engine StepResult)."""
+        due = r.step % self.logging_steps == 0 or r.step == self.max_steps
+        if due or r.stop:
+            self.metrics.write({**r.as_dict(), "seconds": seconds})
+        if due and self.pi.enabled:
+            self.pi.write(r.step, r.pi)  # the pi that this update drew its mask from
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{r.loss:.4f}" if r.loss is not None else "-", budget=f"{r.budget:.1f}",
+                                 blocks=r.n_selected, refresh=False)
+            self.bar.update(1)
+
+    def evaluation(self, step: int, split: str, metrics: dict, final: bool = False) -> None:
+        """An eval line; `final`: one of the end-of-run evaluations (a resumed run drops them)."""
+        self.metrics.write({"step": step, "split": split, **({"final": True} if final else {}), **metrics})
+
+    def progress(self):
+        """The context of the loop: log lines go through the bar in a terminal."""
+        return progress_logging(self.bar)
+
+    def end_steps(self) -> None:
+        """The loop is over: the pi file and the bar close (the metrics stay open for the final evaluations)."""
+        self.pi.close()
+        if self.bar is not None:
+            self.bar.close()
+
+    def close(self) -> None:
+        self.end_steps()
+        self.metrics.close()

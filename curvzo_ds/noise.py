@@ -15,7 +15,8 @@ Triton). `axpy_` updates a tensor in place without materialising z and can retur
 sum of z^2 over the range (the score statistics) from the same pass.
 
 Everything that draws noise goes through `NoiseSource`, whose `ident` goes into checkpoints: a resume
-with another generator is refused, and ranks compare a reference digest at start-up.
+with another generator is refused, and ranks compare `reference_digest` at start-up (ZOEngine), so a rank
+with another kernel build fails at once.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ import torch
 
 from .kernels import cpu as cpu_kernel
 from .kernels import reference
+from .kernels.cpu import ElementMode
 
-FIXED_POINT_BITS = 24  # z^2 is summed as round(z^2 * 2^24) in int64: exact and order-free
+# z^2 is summed as round(z^2 * 2^24) in int64: exact and order-free. The one source of the scale: philox.c,
+# kernels/gpu.py and kernels/reference.py state 2^24 as a literal, and tests/test_noise.py checks that they agree.
+FIXED_POINT_BITS = 24
 MAX_ABS_Z = 6.7  # |z| <= 6.66 by construction (u1 >= 2^-32)
 
 
@@ -100,7 +104,7 @@ class NoiseSource:
             out = torch.empty(length, dtype=torch.float32, device=device)
         elif out.dtype != torch.float32 or out.numel() != length:
             raise ValueError(f"out must be a float32 tensor of {length} elements")
-        self._run(self.key(step, name, direction), start, out, 0, 0.0, 0.0, False)
+        self._run(self.key(step, name, direction), start, out, ElementMode.WRITE_Z, 0.0, 0.0, False)
         return out
 
     def axpy_(self, out: torch.Tensor, step: int, name: str, start: int, scale: float, alpha: float,
@@ -115,20 +119,23 @@ class NoiseSource:
             scale, alpha = f32(scale), f32(alpha)
         return self._run(self.key(step, name, direction), start, out, None, scale, alpha, want_sq)
 
-    def _run(self, key, start: int, out: torch.Tensor, mode, scale: float, alpha: float, want_sq: bool):
+    def _run(self, key, start: int, out: torch.Tensor, mode: ElementMode | None, scale: float, alpha: float,
+             want_sq: bool):
+        """One range through the kernel of out's device; `mode` None: out's dtype (no kernel has some dtypes: the
+        torch reference then)."""
         k0, k1 = key
         kind = out.device.type
         if mode is None:
-            mode = cpu_kernel.MODES.get(out.dtype, -1)
-        if kind == "cpu" and mode >= 0 and cpu_kernel.available():
+            mode = cpu_kernel.MODES.get(out.dtype)
+        if kind == "cpu" and mode is not None and cpu_kernel.available():
             total = cpu_kernel.run(k0, k1, start, out, mode, scale, alpha, want_sq)
             return total if want_sq else None
-        if kind == "cuda" and 0 <= mode <= 3 and triton_available():
+        if kind == "cuda" and mode is not None and mode != ElementMode.FLOAT64 and triton_available():
             from .kernels import gpu
 
             return gpu.run(k0, k1, start, out, mode, scale, alpha, want_sq)
         z = reference.normals(k0, k1, start, out.numel(), out.device)
-        if mode == 0:
+        if mode == ElementMode.WRITE_Z:
             out.copy_(z)
         else:
             reference.axpy_(out, z, scale, alpha)
@@ -144,7 +151,8 @@ class NoiseSource:
 
     def reference_digest(self, device="cpu") -> str:
         """A hash of a short noise vector drawn by this process's backend for `device`: ranks compare it at
-        start-up, so a rank with a different build (another kernel, another definition) fails fast."""
+        start-up (ZOEngine._check_ranks_agree), so a rank with a different build (another kernel, another
+        definition) fails fast."""
         z = self.slice(0, "__reference__", 4099, 3, 4096, device=device).cpu()
         return hashlib.sha256(z.numpy().tobytes()).hexdigest()[:16]
 

@@ -13,12 +13,22 @@ Blocks (paper Sec. 3.5) are lists of segments (entry, lo, hi) of one or more ten
 from __future__ import annotations
 
 import contextlib
+import enum
 import re
 from dataclasses import dataclass, field
 
 import torch
 
 from . import ds_compat
+
+
+class Granularity(str, enum.Enum):
+    """The `block_granularity` key: what one block of the algorithm is."""
+
+    TENSOR = "tensor"  # one block per trainable tensor (the paper's setting)
+    LAYER = "layer"  # the tensors of one transformer layer
+    CHUNK = "chunk"  # fixed-size pieces of a tensor (block_chunk_size elements)
+
 
 _LAYER = re.compile(r"^(.*?\.(?:layers|h|layer|blocks|decoder\.layers)\.\d+)\.")
 
@@ -156,13 +166,13 @@ def collect_entries(module: torch.nn.Module, *, replicated_rank: int, fp32_maste
 def make_blocks(entries: list[ParamEntry], granularity: str, chunk: int) -> list[Block]:
     """Blocks by tensor (the paper's setting), by layer, or by fixed-size sub-tensor chunks."""
     blocks: list[Block] = []
-    if granularity == "tensor":
+    if granularity == Granularity.TENSOR:
         blocks = [Block(e.name, [(i, 0, e.numel)]) for i, e in enumerate(entries)]
-    elif granularity == "chunk":
+    elif granularity == Granularity.CHUNK:
         for i, e in enumerate(entries):
             for c, lo in enumerate(range(0, e.numel, chunk)):
                 blocks.append(Block(f"{e.name}#{c}", [(i, lo, min(lo + chunk, e.numel))]))
-    elif granularity == "layer":
+    elif granularity == Granularity.LAYER:
         by_layer: dict[str, Block] = {}
         for i, e in enumerate(entries):
             m = _LAYER.match(e.name)

@@ -33,11 +33,11 @@ import torch
 
 from .kernels import cpu as cpu_kernel
 from .kernels import reference
+from .kernels.cpu import MODES
 from .noise import NoiseSource, f32, triton_available
 from .params import Block, ParamEntry, intersect
 
 DST, SRC, N, START, KEY, STAT, KIND, ENTRY = range(8)
-MODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 COPY = 256
 ROW_LIMIT = 1 << 30  # elements per row: the GPU kernel indexes within a row in int32
 

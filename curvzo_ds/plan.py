@@ -17,7 +17,7 @@ import re
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, OPTConfig
 
-from .config import ConfigError, TrainConfig
+from .config import ConfigError
 from .ds_config import load_ds_config, resolve_ds_config
 from .hub import offline_unless_reachable
 from .tasks import demo_model_config
@@ -126,13 +126,12 @@ def zero_settings(deepspeed: str | None, dtype: str, offload: str, world_size: i
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     user = load_ds_config(deepspeed) if deepspeed else {"zero_optimization": {"stage": 3}}
-    cfg = TrainConfig(dtype=dtype, offload_param=offload)
-    ds, _ = resolve_ds_config(user, cfg, world_size, hidden)
+    ds, mapped, _ = resolve_ds_config(user, world_size, hidden, dtype=dtype, offload_param=offload)
     zero = dict(ds["zero_optimization"])
     if zero.pop("stage") != 3:
         raise ConfigError(f"--deepspeed {deepspeed}: curvzo-ds plan plans ZeRO stage 3; set zero_optimization.stage "
                           "to 3")
-    return DeepSpeedZeroConfig(**zero), cfg.dtype, cfg.offload_param
+    return DeepSpeedZeroConfig(**zero), mapped["dtype"], mapped["offload_param"]
 
 
 @dataclasses.dataclass

@@ -8,6 +8,7 @@ and resumes, logs.py writes metrics. In the manner of torchtitan's trainer, `run
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -21,29 +22,31 @@ import deepspeed
 from . import data as D
 from . import ds_compat
 from .checkpoint import CheckpointManager, load_checkpoint, verify_checkpoint
-from .comm import Comm, main_process_first
+from .comm import main_process_first
 from .config import (
     RESUME_MAY_CHANGE,
     ConfigError,
+    RanksDisagree,
     TrainConfig,
     differences,
     field_names,
     resolve_presets,
+    sources_of,
     to_dict,
     zo_part,
 )
 from .data.stream import MicroBatches, micro_batch_indices
 from .digest import params_digest
-from .distributed import GroupMPU, init_distributed, pin_threads, shard_groups
+from .distributed import GroupMPU, Topology, init_distributed, pin_threads
 from .ds_config import load_ds_config, resolve_ds_config
+from .ds_policy import MAPPED_FIELDS
 from .engine import ZOEngine
-from .evaluate import evaluate
+from .evaluate import Evaluator
 from .integrations import accelerate_ds_config
 from .jsonio import dumps, write_json_atomic
-from .logs import MetricsWriter, log_to_file, make_progress, progress_logging, setup_logging
+from .logs import RunLog, log_to_file, setup_logging
 from .models import build_model, load_tokenizer, model_hidden_size
-from .pilog import PiWriter
-from .signals import Fault, Preempted, RanksDisagree, StopRequest
+from .signals import Fault, Preempted, StopRequest
 from .sysinfo import device_name, peak_rss_bytes, versions
 from .tasks import get_task, load_splits
 from .tasks.splits import data_source
@@ -73,36 +76,38 @@ def load_data(cfg: TrainConfig) -> tuple:
             {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]})
 
 
+def step_batch(cfg: TrainConfig, train_data: list[dict], pad_token_id: int, step: int) -> MicroBatches:
+    """The global batch of update `step` (0-based): the same examples and micro-batches at any world size."""
+    parts = micro_batch_indices(step, len(train_data), cfg.global_batch_size, cfg.micro_batch_size, cfg.seed)
+    return MicroBatches([D.collate([train_data[i] for i in part], pad_token_id) for part in parts])
+
+
 class Run:
     """Everything a train or eval job needs, built the same way on every rank."""
 
     def __init__(self, cfg: TrainConfig):
-        self.rank, self.world, self.local_rank = init_distributed(cfg.ddp_timeout)
-        setup_logging(self.rank, cfg.log_level)
+        rank, _, _ = init_distributed(cfg.ddp_timeout)
+        setup_logging(rank, cfg.log_level)
         self.threads = pin_threads(cfg.threads)
+        self.topology = Topology.create(cfg.shard_group_size)  # the shard and replica groups, once
+        self.topology.check_directions(cfg.num_directions)
         cfg = resolve_presets(cfg)
-        cfg.validate()
-        group_size = cfg.shard_group_size or self.world
-        if self.world % group_size or cfg.num_directions % (self.world // group_size):
-            raise ConfigError(f"shard_group_size={group_size} must divide the world size {self.world}, and "
-                              f"num_directions={cfg.num_directions} must be a multiple of the number of replica "
-                              f"groups ({self.world // group_size if self.world % group_size == 0 else '?'}): every "
-                              "group evaluates its own directions")
-        # None, None: ZeRO-3 over the whole world (the default)
-        self.shard_group, self.replica_group = shard_groups(group_size)
         user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()
-        # Each replica group processes the whole global batch: DeepSpeed's data-parallel world is the group.
-        self.ds_config, notes = resolve_ds_config(user_ds, cfg, group_size, model_hidden_size(cfg),
-                                                  f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else
-                                                  "the Accelerate config")
+        # Each replica group processes the whole global batch: DeepSpeed's data-parallel world is the shard group.
+        # A mapped key given explicitly (--set or the YAML) that the DeepSpeed config sets otherwise is refused.
+        self.ds_config, mapped, notes = resolve_ds_config(
+            user_ds, self.topology.shard.world_size, model_hidden_size(cfg), explicit=sources_of(cfg),
+            where=f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config",
+            **{k: getattr(cfg, k) for k in MAPPED_FIELDS})
         for note in notes:
             log.warning("deepspeed config: %s", note)
+        cfg = dataclasses.replace(cfg, **mapped)
         cfg.validate()
         self.cfg = cfg
         if self.rank == 0:
-            warn_idle_ranks(cfg, group_size)
+            warn_idle_ranks(cfg, self.topology.shard.world_size)
         try:  # the task and its data are the user's: their errors are one line (exit 2), on every rank
-            with main_process_first(Comm()):  # rank 0 fills the download and tokenizer caches first
+            with main_process_first(self.topology.job):  # rank 0 fills the download and tokenizer caches first
                 self.task, self.tokenizer, self.train_data, self.eval_data = load_data(cfg)
             cut = sum(ex["cut"] for data in (self.train_data, *self.eval_data.values()) for ex in data)
             if cut:
@@ -113,21 +118,26 @@ class Run:
             self._check_batch_fits()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        mpu = GroupMPU(self.shard_group) if self.shard_group is not None else None
-        model, self._keep_alive = build_model(cfg, self.ds_config, self.shard_group, mpu)
-        if self.replica_group is not None:
-            ds_compat.sync_replicas(model, self.replica_group)
-        self.is_lora = cfg.lora
+        shard_group = self.topology.shard.group
+        mpu = GroupMPU(shard_group) if shard_group is not None else None
+        model, self._keep_alive = build_model(cfg, self.ds_config, shard_group, mpu)
+        if self.topology.replica_group is not None:
+            ds_compat.sync_replicas(model, self.topology.replica_group)
         self.ds_engine, *_ = deepspeed.initialize(model=model, config=self.ds_config, mpu=mpu)
         self.device = self.ds_engine.device
         loss = D.loss_fn_for(self.task, cfg.train_as_classification)
         self.loss_fn = lambda m, mb: loss(m, D.to_device(mb, self.device))
-        self.base_loss = loss
-        self.engine = ZOEngine(self.ds_engine, self.loss_fn, zo_part(cfg), group=self.shard_group)
-        self._check_data_agrees()
+        self.engine = ZOEngine(self.ds_engine, self.loss_fn, zo_part(cfg), topology=self.topology)
+        check_data_agrees(self.topology.job, self.train_data, self.eval_data)
+        self.evaluator = Evaluator(self.ds_engine, self.task, self.tokenizer, self.eval_data, cfg.micro_batch_size,
+                                   self.topology.job, self.device, cfg.max_new_tokens, loss, cfg.eval_steps)
         log.info("model %s: %d trainable tensors (%d blocks, %d parameters), world size %d, %d threads per rank",
                  cfg.model, len(self.engine.entries), self.engine.num_blocks, self.engine.num_params,
-                 self.world, self.threads)
+                 self.topology.job.world_size, self.threads)
+
+    @property
+    def rank(self) -> int:
+        return self.topology.job.rank
 
     def _check_batch_fits(self) -> None:
         """A global batch larger than the training pool: one line naming the pool's size and what sets it."""
@@ -146,38 +156,48 @@ class Run:
         raise ConfigError(f"global_batch_size={cfg.global_batch_size} is larger than the {n} training examples "
                           f"(num_train={cfg.num_train}, from {where}): {fix}")
 
-    def _check_data_agrees(self) -> None:
-        h = hashlib.sha256(json.dumps([self.train_data, self.eval_data], sort_keys=True).encode()).hexdigest()
-        hashes = self.engine.world.all_gather_object(h)
-        if len(set(hashes)) != 1:
-            raise RuntimeError(f"ranks tokenized different data (hashes {sorted(set(hashes))}): check that every "
-                               "rank reads the same files with the same tokenizer")
-
-    def micro_batches(self, step: int) -> MicroBatches:
-        cfg = self.cfg
-        parts = micro_batch_indices(step, len(self.train_data), cfg.global_batch_size, cfg.micro_batch_size, cfg.seed)
-        return MicroBatches([D.collate([self.train_data[i] for i in part], self.tokenizer.pad_token_id)
-                             for part in parts])
+    def batch(self, step: int) -> MicroBatches:
+        return step_batch(self.cfg, self.train_data, self.tokenizer.pad_token_id, step)
 
     def evaluate(self, split: str) -> dict:
-        return evaluate(self.ds_engine, self.task, self.tokenizer, self.eval_data[split], self.cfg.micro_batch_size,
-                        self.engine.world, self.device, self.cfg.max_new_tokens, self.base_loss)
+        return self.evaluator.evaluate(split)
 
-    def checkpoints(self) -> CheckpointManager:
+    def checkpoints(self, states: dict | None = None) -> CheckpointManager:
+        """The run's checkpoint manager: the model files and the tokenizer go into every checkpoint, and
+        run_config.json, which `--resume`, `eval --resume` and export read."""
         cfg = self.cfg
-        return CheckpointManager(cfg.output_dir, self.engine.world, save_total_limit=cfg.save_total_limit,
-                                 metric=self.task.metrics[0])
+        return CheckpointManager(cfg.output_dir, save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
+                                 metric=self.task.metrics[0], tokenizer=self.tokenizer, states=states,
+                                 write_extra=self.write_run_config)
 
-    def write_extra(self, directory: str) -> None:
-        """Rank 0 adds what an export needs: the model config, the tokenizer, the LoRA config."""
-        module = self.ds_engine.module
-        base = module.get_base_model() if self.is_lora else module
-        base.config.to_json_file(os.path.join(directory, "config.json"))
-        self.tokenizer.save_pretrained(directory)
-        if self.is_lora:
-            module.peft_config["default"].save_pretrained(directory)
+    def write_run_config(self, directory: str) -> None:
         with open(os.path.join(directory, "run_config.json"), "w") as f:
             json.dump(to_dict(self.cfg), f, indent=1)
+
+
+def check_data_agrees(job, train_data: list[dict], eval_data: dict) -> None:
+    """Every rank must have tokenized the same data: a hash of it is compared across the job."""
+    h = hashlib.sha256(json.dumps([train_data, eval_data], sort_keys=True).encode()).hexdigest()
+    hashes = job.all_gather_object(h)
+    if len(set(hashes)) != 1:
+        raise RanksDisagree(f"ranks tokenized different data (hashes {sorted(set(hashes))}): check that every rank "
+                            "reads the same files with the same tokenizer")
+
+
+class Clock:
+    """The wall seconds a run has trained, over resumes: a stateful component of the checkpoints."""
+
+    def __init__(self):
+        self.before, self.start = 0.0, time.time()
+
+    def seconds(self) -> float:
+        return self.before + time.time() - self.start
+
+    def state_dict(self) -> dict:
+        return {"seconds": self.seconds()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.before, self.start = state.get("seconds", 0.0), time.time()
 
 
 def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
@@ -185,39 +205,59 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
     start = time.time()
     run = Run(cfg)
     cfg, engine = run.cfg, run.engine
-    manager = run.checkpoints()
-    seconds0 = _start(run, manager, resume)
-    writer = MetricsWriter(cfg.output_dir, enabled=run.rank == 0, tensorboard=_tensorboard(cfg) and run.rank == 0)
-    writer.truncate_after(engine.step_count)
-    # pi per block for `curvzo-ds plot` (docs/outputs.md); MeZO's is all 1, so it writes none
-    pi_log = PiWriter(cfg.output_dir, [b.name for b in engine.blocks], enabled=run.rank == 0 and cfg.method != "mezo")
-    pi_log.truncate_after(engine.step_count)
-    bar = make_progress(cfg, run.rank, engine.step_count)
-    t0 = time.time()
-    seconds = lambda: seconds0 + time.time() - t0
-
-    def save(best: bool = False) -> str:
-        state = {"best_dev": manager.best, "seconds": seconds(), "model": cfg.model, "lora": cfg.lora,
-                 "task": cfg.task}
-        saved_path = manager.save(engine, state, run.write_extra)
-        log.info("saved %s%s", saved_path, " (best dev so far)" if best else "")
-        return saved_path
-
+    clock = Clock()
+    manager = run.checkpoints(states={"clock": clock})
+    _start(run, manager, resume)
+    record = RunLog(cfg, run.rank, [b.name for b in engine.blocks], engine.step_count)
     try:
-        with progress_logging(bar), StopRequest() as stop:  # log lines go through the bar in a terminal
-            last_dev, saved = _loop(run, writer, pi_log, bar, manager, save, seconds, stop)
+        with record.progress(), StopRequest() as stop:
+            _loop(run, manager, record, clock, stop)
     finally:
-        pi_log.close()
-        if bar is not None:
-            bar.close()
-    if saved != engine.step_count and not _resumed_at(run, manager.path_for(engine.step_count)):
-        save()
+        record.end_steps()
+    if not _resumed_at(run, manager.path_for(engine.step_count)):
+        manager.maybe_save(engine, last=True)  # the last step is saved (a resume that took no step is not rewritten)
     step = engine.step_count  # the weights' steps: the best checkpoint may be loaded below to evaluate test
-    digest = params_digest(engine.entries, engine.world)
-    final, best, test = _final_evaluations(run, manager, writer, last_dev)
+    digest = params_digest(engine.entries, run.topology.job)
+    final, best, test = _final_evaluations(run, manager, record)
     best = _with_digest(run, best, step, digest)
-    writer.close()
+    record.close()
     return _finish(run, manager, step, digest, final, best, test, time.time() - start)
+
+
+def _loop(run: Run, manager: CheckpointManager, record: RunLog, clock: Clock, stop: StopRequest) -> None:
+    """Step until max_steps, one update per pass, the details in the components. On a stop request (any rank's
+    signal, agreed through the step's all-reduce) every rank saves the same checkpoint and Preempted is raised."""
+    cfg, engine, evaluator, job = run.cfg, run.engine, run.evaluator, run.topology.job
+    fault = Fault(run.rank)  # tests only (CURVZO_DS_FAULT); does nothing otherwise
+    engine.loss_fn = fault.wrap_loss(engine.loss_fn, engine)
+    flat = FlatLossWatch(cfg.flat_loss_steps)
+    while engine.step_count < cfg.max_steps:
+        fault.before_step(engine, engine.step_count + 1)
+        # the update: +eps z, forwards, -2 eps z, forwards, one all-reduce (the step's one host sync, which also
+        # carries every rank's stop flag), the update
+        r = engine.step(run.batch(engine.step_count), stop_requested=stop.requested)
+        step = r.step
+        # record the step; warn once if the loss never moves
+        record.step(r, clock.seconds())
+        flat.observe(r)
+        # every consistency_steps: the ranks compare a hash of their ZO state
+        if cfg.consistency_steps and step % cfg.consistency_steps == 0:
+            check_state_agrees(engine, step)
+        # pre-emption: save (unless this step is saved), leave together
+        if r.stop:
+            manager.maybe_save(engine, last=True)
+            job.barrier()  # under srun --kill-on-bad-exit the first exit ends the rest
+            raise Preempted(f"stopped on a signal ({stop.signal_name or 'received by another rank'}) at step {step}, "
+                            f"after saving {manager.path_for(step)}: resume with --resume")
+        # evaluate on dev; a new best is saved at once, and protected from rotation
+        if evaluator.should_eval(step):
+            dev = evaluator.evaluate("dev", step)
+            record.evaluation(step, "dev", dev)
+            log.info("step %d: dev %s", step, _fmt(dev))
+            if manager.track(step, dev):
+                manager.save(engine)
+        # checkpoint every save_steps and at the last step
+        manager.maybe_save(engine, last=step == cfg.max_steps)
 
 
 def _resumed_at(run: Run, checkpoint: str) -> bool:
@@ -227,49 +267,58 @@ def _resumed_at(run: Run, checkpoint: str) -> bool:
     return bool(loaded) and os.path.isdir(checkpoint) and os.path.samefile(loaded, checkpoint)
 
 
-def _start(run: Run, manager: CheckpointManager, resume) -> float:
+def check_state_agrees(engine: ZOEngine, step: int) -> None:
+    """The ranks compare a hash of their ZO state (engine.state_hash); a difference stops every rank."""
+    hashes = engine.topology.job.all_gather_object(engine.state_hash())
+    if len(set(hashes)) > 1:
+        raise RanksDisagree(f"ranks disagree on the ZO state at step {step} (hashes by rank: {hashes}): a rank has "
+                            "another build, data or configuration; the run stops")
+
+
+def _start(run: Run, manager: CheckpointManager, resume) -> None:
     """Everything is checked before the first byte goes to output_dir: the resume target and its compatibility,
-    the directory itself (another run, a file, no space, no permission). Then the log file, the resumed state and
-    config.json. Returns the seconds the resumed run had already trained."""
+    the directory itself (another run, a file, no space, no permission). Then the log file, the resumed state (the
+    weights, the ZO state and the manager's components) and config.json."""
     cfg, engine = run.cfg, run.engine
     path = run.resumed_from = manager.resume_path(resume)
-    trainer = check_resume(run, path) if path else None
-    prepare_output_dir(cfg, bool(resume), engine.world)
-    log_to_file(os.path.join(cfg.output_dir, "logs", f"rank-{run.rank:05d}.log"), append=bool(resume))
-    seconds0 = 0.0
     if path:
-        load_checkpoint(engine, path)
-        manager.best, seconds0 = trainer.get("best_dev"), trainer.get("seconds", 0.0)
+        check_resume(run, path)
+    prepare_output_dir(cfg, bool(resume), run.topology.job)
+    log_to_file(os.path.join(cfg.output_dir, "logs", f"rank-{run.rank:05d}.log"), append=bool(resume))
+    if path:
+        manager.load(engine, path)
         log.info("resumed from %s at step %d", path, engine.step_count)
     elif resume:
         log.warning("--resume: no complete checkpoint in %s, starting from step 0", cfg.output_dir)
     if cfg.static_mask and engine.static_mask is None:  # a resumed run has the checkpoint's mask
-        engine.fit_static_mask([run.micro_batches(t) for t in range(cfg.static_mask_batches)])
+        engine.fit_static_mask([run.batch(t) for t in range(cfg.static_mask_batches)])
     if run.rank == 0:
         write_json_atomic(os.path.join(cfg.output_dir, "config.json"), to_dict(cfg))
-    return seconds0
 
 
-def _final_evaluations(run: Run, manager: CheckpointManager, writer: MetricsWriter, last_dev) -> tuple:
+def _final_evaluations(run: Run, manager: CheckpointManager, record: RunLog) -> tuple:
     """(final, best, test): the end-of-run dev and test evaluations (marked "final": a resumed run drops them, a
     longer run has none), the best dev evaluation, and the test metrics at the best-dev checkpoint (MeZO's rule:
     its weights are loaded for that when an earlier step was better)."""
-    step = run.engine.step_count
+    step, evaluator = run.engine.step_count, run.evaluator
     final = {}
     if "dev" in run.eval_data:
-        final["dev"] = last_dev[1] if last_dev and last_dev[0] == step else run.evaluate("dev")
-        if not (last_dev and last_dev[0] == step):
-            writer.write({"step": step, "split": "dev", "final": True, **final["dev"]})
+        last = evaluator.last.get("dev")
+        if last and last[0] == step:
+            final["dev"] = last[1]
+        else:
+            final["dev"] = evaluator.evaluate("dev", step)
+            record.evaluation(step, "dev", final["dev"], final=True)
     if "test" in run.eval_data:
-        final["test"] = run.evaluate("test")
-        writer.write({"step": step, "split": "test", "final": True, **final["test"]})
+        final["test"] = evaluator.evaluate("test", step)
+        record.evaluation(step, "test", final["test"], final=True)
     test = final.get("test")
     best = manager.best
     if "dev" in final and (best is None or best["step"] == step or manager.is_better(final["dev"])):
         best = {"step": step, "metrics": final["dev"], "checkpoint": manager.path_for(step)}
     elif best and "test" in run.eval_data:
         load_checkpoint(run.engine, best["checkpoint"])
-        test = run.evaluate("test")
+        test = evaluator.evaluate("test")
     return final, best, test
 
 
@@ -280,7 +329,7 @@ def _with_digest(run: Run, best: dict | None, step: int, digest: str) -> dict | 
         return best and {**best, "digest": digest}
     if run.engine.step_count != best["step"]:
         load_checkpoint(run.engine, best["checkpoint"])
-    return {**best, "digest": params_digest(run.engine.entries, run.engine.world)}
+    return {**best, "digest": params_digest(run.engine.entries, run.topology.job)}
 
 
 def done_line(metric: str, step: int, best: dict | None, test: dict | None, final: dict, checkpoint: str,
@@ -298,13 +347,12 @@ def done_line(metric: str, step: int, best: dict | None, test: dict | None, fina
 def _finish(run: Run, manager: CheckpointManager, step: int, digest: str, final: dict, best: dict | None,
             test: dict | None, wall_seconds: float) -> dict:
     """summary.json (rank 0) and the done line for a run that ended at `step`; every rank returns the summary."""
-    cfg, engine = run.cfg, run.engine
-    # One entry per rank of the whole job (engine.world; engine.comm is the shard group).
-    ranks = engine.world.all_gather_object((peak_rss_bytes(), socket.gethostname(), device_name(run.device)))
+    cfg, engine, job = run.cfg, run.engine, run.topology.job
+    ranks = job.all_gather_object((peak_rss_bytes(), socket.gethostname(), device_name(run.device)))
     rss, hostnames, device_names = (list(column) for column in zip(*ranks))
     summary = {
         "params_digest": digest,
-        "world_size": run.world,
+        "world_size": job.world_size,
         "method": cfg.method,
         "seed": cfg.seed,
         "steps": step,  # the steps the weights have (a resume past max_steps is refused)
@@ -328,57 +376,8 @@ def _finish(run: Run, manager: CheckpointManager, step: int, digest: str, final:
     if run.rank == 0:
         write_json_atomic(os.path.join(cfg.output_dir, "summary.json"), summary)
         log.info("%s", done_line(manager.metric, step, best, test, final, manager.path_for(step), digest))
-    engine.world.barrier()
+    job.barrier()
     return summary
-
-
-def _loop(run: Run, writer: MetricsWriter, pi_log: PiWriter, bar, manager: CheckpointManager, save, seconds,
-          stop: StopRequest):
-    """Step until max_steps, logging, evaluating on dev and saving as configured; returns (last dev, last save).
-
-    On a stop request (any rank's signal, agreed through the step's all-reduce) it saves and raises Preempted.
-    Every `consistency_steps` steps the ranks compare a hash of their ZO state and stop if they differ.
-    """
-    cfg, engine = run.cfg, run.engine
-    fault = Fault(run.rank)
-    engine.loss_fn = fault.wrap_loss(engine.loss_fn, engine)
-    saved = last_dev = None
-    flat = FlatLossWatch(cfg.flat_loss_steps)
-    while engine.step_count < cfg.max_steps:
-        upcoming = engine.step_count + 1  # the step the next update makes, as its metrics line counts it
-        fault.before_step(engine, upcoming)
-        if pi_log.enabled and (upcoming % cfg.logging_steps == 0 or upcoming == cfg.max_steps):
-            pi_log.write(upcoming, engine.sampler.probabilities(engine.step_count).pi)  # the pi this update draws from
-        r = engine.step(run.micro_batches(engine.step_count), stop_requested=stop.requested)
-        step = r.step
-        if step % cfg.logging_steps == 0 or step == cfg.max_steps or r.stop:
-            writer.write({**r.as_dict(), "seconds": seconds()})
-        if bar is not None:
-            bar.set_postfix(loss=f"{r.loss:.4f}" if r.loss is not None else "-",
-                            budget=f"{r.budget:.1f}", blocks=r.n_selected, refresh=False)
-            bar.update(1)
-        flat.observe(r)
-        if cfg.consistency_steps and step % cfg.consistency_steps == 0:
-            hashes = engine.world.all_gather_object(engine.state_hash())
-            if len(set(hashes)) > 1:
-                raise RanksDisagree(f"ranks disagree on the ZO state at step {step} (hashes by rank: {hashes}): a "
-                                    "rank has another build, data or configuration; the run stops")
-        if r.stop:
-            path = save() if saved != step else manager.path_for(step)
-            engine.world.barrier()  # leave together: under srun --kill-on-bad-exit the first exit ends the rest
-            raise Preempted(f"stopped on a signal ({stop.signal_name or 'received by another rank'}) at step {step}, "
-                            f"after saving {path}: resume with --resume")
-        if "dev" in run.eval_data and cfg.eval_steps and step % cfg.eval_steps == 0:
-            last_dev = (step, run.evaluate("dev"))
-            writer.write({"step": step, "split": "dev", **last_dev[1]})
-            log.info("step %d: dev %s", step, _fmt(last_dev[1]))
-            if manager.track(step, last_dev[1]):
-                save(best=True)
-                saved = step
-        if (cfg.save_steps and step % cfg.save_steps == 0 or step == cfg.max_steps) and saved != step:
-            save()
-            saved = step
-    return last_dev, saved
 
 
 class FlatLossWatch:
@@ -401,10 +400,10 @@ class FlatLossWatch:
                         "tokens, or the trained parameters (LoRA targets) not on the loss's path", r.loss, self.run)
 
 
-def check_resume(run: Run, path: str) -> dict:
-    """The checkpoint's trainer state, after checking it can continue this run: the keys that change the trajectory
-    match its run config (config.RESUME_MAY_CHANGE lists those that may differ), and max_steps is not below its
-    step. Each mismatch is a one-line ConfigError naming the key."""
+def check_resume(run: Run, path: str) -> None:
+    """Check that the checkpoint can continue this run: the keys that change the trajectory match its run config
+    (config.RESUME_MAY_CHANGE lists those that may differ), and max_steps is not below its step. Each mismatch is a
+    one-line ConfigError naming the key."""
     manifest = verify_checkpoint(path)
     config_path = os.path.join(path, "run_config.json")
     if os.path.isfile(config_path):
@@ -423,7 +422,6 @@ def check_resume(run: Run, path: str) -> dict:
         run.engine.check_state(manifest["engine"])
     except ValueError as e:
         raise ConfigError(f"--resume {path}: {e}") from None
-    return manifest.get("trainer", {})
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "tensorboard", "eval.json", "logs")
@@ -484,7 +482,7 @@ def run_eval(cfg: TrainConfig, resume: str | bool | None = None) -> dict | None:
         load_checkpoint(run.engine, path)
     results = {s: run.evaluate(s) for s in run.eval_data}
     results["step"] = run.engine.step_count
-    results["params_digest"] = params_digest(run.engine.entries, run.engine.comm)
+    results["params_digest"] = params_digest(run.engine.entries, run.topology.job)
     if run.rank == 0:
         if not path:
             log.info("evaluated the untrained model (no --resume); nothing written: pass --resume CHECKPOINT to "
@@ -520,15 +518,3 @@ def _fmt_value(value) -> str:
 
 def _fmt(metrics: dict) -> str:
     return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
-
-
-def _tensorboard(cfg: TrainConfig) -> bool:
-    if cfg.report_to == "none":
-        return False
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        if cfg.report_to == "tensorboard":
-            raise
-        return False
-    return True

@@ -10,6 +10,7 @@ restates each rule with its number.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from collections.abc import Callable
@@ -19,6 +20,15 @@ from typing import NamedTuple
 import torch
 
 log = logging.getLogger(__name__)
+
+
+class Method(str, enum.Enum):
+    """The `method` key: how pi and the budget are chosen (docs/algorithm.md)."""
+
+    CURVZO = "curvzo"  # pi from the scores, adaptive budget
+    MEZO = "mezo"  # every block, every step (pi = 1)
+    US_AB = "us_ab"  # uniform pi, adaptive budget
+    FIXED = "fixed"  # pi from the scores, budget B = budget * G
 
 
 def score_distribution(scores: torch.Tensor) -> torch.Tensor:
@@ -138,37 +148,77 @@ def budget_for_param_fraction(scores: torch.Tensor, sizes: torch.Tensor, fractio
     return hi
 
 
+def _normalized(d2, v_sq):
+    """s~_i = ||v_Gi||^2 / ||v||^2 Delta^2 (Eq. 27, the block form of Eq. 7); 0 where nothing was drawn."""
+    total = v_sq.sum(-1, keepdim=True)
+    return torch.where(total > 0, v_sq / total * d2, torch.zeros_like(v_sq))
+
+
+def _unbiased(d2, v_sq, pi, n):
+    """Appendix B's s'_i in block form: (Delta^2 ||v_Gi||^2 - pi_i n_i Delta^2) / (pi_i (n_i + 2 - pi_i n_i))."""
+    return (d2 * v_sq - pi * n * d2) / (pi * (n + 2 - pi * n))
+
+
+def _mask_mean(pi, n, a, masks):
+    """Eq. 27's mean given the mask M, m_i (n_i ||g_M||^2 + 2 a_i) / (N_M + 2), averaged over `masks` ([K, G])."""
+    m = masks.to(torch.float64)
+    return (m * (n * (m @ a)[:, None] + 2 * a) / ((m @ n)[:, None] + 2)).mean(0)
+
+
+@dataclass(frozen=True)
+class ScoreEstimator:
+    """One block-score estimator, the one place it is defined (the `score_estimator` key names it).
+
+    `score(d2, v_sq, pi, n, mask)`: one step's block scores from Delta^2 and ||v_Gi||^2 (0 for blocks not drawn),
+    pi, the block sizes n and the mask. `mean(pi, n, a, masks)`: their expectation for block energies
+    a_i = ||g_i||^2 (exact, or averaged over the [K, G] `masks` drawn at pi for the Eq. 27 family), which
+    `curvzo-ds diagnose` uses for the mean-field fixed point. docs/algorithm.md derives each mean.
+    """
+
+    score: Callable
+    mean: Callable
+
+
+ESTIMATORS: dict[str, ScoreEstimator] = {
+    # Eq. 27, the paper's default
+    "normalized": ScoreEstimator(lambda d2, v_sq, pi, n, mask: _normalized(d2, v_sq), _mask_mean),
+    # Eq. 5 in block form, whose mean is Eq. 6
+    "raw": ScoreEstimator(lambda d2, v_sq, pi, n, mask: v_sq * d2,
+                          lambda pi, n, a, masks: pi * n * ((pi * a).sum() - pi * a) + pi * (n + 2) * a),
+    # Appendix B, whose mean is ||g_i||^2; it can be negative (clamped later)
+    "unbiased": ScoreEstimator(lambda d2, v_sq, pi, n, mask: _unbiased(d2, v_sq, pi, n),
+                               lambda pi, n, a, masks: a.clone()),
+    # the same per element: mean ||g_i||^2 / n_i
+    "unbiased_element": ScoreEstimator(lambda d2, v_sq, pi, n, mask: _unbiased(d2, v_sq, pi, n) / n,
+                                       lambda pi, n, a, masks: a / n),
+    # Eq. 27 per element
+    "per_element": ScoreEstimator(lambda d2, v_sq, pi, n, mask: _normalized(d2, v_sq) / n,
+                                  lambda pi, n, a, masks: _mask_mean(pi, n, a, masks) / n),
+    # Eq. 27 / pi_i (Horvitz-Thompson on the score: its mean given that block i is drawn); 0 where not drawn,
+    # also where pi = 0 (budget_floor = 0)
+    "ht": ScoreEstimator(lambda d2, v_sq, pi, n, mask: torch.where(mask, _normalized(d2, v_sq) / pi,
+                                                                   torch.zeros_like(v_sq)),
+                         lambda pi, n, a, masks: _mask_mean(pi, n, a, masks) / pi),
+}
+
+
 def block_scores(delta: float, block_sq: torch.Tensor, mask: torch.Tensor, pi: torch.Tensor,
                  sizes: torch.Tensor, estimator: str) -> torch.Tensor:
-    """One step's block scores from Delta and ||v_Gi||^2 (0 for unselected blocks).
-
-    - "normalized": s~_i = ||v_Gi||^2 / ||v||^2 Delta^2 (Eq. 27, the block form of Eq. 7; the paper's default);
-    - "raw": s_i = Delta^2 ||v_Gi||^2 (the block form of Eq. 5, whose mean is Eq. 6);
-    - "unbiased": (Delta^2 ||v_Gi||^2 - pi_i n_i Delta^2) / (pi_i (n_i + 2 - pi_i n_i)), the block
-      form of Appendix B's s'_i, whose mean is ||g_i||^2. It can be negative (clamped later);
-    - "unbiased_element": the same divided by n_i, whose mean is the per-element energy ||g_i||^2 / n_i;
-    - "per_element": Eq. 27 divided by n_i; "ht": Eq. 27 divided by pi_i (Horvitz-Thompson on the score,
-      the mean of Eq. 27 given that block i is drawn). docs/algorithm.md derives the mean of each and
-      where the sampler settles with it ("Scores that track curvature?").
-    An empty mask gives all zeros. Leading dimensions are steps: [N, G] inputs with [N, 1] deltas
+    """One step's block scores from Delta and ||v_Gi||^2 (0 for unselected blocks), by the estimator named in
+    ESTIMATORS. An empty mask gives all zeros. Leading dimensions are steps: [N, G] inputs with [N, 1] deltas
     give N steps' scores at once (the statistical tests use that); one step is [G] and a float.
     """
-    d2 = delta * delta
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"score_estimator={estimator!r}: use one of {', '.join(ESTIMATORS)}")
     v_sq = torch.where(mask, block_sq, torch.zeros_like(block_sq))
-    n = sizes.to(torch.float64)
-    if estimator in ("normalized", "per_element", "ht"):
-        total = v_sq.sum(-1, keepdim=True)
-        normalized = torch.where(total > 0, v_sq / total * d2, torch.zeros_like(v_sq))
-        if estimator == "ht":  # 0 where not drawn, also where pi = 0 (budget_floor = 0)
-            return torch.where(mask, normalized / pi, torch.zeros_like(normalized))
-        return normalized if estimator == "normalized" else normalized / n
-    if estimator == "raw":
-        return v_sq * d2
-    if estimator in ("unbiased", "unbiased_element"):
-        unbiased = (d2 * v_sq - pi * n * d2) / (pi * (n + 2 - pi * n))
-        return unbiased if estimator == "unbiased" else unbiased / n
-    raise ValueError(f"score_estimator={estimator!r}: use normalized, raw, unbiased, unbiased_element, "
-                     "per_element or ht")
+    return ESTIMATORS[estimator].score(delta * delta, v_sq, pi, sizes.to(torch.float64), mask)
+
+
+def expected_scores(pi: torch.Tensor, sizes: torch.Tensor, energy: torch.Tensor, estimator: str,
+                    masks: torch.Tensor) -> torch.Tensor:
+    """The mean of one step's block scores at inclusion probabilities pi, for block energies a = ||g_i||^2 (exact
+    for raw, unbiased and unbiased_element; averaged over `masks`, [K, G] draws at pi, for the Eq. 27 family)."""
+    return ESTIMATORS[estimator].mean(pi, sizes.to(torch.float64), energy.to(torch.float64), masks)
 
 
 def ema(scores: torch.Tensor, new: torch.Tensor, beta: float) -> torch.Tensor:
@@ -249,8 +299,8 @@ class CurvZOSampler:
         init = 0.0 if cfg.score_init == "warmup" else float(cfg.score_init)
         self.scores = torch.full((self.num_blocks,), init, dtype=torch.float64)
         self.warmup_sum = torch.zeros(self.num_blocks, dtype=torch.float64)
-        self.scored = cfg.method != "mezo"  # MeZO perturbs every block and never reads the scores
-        if cfg.budget_floor == 0 and cfg.method in ("curvzo", "fixed"):
+        self.scored = cfg.method != Method.MEZO  # MeZO perturbs every block and never reads the scores
+        if cfg.budget_floor == 0 and cfg.method in (Method.CURVZO, Method.FIXED):
             log.warning("budget_floor=0 is the paper's literal rule: a block whose pi reaches 0 is never drawn "
                         "again (pi = 0 is absorbing). A floor > 0 is recommended.")
 
@@ -260,20 +310,21 @@ class CurvZOSampler:
 
     def in_warmup(self, step: int) -> bool:
         cfg = self.cfg
-        return cfg.score_init == "warmup" and step < cfg.score_warmup_steps and cfg.method in ("curvzo", "fixed")
+        return cfg.score_init == "warmup" and step < cfg.score_warmup_steps and cfg.method in (Method.CURVZO,
+                                                                                                 Method.FIXED)
 
     def probabilities(self, step: int) -> Probabilities:
         """pi, B, d_eff and H for `step` from the current scores."""
         cfg, g = self.cfg, self.num_blocks
-        if cfg.method == "mezo":
+        if cfg.method == Method.MEZO:
             return Probabilities(torch.ones(g, dtype=torch.float64), float(g), None, None)
         d_eff = h = None
-        if cfg.method == "fixed":
+        if cfg.method == Method.FIXED:
             fraction = cfg.budget
         else:
             b, d_eff, h = adaptive_budget(self.scores, cfg.budget_min * g, cfg.budget_max * g, cfg.budget_alpha)
             fraction = b / g
-        if cfg.method == "us_ab" or self.in_warmup(step):
+        if cfg.method == Method.US_AB or self.in_warmup(step):
             return Probabilities(torch.full((g,), fraction, dtype=torch.float64), fraction * g, d_eff, h)
         if cfg.budget_unit == "params":
             b = budget_for_param_fraction(self.scores, self.sizes, fraction, cfg.budget_floor)

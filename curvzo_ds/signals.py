@@ -33,10 +33,6 @@ class Preempted(RunEnded):
     exit_code = EXIT_PREEMPTED
 
 
-class RanksDisagree(RunEnded):
-    """The consistency check found ranks with different ZO states."""
-
-
 class StopRequest:
     """Catches SIGTERM, SIGINT and SIGUSR1 for the body of a `with` (main thread only; elsewhere it does nothing)."""
 

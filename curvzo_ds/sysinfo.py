@@ -7,6 +7,8 @@ import resource
 import sys
 from importlib import metadata
 
+from .versions import installed_versions
+
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set size in bytes (Linux reports ru_maxrss in KiB, macOS in bytes)."""
@@ -35,16 +37,13 @@ def rss_bytes(trim: bool = False) -> int | None:
 
 
 def versions() -> dict[str, str | None]:
-    """Versions of Python and of the packages a run's numbers depend on (None: not installed)."""
-    found: dict[str, str | None] = {"python": platform.python_version()}
-    for name in ("curvzo_ds", "torch", "deepspeed", "transformers", "accelerate", "peft"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    if found["curvzo_ds"] is None:
-        found["curvzo_ds"] = getattr(sys.modules.get(__package__), "__version__", None)
-    return found
+    """Versions of Python, curvzo_ds and the libraries a run's numbers depend on (versions.SUPPORTED; None: not
+    installed)."""
+    try:
+        own = metadata.version("curvzo_ds")
+    except metadata.PackageNotFoundError:
+        own = getattr(sys.modules.get(__package__), "__version__", None)
+    return {"python": platform.python_version(), "curvzo_ds": own, **installed_versions()}
 
 
 def device_name(device) -> str:

@@ -27,8 +27,8 @@ def test_straight_run_trains_and_writes_the_contract(straight):
     assert any(r["projected_grad"] not in (0, None) for r in train_rows)
     # Rotation kept the last two checkpoints and the best-dev one.
     kept = sorted(p.name for p in out.glob("checkpoint-*"))
-    best = pathlib.Path(json.loads((out / "checkpoint-12" / "manifest.json").read_text())["trainer"]["best_dev"]
-                        ["checkpoint"]).name
+    trainer = json.loads((out / "checkpoint-12" / "manifest.json").read_text())["trainer"]
+    best = pathlib.Path(trainer["checkpoints"]["best_dev"]["checkpoint"]).name
     assert {"checkpoint-9", "checkpoint-12", best} == set(kept)
 
 

@@ -47,11 +47,21 @@ def test_width70b_script_runs_at_tiny_widths(tmp_path):
                  "--steps", "1", "--out", str(out)], {k: v for k, v in ENV.items() if k != "MASTER_PORT"}, timeout=300)
     report = json.loads(out.read_text())
     assert report["digests_equal"] and [r["world_size"] for r in report["runs"]] == [1, 2]
+    one, two = report["runs"]
     for run in report["runs"]:
         assert all(abs(f - 1) <= 0.02 for f in run["owned_fraction_times_w"])
-        assert run["planned_step_peak_bytes"] > 0 and all(r["step_peak_bytes"] > 0 for r in run["ranks"])
-        assert run["step_seconds"] > 0 and run["seconds"]["forwards"] > 0
+        assert_sections_add_up(run)
+    # The plan is per rank: at 2 ranks each holds half the shards (ceil per tensor: within 2%).
+    assert abs(two["planned_shard_bytes"] / one["planned_shard_bytes"] - 0.5) <= 0.02
     assert report["python_overhead"]["blocks"] == 723
+
+
+def assert_sections_add_up(figures: dict) -> None:
+    """A step's seconds are its sections' (forwards, noise and update, score statistics, communication) plus the
+    rest, "other": the figures are the timer's sections, split as documented (benchmarks/RESULTS.md)."""
+    seconds = figures["seconds"]
+    assert 0 < seconds["forwards"] < figures["step_seconds"]
+    assert abs(sum(seconds.values()) - figures["step_seconds"]) <= 1e-9 * figures["step_seconds"]
 
 
 @pytest.mark.slow
@@ -63,10 +73,14 @@ def test_bench_suite_writes_every_contract_field(tmp_path):
                  "--world-sizes", "1,2", "--out", str(out)], timeout=600)
     report = json.loads(out.read_text())
     entry = report["seq_lens"]["8"]
-    assert entry["methods"]["mezo"]["our_mezo_over_reference"] > 0
+    # One round: each ratio is the ratio of the reported times, each memory figure that of the reported peaks.
+    mezo = entry["methods"]["mezo"]
+    assert mezo["our_mezo_over_reference"] == mezo["step_seconds"] / entry["reference_step_seconds"]
     for method in ("mezo", "curvzo_fixed_0.3", "curvzo_adaptive"):
         m = entry["methods"][method]
-        assert m["ratio_to_two_forwards"] > 1 and m["zo_over_inference_peak_memory"] > 0
+        assert m["ratio_to_two_forwards"] == m["step_seconds"] / entry["two_forwards_seconds"] > 1
+        assert m["zo_over_inference_peak_memory"] == m["peak_bytes"] / entry["inference_peak_bytes"]
+        assert_sections_add_up(m)
     assert abs(entry["methods"]["curvzo_fixed_0.3"]["budget_fraction"] - 0.3) < 1e-9
     ranks = report["world_sizes"]["2"]["ranks"]
     assert len(ranks) == 2 and abs(ranks[0]["owned_bytes"] / report["world_sizes"]["1"]["ranks"][0]["owned_bytes"]
@@ -74,5 +88,9 @@ def test_bench_suite_writes_every_contract_field(tmp_path):
     assert ranks[0]["methods"]["mezo"]["all_reduced_bytes_per_step"] == 8 * 3 * 4  # 4 micro-batches, no scores
     noise = report["noise"]  # the generator against torch.randn, on one thread in the same process
     assert noise["threads"] == 1 and noise["backend"] == "c"
-    for name in ("torch_randn", "slice", "slice_into_buffer", "fused_axpy", "torch_reference"):
-        assert noise[f"{name}_normals_per_second"] > 0
+    for name in ("slice", "slice_into_buffer", "fused_axpy"):
+        assert noise[f"{name}_over_torch_randn"] == (noise[f"{name}_normals_per_second"]
+                                                     / noise["torch_randn_normals_per_second"])
+    # The compiled kernel against the torch definition it reproduces: 78.1 against 1.3 M normals/s in
+    # benchmarks/RESULTS.md. Ten times is far outside timing noise, and fails if the reference ran instead.
+    assert noise["slice_normals_per_second"] > 10 * noise["torch_reference_normals_per_second"]

@@ -81,7 +81,7 @@ def test_deepspeeds_latest_file_names_the_checkpoint_and_rotation_keeps_the_best
     """CheckpointManager: mark_latest writes DeepSpeed's `latest` file, tagged_latest reads it back; rotation to
     save_total_limit keeps the newest checkpoints and the tracked best one."""
     e, x = engine()
-    manager = ckpt.CheckpointManager(str(tmp_path), e.world, save_total_limit=1, metric="accuracy")
+    manager = ckpt.CheckpointManager(str(tmp_path), save_total_limit=1, metric="accuracy")
     with pytest.raises(FileNotFoundError, match="no 'latest' file"):
         manager.tagged_latest()
     for step, accuracy in ((1, 0.9), (2, 0.5), (3, 0.6)):
@@ -90,3 +90,60 @@ def test_deepspeeds_latest_file_names_the_checkpoint_and_rotation_keeps_the_best
         path = manager.save(e, mark_latest=True)
         assert manager.tagged_latest() == path == str(tmp_path / f"checkpoint-{step}")
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-3"]
+
+
+class Counter:
+    """A stateful component, as a front end registers one (the CLI's clock)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+def test_the_manager_saves_when_due_once_per_step_and_restores_its_components(tmp_path):
+    """maybe_save: every save_steps and at the last step, never twice for a step (a best saved off schedule counts);
+    load: the weights and ZO state, the best evaluation and each component's state, as they were at that step."""
+    e, x = engine()
+    counter = Counter()
+    manager = ckpt.CheckpointManager(str(tmp_path), save_steps=2, metric="accuracy", states={"counter": counter})
+    written = []
+    for step in range(1, 6):
+        e.step(x)
+        counter.n = 10 * step
+        if step == 3 and manager.track(3, {"accuracy": 0.7}):
+            manager.save(e)
+            at_3 = weights(e)
+        if step == 4:
+            assert not manager.track(4, {"accuracy": 0.6})
+        written.append(manager.maybe_save(e, last=step == 5))
+    path = manager.path_for
+    assert written == [None, path(2), None, path(4), path(5)]
+    assert [s for s, _ in ckpt.list_checkpoints(str(tmp_path))] == [2, 3, 4, 5]
+    fresh_counter = Counter()
+    fresh = ckpt.CheckpointManager(str(tmp_path), metric="accuracy", states={"counter": fresh_counter})
+    fresh.load(e, path(4))
+    assert e.step_count == 4 and fresh_counter.n == 40
+    assert fresh.best == {"step": 3, "metrics": {"accuracy": 0.7}, "checkpoint": path(3)}
+    fresh.load(e, path(3))
+    assert e.step_count == 3 and fresh_counter.n == 30 and all(torch.equal(a, b) for a, b in zip(weights(e), at_3))
+
+
+def test_a_checkpoint_from_before_the_components_resumes_its_best_and_its_seconds(tmp_path):
+    """Before issue 27 the CLI kept the trainer state flat ({"best_dev", "seconds", ...}): a resume still gets the best
+    evaluation (which rotation must keep) and the seconds trained."""
+    from curvzo_ds.run import Clock
+
+    e, x = engine()
+    e.step(x)
+    best = {"step": 1, "metrics": {"accuracy": 0.8}, "checkpoint": str(tmp_path / "checkpoint-1")}
+    path = ckpt.write_checkpoint(e, str(tmp_path / "checkpoint-1"), {"best_dev": best, "seconds": 5.0,
+                                                                     "model": "demo", "lora": False, "task": "demo"})
+    clock = Clock()
+    manager = ckpt.CheckpointManager(str(tmp_path), metric="accuracy", states={"clock": clock})
+    manager.load(e, path)
+    assert manager.best == best and 5.0 <= clock.seconds() < 60.0

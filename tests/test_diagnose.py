@@ -7,6 +7,7 @@ import torch
 from curvzo_ds.cli import main
 from curvzo_ds.config import TrainConfig
 from curvzo_ds.diagnose import PlainRun, corr_log
+from curvzo_ds.params import canonical_name
 
 
 def test_diagnose_writes_the_table_json_and_figures(tmp_path, capsys):
@@ -22,21 +23,37 @@ def test_diagnose_writes_the_table_json_and_figures(tmp_path, capsys):
         assert r["probe_step"] == [0, 8, 16, 23]
         assert len(r["pi"]) == 24 and len(r["pi"][0]) == len(r["sizes"]) == len(r["energy"][0])
         assert all(x > 0 for row in r["energy"] for x in row)  # every block gets a gradient
-        assert -1 <= r["corr_pi_size"] <= 1 and 0 < r["budget_on_true_energy"] <= 1
+        # The correlations are those of the recorded pi, averaged over the probes after the 20 warm-up steps: only
+        # step 23's (during warm-up pi is uniform, and its correlation undefined).
+        assert r["warmup_steps"] == 20
+        pi = torch.tensor([r["pi"][23]], dtype=torch.float64).mean(0)
+        assert r["pi_mean"] == pi.tolist() and len(set(r["pi"][23])) > 1
+        assert abs(r["corr_pi_size"] - corr_log(pi, r["sizes"])) < 1e-12
+        assert 0 < r["budget_on_true_energy"] <= 1
         assert (out / f"diagnose_{r['estimator']}.png").stat().st_size > 10_000
     # The same start and the same batches: both runs see the same first batch's gradient.
     assert records[0]["energy"][0] == records[1]["energy"][0]
 
 
 def test_block_energies_are_the_backprop_gradient_split_by_block():
+    """Each block's energy is ||g||^2 of its own tensor (blocks are tensors by default), by name: the gradient of the
+    batch's mean loss, computed here by backprop in eval mode as the diagnostic does."""
     run = PlainRun(TrainConfig(model="demo", task="demo", max_steps=1))
     batch = run.batch(0)
     energy = run.block_energy(batch)
+    run.model.eval()
     run.model.zero_grad()
     sums = [run.loss(run.model, mb) for mb in batch.items]
     (sum(s for s, _ in sums) / sum(float(c) for _, c in sums)).backward()
-    grads = {n: p.grad.pow(2).sum().double() for n, p in run.model.named_parameters() if p.grad is not None}
-    assert len(energy) == len(grads) and torch.allclose(energy.sum(), sum(grads.values()), rtol=1e-6)
+    grads = {canonical_name(n, False): float(p.grad.reshape(-1).double().pow(2).sum())
+             for n, p in run.model.named_parameters()}
+    names = [b.name for b in run.engine.blocks]
+    assert sorted(names) == sorted(grads)
+    values = sorted(grads.values())
+    assert all(b > a * (1 + 1e-4) for a, b in zip(values, values[1:]))  # distinct: a block paired wrongly shows
+    # float32 gradients of the same batch in the same mode: equal up to the order of float32 sums (1e-6).
+    for name, e in zip(names, energy.tolist()):
+        assert abs(e - grads[name]) <= 1e-6 * grads[name], name
 
 
 def test_bad_estimator_is_one_line(capsys, tmp_path):

@@ -86,20 +86,27 @@ def changed_fields(before: TrainConfig, after: TrainConfig) -> dict:
     return {k: v for k, v in new.items() if old[k] != v}
 
 
+def resolve(user, cfg: TrainConfig, world: int, hidden):
+    """(DeepSpeed config, the run's config after mapping, warnings), as `curvzo-ds train` resolves them."""
+    ours = {k: getattr(cfg, k) for k in ("global_batch_size", "micro_batch_size", "dtype", "zero_stage",
+                                         "offload_param")}
+    out, mapped, warnings = resolve_ds_config(user, world, hidden, **ours)
+    return out, dataclasses.replace(cfg, **mapped), warnings
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_table(name):
     expected = CASES[name]
     user = load_ds_config(str(fixture_path(name)))
     original = copy.deepcopy(user)
-    cfg = TrainConfig()
     if "refused" in expected:
         with pytest.raises(ConfigError) as err:
-            resolve_ds_config(user, cfg, WORLD, HIDDEN)
+            resolve(user, TrainConfig(), WORLD, HIDDEN)
         message = str(err.value)
         assert expected["refused"] in message and "\n" not in message
-        assert cfg == TrainConfig()  # nothing half-applied
+        assert user == original  # the caller's dict is not edited
         return
-    out, warnings = resolve_ds_config(user, cfg, WORLD, HIDDEN)
+    out, cfg, warnings = resolve(user, TrainConfig(), WORLD, HIDDEN)
     assert user == original  # the caller's dict is not edited
     assert sorted(warning_key(w) for w in warnings) == sorted(expected["warns"])
     assert all("\n" not in w for w in warnings)
@@ -116,14 +123,15 @@ def test_table(name):
 
 def test_hidden_size_unknown_leaves_deepspeed_defaults():
     user = load_ds_config(str(FIXTURES / "hf_zero3_auto.json"))
-    out, _ = resolve_ds_config(user, TrainConfig(), 1, None)
+    out, _, _ = resolve(user, TrainConfig(), 1, None)
     for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
         assert key not in out["zero_optimization"]
 
 
 def test_no_user_config_follows_cfg():
     cfg = TrainConfig(micro_batch_size=3, dtype="bfloat16", offload_param="cpu")
-    out, warnings = resolve_ds_config(None, cfg, 4, 64)
+    out, after, warnings = resolve(None, cfg, 4, 64)
+    assert after == cfg
     assert warnings == []
     assert out == {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1, "train_batch_size": 12,
                    "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "bf16": {"enabled": True}}
@@ -131,8 +139,7 @@ def test_no_user_config_follows_cfg():
 
 def test_global_batch_not_divisible_by_world_is_accepted():
     # DeepSpeed itself refuses train_batch_size 16 at 3 ranks; the engine batches on its own.
-    cfg = TrainConfig()
-    out, _ = resolve_ds_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, cfg, 3, None)
+    out, cfg, _ = resolve({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, TrainConfig(), 3, None)
     assert cfg.global_batch_size == 16 and out["train_batch_size"] == 12
 
 
@@ -147,9 +154,8 @@ def test_global_batch_not_divisible_by_world_is_accepted():
     ({"zero_optimization": {"stage": "3"}}, "zero_optimization.stage='3'"),
 ])
 def test_bad_values_name_the_key(user, key):
-    cfg = TrainConfig(dtype="bfloat16")
     with pytest.raises(ConfigError) as err:
-        resolve_ds_config(user, cfg, 1, 64)
+        resolve(user, TrainConfig(dtype="bfloat16"), 1, 64)
     assert key in str(err.value)
 
 
@@ -181,23 +187,20 @@ def test_every_mapped_key_has_a_conflict_case():
 
 @pytest.mark.parametrize("user,key,value,words", CONFLICTS, ids=[f"{c[1]}-{i}" for i, c in enumerate(CONFLICTS)])
 def test_an_explicit_key_that_the_deepspeed_config_contradicts_is_refused(user, key, value, words):
-    from curvzo_ds.config import set_sources
+    def resolve_given(value, source=None, where="the deepspeed config"):
+        return resolve_ds_config(user, WORLD, HIDDEN, explicit={key: source} if source else {}, where=where,
+                                 **{key: value})
 
-    cfg = set_sources(TrainConfig(**{key: value}), {key: "--set"})
     with pytest.raises(ConfigError) as err:
-        resolve_ds_config(user, cfg, WORLD, HIDDEN, "--deepspeed ds.json")
+        resolve_given(value, "--set", "--deepspeed ds.json")
     assert str(err.value).startswith(words + " (--deepspeed ds.json)") and "\n" not in str(err.value)
-    assert cfg == TrainConfig(**{key: value})  # nothing half-applied
     # The same key from a YAML file names the file; set there to the DeepSpeed value, it is no conflict; set only in
     # the DeepSpeed config, the DeepSpeed value is taken.
-    yaml_cfg = set_sources(TrainConfig(**{key: value}), {key: "--config run.yaml"})
     with pytest.raises(ConfigError, match=r"\(--config run\.yaml\) conflicts"):
-        resolve_ds_config(user, yaml_cfg, WORLD, HIDDEN)
-    taken = TrainConfig(**{key: value})
-    resolve_ds_config(user, taken, WORLD, HIDDEN)
-    agreed = set_sources(TrainConfig(**{key: getattr(taken, key)}), {key: "--set"})
-    resolve_ds_config(user, agreed, WORLD, HIDDEN)
-    assert getattr(agreed, key) == getattr(taken, key) != value
+        resolve_given(value, "--config run.yaml")
+    taken = resolve_given(value)[1][key]
+    assert taken != value
+    assert resolve_given(taken, "--set")[1][key] == taken
 
 
 def test_load_errors_are_one_line(tmp_path):
@@ -220,8 +223,7 @@ def test_deepspeed_initialize_accepts_every_served_config(one_rank_group):
 
     served = [name for name, expected in CASES.items() if "refused" not in expected]
     for name in served:
-        cfg = TrainConfig()
-        out, _ = resolve_ds_config(load_ds_config(str(fixture_path(name))), cfg, 1, 16)
+        out, cfg, _ = resolve(load_ds_config(str(fixture_path(name))), TrainConfig(), 1, 16)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
         if cfg.dtype == "float16" and not get_accelerator().is_fp16_supported():

@@ -35,16 +35,27 @@ def test_new_estimator_means(estimator):
     assert_mean(scores, exact)
 
 
-def test_estimators_are_plain_functions_of_one_step():
+def test_each_estimator_on_one_step_worked_by_hand():
+    """Delta = 3 (Delta^2 = 9); blocks 0 and 2 drawn with ||v_G0||^2 = 2, ||v_G2||^2 = 6 (||v||^2 = 8; block 1's 5
+    is not drawn), pi = (0.5, 0.5, 1), n = (2, 3, 4). From the formulas of docs/algorithm.md:
+    normalized 9 (2, 0, 6) / 8; raw 9 (2, 0, 6); unbiased (9 v_i - 9 pi_i n_i) / (pi_i (n_i + 2 - pi_i n_i));
+    per_element and unbiased_element divide by n_i, ht divides normalized by pi_i (0 where not drawn)."""
     mask = torch.tensor([True, False, True])
     sq = torch.tensor([2.0, 5.0, 6.0], dtype=torch.float64)
     pi = torch.tensor([0.5, 0.5, 1.0], dtype=torch.float64)
     sizes = torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64)
-    norm = sampling.block_scores(3.0, sq, mask, pi, sizes, "normalized")
-    assert torch.allclose(sampling.block_scores(3.0, sq, mask, pi, sizes, "per_element"), norm / sizes)
-    assert torch.allclose(sampling.block_scores(3.0, sq, mask, pi, sizes, "ht"), norm / pi)
-    unb = sampling.block_scores(3.0, sq, mask, pi, sizes, "unbiased")
-    assert torch.allclose(sampling.block_scores(3.0, sq, mask, pi, sizes, "unbiased_element"), unb / sizes)
+    by_hand = {
+        "normalized": [2.25, 0.0, 6.75],
+        "raw": [18.0, 0.0, 54.0],
+        "unbiased": [(18 - 9) / 1.5, (0 - 13.5) / 1.75, (54 - 36) / 2.0],
+        "unbiased_element": [(18 - 9) / 1.5 / 2, (0 - 13.5) / 1.75 / 3, (54 - 36) / 2.0 / 4],
+        "per_element": [1.125, 0.0, 1.6875],
+        "ht": [4.5, 0.0, 6.75],
+    }
+    assert set(by_hand) == set(sampling.ESTIMATORS)  # every registered estimator is checked here
+    for name, expected in by_hand.items():
+        got = sampling.block_scores(3.0, sq, mask, pi, sizes, name)
+        torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-15, atol=0, msg=name)
     zero_pi = torch.tensor([0.5, 0.0, 1.0], dtype=torch.float64)  # budget_floor = 0: a block never drawn
     assert torch.isfinite(sampling.block_scores(3.0, sq, mask, zero_pi, sizes, "ht")).all()
     with pytest.raises(ValueError, match="unbiased_element"):

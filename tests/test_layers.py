@@ -2,7 +2,7 @@
 
 Layers, bottom to top; a module imports from its own layer or below, never from above:
 0. foundations: config, the DeepSpeed policy table, the algorithm (sampling), noise, params, the passes over the
-   weights (perturb, and mask for a static mask), comm,
+   weights (perturb, and mask for a static mask), the bf16 visibility check, comm,
    ds_compat, digest, JSON and system info, distributed start-up, tasks and data, the hub probe;
 1. the engine;
 2. checkpoints;
@@ -16,8 +16,8 @@ import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "curvzo_ds"
 LAYERS = {
-    0: {"config", "ds_policy", "sampling", "noise", "kernels", "params", "perturb", "mask", "comm", "ds_compat",
-        "digest", "jsonio", "sysinfo", "distributed", "tasks", "data", "versions", "hub", "startup"},
+    0: {"config", "ds_policy", "sampling", "noise", "kernels", "params", "perturb", "mask", "visibility", "comm",
+        "ds_compat", "digest", "jsonio", "sysinfo", "distributed", "tasks", "data", "versions", "hub", "startup"},
     1: {"engine"},
     2: {"checkpoint"},
     3: {"run", "integrations", "hf_trainer", "evaluate", "models", "ds_config", "logs", "export", "plot", "bench",

@@ -154,10 +154,10 @@ def test_the_adapter_names_a_hub_id_as_given_and_a_local_directory_relative_to_i
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "my-model").mkdir(parents=True)
-    assert _base_model(TrainConfig(model="models/my-model", lora=True), "stage", "exports/a", "exports/a") == \
-        ("../../models/my-model", None, "models/my-model")
-    assert _base_model(TrainConfig(model="facebook/opt-125m", lora=True), "stage", "out", "out/adapter") == \
-        ("facebook/opt-125m", None, None)
+    assert _base_model("models/my-model", TrainConfig(model="models/my-model", lora=True), "stage", "exports/a",
+                       "exports/a") == ("../../models/my-model", None, "models/my-model")
+    assert _base_model("facebook/opt-125m", TrainConfig(model="facebook/opt-125m", lora=True), "stage", "out",
+                       "out/adapter") == ("facebook/opt-125m", None, None)
 
 
 def test_an_export_over_another_needs_overwrite_and_then_replaces_it_whole(straight, lora_run, tmp_path, capsys):

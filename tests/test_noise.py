@@ -9,6 +9,7 @@ sqrt(96/N) (Var z^4 = E z^8 - 9 = 105 - 9), and of a sample correlation 1/sqrt(N
 import hashlib
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ import torch
 
 from curvzo_ds.kernels import cpu as cpu_kernel
 from curvzo_ds.kernels import reference
-from curvzo_ds.noise import NoiseSource, f32, stable_seed
+from curvzo_ds.noise import FIXED_POINT_BITS, NoiseSource, f32, stable_seed
 from tests.helpers import ENV, ROOT
 
 K = 5.0  # standard errors allowed
@@ -94,6 +95,25 @@ def test_fixed_point_sums_add_up_over_any_split():
     parts = sum(src.axpy_(torch.zeros(hi - lo), 0, "w", lo, 1.0, 0.0, want_sq=True)
                 for lo, hi in ((0, 1), (1, 4002), (4002, 9999), (9999, 10_000)))
     assert parts == whole
+
+
+def test_the_fixed_point_scale_is_one_number_everywhere():
+    """noise.FIXED_POINT_BITS is the scale's one source. The C kernel, the Triton kernel and the torch reference
+    state 2^24 as a literal (their arithmetic is not edited to import it): each literal must be 2^FIXED_POINT_BITS,
+    and the sums the C kernel and the reference return must be round(z^2 2^FIXED_POINT_BITS), computed here in
+    Python (exact: z has 24 significant bits, so z^2 2^24 is exact in float64; round() ties to even)."""
+    scale = 2**FIXED_POINT_BITS
+    kernels = ROOT / "curvzo_ds" / "kernels"
+    literals = {
+        "philox.c": re.findall(r"\(double\)zf \* \(double\)zf \* (\d+)\.0", (kernels / "philox.c").read_text()),
+        "gpu.py": re.findall(r"FIXED_POINT_SCALE = tl\.constexpr\((\d+)\.0\)", (kernels / "gpu.py").read_text()),
+        "reference.py": re.findall(r"zd \* zd \* (\d+)\.0", (kernels / "reference.py").read_text()),
+    }
+    assert literals == {name: [str(scale)] for name in literals}
+    z = NoiseSource(seed=5).slice(0, "w", 5000, 0, 5000)
+    expected = sum(round(float(v) ** 2 * scale) for v in z.tolist())
+    total = NoiseSource(seed=5).axpy_(torch.zeros(5000), 0, "w", 0, 1.0, 0.0, want_sq=True)
+    assert total == expected == int(reference.fixed_point_sum_of_squares(z))
 
 
 def test_values_depend_on_seed_step_name_and_direction():

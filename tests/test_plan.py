@@ -193,7 +193,7 @@ def _measure(model: str, tokenizer: str | None, out_path: str) -> None:
     loaded = peak_rss_bytes()
     rows = seq = positions = 0
     for t in range(STEPS):
-        batches = run.micro_batches(t)
+        batches = run.batch(t)
         for mb in batches.items:
             rows, seq = max(rows, mb["input_ids"].shape[0]), max(seq, mb["input_ids"].shape[1])
             positions = max(positions, int((mb["label_mask"][:, 1:] > 0).any(0).sum()))

@@ -36,7 +36,7 @@ SCENARIOS = [
      "zo": {**ZO, "method": "mezo", "learning_rate": 1e-2, "zo_eps": 1e-2, "static_mask": 0.05}},
     {"name": "stage3_short", "steps": 10, "n_micro": 3, "zo": {**ZO, "method": "curvzo"}},
     {"name": "stage0_short", "steps": 10, "n_micro": 3, "stage": 0, "zo": {**ZO, "method": "curvzo"}},
-    {"name": "disagree", "steps": 0, "n_micro": 1, "disagree": True, "min_world": 2, "zo": ZO},
+    {"name": "disagree", "steps": 0, "n_micro": 1, "disagree": "seed", "min_world": 2, "zo": ZO},
 ]
 
 
@@ -127,6 +127,37 @@ def test_disagreeing_rank_is_detected_at_start(runs):
     for w in (2, 3):
         msg = runs[w]["disagree"]["error"]
         assert msg and "seed" in msg and "disagrees with rank 0" in msg
+        assert all(e == msg for e in runs[w]["disagree"]["errors"])  # every rank stops, with the same line
+
+
+@pytest.fixture(scope="module")
+def odd_rank(tmp_path_factory):
+    """One 2-rank launch in which rank 1 differs: its CPU noise kernel writes float32 values whose last bit differs
+    (another build), or it tokenized other data."""
+    tmp = tmp_path_factory.mktemp("odd_rank")
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps([{"name": "kernel", "steps": 0, "n_micro": 1, "disagree": "kernel", "zo": ZO},
+                                {"name": "data", "disagree": "data"}]))
+    return run_worker(2, WORKER, spec, tmp / "out.json")["results"]
+
+
+@pytest.mark.multirank
+def test_a_rank_with_another_noise_kernel_fails_at_start_in_one_line(odd_rank):
+    """Every rank's ZOEngine refuses to start, in the same one line, naming the kernel and both reference digests."""
+    result = odd_rank["kernel"]
+    msg = result["error"]
+    assert msg and "\n" not in msg and msg.startswith("rank 1 disagrees with rank 0 on the noise kernel")
+    digests = msg.split("reference digest ")[1].split(",")[0].split(" vs ")
+    assert len(digests) == 2 and digests[0] != digests[1]
+    assert result["errors"] == [msg, msg]
+
+
+@pytest.mark.multirank
+def test_a_rank_with_other_tokenized_data_stops_every_rank(odd_rank):
+    result = odd_rank["data"]
+    msg = result["error"]
+    assert msg and "ranks tokenized different data" in msg and "same files with the same tokenizer" in msg
+    assert result["errors"] == [msg, msg]
 
 
 @pytest.mark.multirank

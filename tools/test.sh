@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README.md): install what the tests need, then run them. Arguments go to pytest:
 #   bash tools/test.sh                  # the full suite (what CI runs)
-#   bash tools/test.sh -m "not slow"    # the unit tier: 324 tests in about 5 minutes on a loaded 2-core machine
+#   bash tools/test.sh -m "not slow"    # the unit tier: about 3 CPU-minutes (README.md has the measurement)
 # The suite starts real mpirun and SLURM jobs: Open MPI, SLURM and munge come from apt (as root). The tests that
 # need them fail, never skip, when they are missing.
 set -euo pipefail

@@ -15,6 +15,7 @@ from curvzo_ds.data.losses import (
     classification_loss,
     lm_loss,
     loss_fn_for,
+    mean_loss,
     predict_classification,
 )
 from curvzo_ds.data.metrics import accuracy, exact_match, f1, normalize_answer
@@ -29,7 +30,7 @@ from curvzo_ds.data.stream import (
 
 __all__ = [
     "encode", "collate", "to_device", "loss_fn_for", "classification_loss", "lm_loss", "candidate_scores",
-    "predict_classification", "classification_eval", "generate_answers", "accuracy", "f1", "exact_match",
+    "predict_classification", "classification_eval", "mean_loss", "generate_answers", "accuracy", "f1", "exact_match",
     "normalize_answer", "newline_ids", "MicroBatches", "split_batch", "step_indices", "chunks", "micro_batch_indices",
     "round_robin_slots",
 ]

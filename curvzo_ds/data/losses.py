@@ -2,10 +2,23 @@
 classification scores that evaluation shares with them (MeZO's candidate log-likelihood)."""
 
 import inspect
+import math
+from collections.abc import Iterable
 
 import torch
 
 from curvzo_ds.tasks import Task
+
+
+def mean_loss(parts: Iterable[tuple[float, float]]) -> float:
+    """The loss of a batch or split from its parts' (loss_sum, count): sum of loss sums / sum of counts, added in
+    float64 in micro-batch order (docs/contracts.md); nan when the counts sum to 0. The step's L+ and L- and an
+    evaluation's loss are this one sum."""
+    num = den = 0.0
+    for loss_sum, count in parts:
+        num += loss_sum
+        den += count
+    return num / den if den else math.nan
 
 
 def _token_logprobs(model, batch: dict) -> torch.Tensor:

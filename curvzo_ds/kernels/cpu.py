@@ -15,6 +15,7 @@ Without a compiler, `available()` is False and noise.py falls back to the torch 
 from __future__ import annotations
 
 import ctypes
+import enum
 import hashlib
 import logging
 import os
@@ -29,7 +30,22 @@ import torch
 log = logging.getLogger("curvzo_ds")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "philox.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-shared", "-fPIC"]
-MODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}  # 0: write z itself (float32)
+
+
+class ElementMode(enum.IntEnum):
+    """How a kernel reads and writes elements: philox.c's and the Triton kernel's codes (a row's kind packs a
+    target mode, a source mode << 4 and COPY, perturb.py). WRITE_Z, as a target: store z itself (float32); the
+    others name the stored dtype, for out <- out * scale + alpha * z."""
+
+    WRITE_Z = 0
+    FLOAT32 = 1
+    BFLOAT16 = 2
+    FLOAT16 = 3
+    FLOAT64 = 4
+
+
+MODES = {torch.float32: ElementMode.FLOAT32, torch.bfloat16: ElementMode.BFLOAT16, torch.float16: ElementMode.FLOAT16,
+         torch.float64: ElementMode.FLOAT64}
 
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
@@ -99,12 +115,12 @@ def available() -> bool:
     return _lib is not None
 
 
-def run(k0: int, k1: int, start: int, out: torch.Tensor, mode: int, scale: float, alpha: float,
+def run(k0: int, k1: int, start: int, out: torch.Tensor, mode: ElementMode, scale: float, alpha: float,
         want_sq: bool) -> int:
-    """out[i] <- z[start + i] (mode 0) or out * scale + alpha * z (modes 1-3); returns sum round(z^2 2^24)."""
+    """out[i] <- z[start + i] (WRITE_Z) or out * scale + alpha * z (the dtype modes); returns sum round(z^2 2^24)."""
     if not out.is_contiguous():
         raise ValueError("the noise kernel needs a contiguous tensor")
-    if mode == 4:
+    if mode == ElementMode.FLOAT64:
         return _lib.noise_run64(k0, k1, start, out.numel(), out.data_ptr(), scale, alpha, int(want_sq))
     return _lib.noise_run(k0, k1, start, out.numel(), out.data_ptr(), mode, scale, alpha, int(want_sq))
 

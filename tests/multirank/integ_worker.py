@@ -10,6 +10,10 @@
 - "trainer": `ZOTrainer` with the Hugging Face ZeRO-3 config full of "auto" values (optimizer and
   scheduler included) under DeepSpeed, or no DeepSpeed in one process; logging, evaluation,
   saving with rotation, then a second trainer resumed from the middle checkpoint.
+- "lora_loop BASE_DIR" / "lora_trainer BASE_DIR": the model saved in BASE_DIR, loaded with from_pretrained and
+  wrapped in a peft LoRA (r=4, q_proj and v_proj), 4 steps through `from_accelerator` (then
+  `accelerator.save_state()`) or `ZOTrainer` (save_steps=4): the checkpoint to export, and the digest of the
+  trained adapters (params_digest: under LoRA, the keys of peft's adapter state dict).
 Rank 0 writes OUT (JSON): losses, digests, what was allocated.
 """
 
@@ -105,21 +109,21 @@ def loop_scenario(out_dir: str) -> dict:
     return result
 
 
+class Examples(torch.utils.data.Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
 def trainer_scenario(out_dir: str) -> dict:
-    from torch.utils.data import Dataset
     from transformers import TrainingArguments
 
     from curvzo_ds import ZOTrainer
-
-    class Examples(Dataset):
-        def __init__(self, rows):
-            self.rows = rows
-
-        def __len__(self):
-            return len(self.rows)
-
-        def __getitem__(self, i):
-            return self.rows[i]
 
     distributed = "LOCAL_RANK" in os.environ
     if distributed:
@@ -175,10 +179,64 @@ def trainer_scenario(out_dir: str) -> dict:
     return result
 
 
+def lora_model(base_dir: str):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    torch.manual_seed(1)  # every rank must create the same adapters
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                            task_type="CAUSAL_LM"))
+
+
+LORA_ZO = dict(method="mezo", learning_rate=1e-2, zo_eps=1e-2, seed=7)  # every adapter moves at every step
+
+
+def lora_loop_scenario(out_dir: str, base_dir: str) -> dict:
+    from accelerate import Accelerator
+    from torch.utils.data import default_collate
+
+    from curvzo_ds import from_accelerator, split_batch
+
+    accelerator = Accelerator()  # first, so that under ZeRO-3 the model is built inside zero.Init
+    model = lora_model(base_dir)
+    data = examples(model.config.vocab_size)
+    engine = from_accelerator(accelerator, model, lm_loss, ZOConfig(**LORA_ZO), micro_batch_size=MICRO)
+    for t in range(4):
+        batch = default_collate(data[t * GLOBAL: (t + 1) * GLOBAL])
+        engine.step(split_batch({k: v.to(accelerator.device) for k, v in batch.items()}, MICRO))
+    state = os.path.join(out_dir, "state-4")
+    accelerator.save_state(state)
+    deepspeed = accelerator.distributed_type == "DEEPSPEED"
+    checkpoint = os.path.join(state, "pytorch_model" if deepspeed else "zo_checkpoint")
+    return {"world_size": engine.comm.world_size, "ds_engine": type(engine.model).__name__, "checkpoint": checkpoint,
+            "digest": params_digest(engine.entries, engine.comm), "names": [e.name for e in engine.entries]}
+
+
+def lora_trainer_scenario(out_dir: str, base_dir: str) -> dict:
+    from transformers import TrainingArguments
+
+    from curvzo_ds import ZOTrainer
+
+    model = lora_model(base_dir)
+    args = TrainingArguments(output_dir=out_dir, max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2,
+                             lr_scheduler_type="constant", seed=7, save_strategy="steps", save_steps=4,
+                             report_to=[], use_cpu=True, disable_tqdm=True)
+    zo = ZOConfig(**{k: v for k, v in LORA_ZO.items() if k not in ("learning_rate", "seed")})
+    trainer = ZOTrainer(model=model, args=args, train_dataset=Examples(examples(model.config.vocab_size)),
+                        zo_config=zo, loss_fn=lm_loss)
+    trainer.train()
+    engine = trainer.zo_engine
+    return {"world_size": engine.comm.world_size, "checkpoint": os.path.join(out_dir, "checkpoint-4"),
+            "digest": params_digest(engine.entries, engine.comm), "names": [e.name for e in engine.entries]}
+
+
 def run_scenario(args: list[str], out_path: str) -> dict:
-    (scenario,) = args
+    scenario, *rest = args
     work = out_path + ".d"
-    return loop_scenario(work) if scenario == "loop" else trainer_scenario(work)
+    scenarios = {"loop": loop_scenario, "trainer": trainer_scenario, "lora_loop": lora_loop_scenario,
+                 "lora_trainer": lora_trainer_scenario}
+    return scenarios[scenario](work, *rest)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from common import main
 
 from curvzo_ds import MicroBatches, ZOConfig, ZOEngine
+from curvzo_ds.config import RanksDisagree
 from curvzo_ds.digest import params_digest
 from curvzo_ds.distributed import init_distributed
 
@@ -55,6 +56,9 @@ def micro_batches(step: int, n_micro: int, rows: int):
 def run(spec: dict, rank: int, world: int) -> dict:
     import deepspeed
 
+    if spec.get("disagree") == "data":
+        return data_disagree(rank)
+
     model = tiny_llama(0, spec.get("tie", False))
     if spec.get("lora"):
         from peft import LoraConfig, get_peft_model
@@ -71,11 +75,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
         ds_cfg["bf16"] = {"enabled": True}
     ds_engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
     if spec.get("disagree"):
-        try:
-            ZOEngine(ds_engine, lm_loss, ZOConfig(**{**spec["zo"], "seed": rank}))
-        except ValueError as e:
-            return {"error": str(e)}
-        return {"error": None}
+        return disagree(spec, ds_engine, rank)
     zo = ZOEngine(ds_engine, lm_loss, ZOConfig(**spec["zo"]))
     if spec["zo"].get("static_mask"):  # the probe: every rank runs every micro-batch of two global batches
         zo.fit_static_mask([MicroBatches(micro_batches(500 + t, spec["n_micro"], spec.get("rows", 2)))
@@ -115,6 +115,56 @@ def run(spec: dict, rank: int, world: int) -> dict:
         "dtypes": sorted({str(e.param.dtype) for e in zo.entries}),
         "persistent": sorted(e.name for e in zo.entries if e.region == (0, e.numel) and e.partitioned),
     }
+
+
+def other_kernel(real):
+    """A noise kernel of another build: the same call, but the last bit of every float32 value it writes differs."""
+    def run(k0, k1, start, out, mode, scale, alpha, want_sq):
+        total = real(k0, k1, start, out, mode, scale, alpha, want_sq)
+        if out.dtype == torch.float32:
+            out.view(torch.int32).bitwise_xor_(1)
+        return total
+
+    return run
+
+
+def disagree(spec: dict, ds_engine, rank: int) -> dict:
+    """Rank 1 differs from the others ("seed": its seed; "kernel": its CPU noise kernel). Every rank records the
+    error its ZOEngine raised at start-up (None if it raised none)."""
+    from curvzo_ds.kernels import cpu as cpu_kernel
+
+    config = ZOConfig(**{**spec["zo"], "seed": rank if spec["disagree"] == "seed" else spec["zo"].get("seed", 42)})
+    real = cpu_kernel.run
+    if spec["disagree"] == "kernel" and rank == 1:
+        cpu_kernel.run = other_kernel(real)
+    error = None
+    try:
+        ZOEngine(ds_engine, lm_loss, config)
+    except RanksDisagree as e:
+        error = str(e)
+    finally:
+        cpu_kernel.run = real
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return {"error": error, "errors": errors}
+
+
+def data_disagree(rank: int) -> dict:
+    """Run's check that every rank tokenized the same data: the same data passes; rank 1's other data stops every
+    rank (the error each rank raised, gathered)."""
+    from curvzo_ds.comm import Comm
+    from curvzo_ds.run import check_data_agrees
+
+    train, dev = [{"input_ids": [1, 2]}], {"dev": [{"input_ids": [3]}]}
+    check_data_agrees(Comm(), train, dev)  # the same data everywhere: no error
+    error = None
+    try:
+        check_data_agrees(Comm(), train, {"dev": [{"input_ids": [3 + (rank == 1)]}]})
+    except RanksDisagree as e:
+        error = str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return {"error": error, "errors": errors}
 
 
 def run_all(args: list[str], out_path: str) -> dict:
