@@ -154,33 +154,43 @@ class MaskedPerturber:
         self._z: dict[int, list[torch.Tensor]] = {}
 
     def _targets(self, i: int):
-        """(view, local indices into it, positions in the entry's selection) of every stored copy to write."""
+        """(view, local indices into it, positions in the entry's selection or None for all) of every stored copy
+        to write, the indices on the view's device."""
         e, idx = self.entries[i], self.mask.index[i]
         if e.master is not None:
-            yield e.master, idx - e.region[0], slice(None)
+            yield e.master, (idx - e.region[0]).to(e.master.device), None
         for view, off in e.targets():
             local = idx - e.region[0] - off
             keep = (local >= 0) & (local < view.numel())
-            yield view, local[keep].to(view.device), keep
+            if keep.all():
+                yield view, local.to(view.device), None
+            else:
+                yield view, local[keep].to(view.device), torch.nonzero(keep).flatten()
 
     def _read(self, i: int) -> torch.Tensor:
         e = self.entries[i]
         if e.master is not None:
-            return e.master[self.mask.index[i] - e.region[0]].clone()
+            return e.master[(self.mask.index[i] - e.region[0]).to(e.master.device)].clone()
         out = covered = None
-        for view, local, keep in self._targets(i):
+        for view, local, at in self._targets(i):
             if out is None:
                 out = torch.empty(len(self.mask.index[i]), dtype=torch.float32, device=view.device)
                 covered = torch.zeros(len(out), dtype=torch.bool)
-            out[keep] = view.index_select(0, local).float().to(out.device)
-            covered |= keep
+            values = view.index_select(0, local).float()
+            if at is None:
+                out.copy_(values)
+                covered[:] = True
+            else:
+                out[at.to(out.device)] = values.to(out.device)
+                covered[at] = True
         if not covered.all():
             raise RuntimeError(f"{e.name}: only part of its region is here; gather the parameter first")
         return out
 
     def _write(self, j: int, values: torch.Tensor) -> None:
-        for view, local, keep in self._targets(self.used[j]):
-            view.index_copy_(0, local, values[keep].to(view.device, view.dtype))
+        for view, local, at in self._targets(self.used[j]):
+            part = values if at is None else values.index_select(0, at.to(values.device))
+            view.index_copy_(0, local, part.to(view.device, view.dtype))
             self.launches += 1
 
     def _noise(self, direction: int) -> list[torch.Tensor]:
