@@ -55,16 +55,18 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 ARMS = {"mezo": dict(method="mezo"), "curvzo": dict(method="curvzo"),
         "oracle": dict(method="curvzo", oracle_every=10),
         "static-0.1%": dict(method="mezo", static=0.001), "static-1%": dict(method="mezo", static=0.01)}
-# Learning-rate grids, from 10-step pilots on sentiment (seed 0): MeZO at 1e-5 moved the dev loss from 0.369 to 0.345;
-# the 0.1% mask diverged at 3e-3 and reached 0.163 at 5e-4. The dense grids were first 1e-5..1e-4; MeZO's best was
-# its top (1e-4), so they were moved up one point (the 1e-5 runs stay in runs/, experiments/RESULTS.md quotes them).
-GRID = {"mezo": [3e-5, 1e-4, 3e-4], "curvzo": [3e-5, 1e-4, 3e-4], "oracle": [3e-5, 1e-4, 3e-4],
+# Learning-rate grids, 3 points each on a ladder of half-decades, from 10-step pilots on sentiment (seed 0): MeZO at
+# 1e-5 moved the dev loss from 0.369 to 0.345; the 0.1% mask diverged at 3e-3 and reached 0.163 at 5e-4. Where the
+# best rate of a grid is at its edge, the grid grows by the next ladder point beyond it (at most `extend` times), so
+# that every arm's chosen rate is bracketed, or the edge is a rate beyond which the arm diverged.
+LADDER = [1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2]
+GRID = {"mezo": [3e-5, 1e-4, 3e-4], "curvzo": [1e-5, 3e-5, 1e-4], "oracle": [1e-5, 3e-5, 1e-4],
         "static-0.1%": [1e-4, 3e-4, 1e-3], "static-1%": [3e-5, 1e-4, 3e-4]}
 CONFIGS = {
-    "full": dict(tasks=["sentiment", "topic"], arms=list(ARMS), grid=GRID, seeds=[0, 1, 2], steps=200,
+    "full": dict(tasks=["sentiment", "topic"], arms=list(ARMS), grid=GRID, extend=2, seeds=[0, 1, 2], steps=200,
                  eval_every=25, diagnose_steps=100, diagnose_probe_every=10, curvature=[4, 8]),
-    "ci": dict(tasks=["sentiment"], arms=list(ARMS), grid={a: [GRID[a][1]] for a in ARMS}, seeds=[0, 1, 2], steps=2,
-               eval_every=1, diagnose_steps=3, diagnose_probe_every=1, curvature=[1, 2]),
+    "ci": dict(tasks=["sentiment"], arms=list(ARMS), grid={a: GRID[a][1:] for a in ARMS}, extend=1, seeds=[0, 1, 2],
+               steps=2, eval_every=1, diagnose_steps=3, diagnose_probe_every=1, curvature=[1, 2]),
 }
 DATA = dict(num_train=512, num_dev=256, num_test=512, batch=8, eps=1e-3, max_length=64, probe_batches=4)
 
@@ -341,10 +343,20 @@ def final_loss(run: dict) -> float:
     return loss if math.isfinite(loss) else math.inf
 
 
+def beyond(grid: dict) -> float | None:
+    """The next ladder rate past the edge of `grid` ({lr: run}) where its best rate sits, if not run yet."""
+    rates = sorted(grid)
+    best = min(rates, key=lambda lr: final_loss(grid[lr]))
+    step = -1 if best == rates[0] else 1 if best == rates[-1] else 0
+    at = LADDER.index(best) + step
+    return LADDER[at] if step and 0 <= at < len(LADDER) and LADDER[at] not in grid else None
+
+
 def run_task(plan: dict, model: str, task: str, task_dir: str, out: str, log: Log, jobs: int) -> dict:
     """{arm: {"lr": best, "grid": {lr: final dev loss}, "runs": [result per seed], "mezo_runs": [...]}} for one
-    task: the grid with the first seed, the best rate with the second, and a third seed for the arm and MeZO where
-    the first two disagree on whether the arm ends below MeZO's dev loss."""
+    task: the grid with the first seed (grown past an edge where the best rate sits, `beyond`), the best rate with
+    the second seed, and a third seed for the arm and MeZO where the first two disagree on whether the arm ends
+    below MeZO's dev loss."""
     first, second, third = plan["seeds"]
     arms = plan["arms"]
 
@@ -354,6 +366,10 @@ def run_task(plan: dict, model: str, task: str, task_dir: str, out: str, log: Lo
 
     grid_runs = iter(many([(arm, lr, first) for arm in arms for lr in plan["grid"][arm]]))
     grids = {arm: {lr: next(grid_runs) for lr in plan["grid"][arm]} for arm in arms}
+    for _ in range(plan["extend"]):
+        more = [(arm, lr) for arm in arms if (lr := beyond(grids[arm])) is not None]
+        for (arm, lr), r in zip(more, many([(arm, lr, first) for arm, lr in more])):
+            grids[arm][lr] = r
     best = {arm: min(grids[arm], key=lambda lr: final_loss(grids[arm][lr])) for arm in arms}
     runs = {arm: [grids[arm][best[arm]], r] for arm, r in zip(arms, many([(arm, best[arm], second) for arm in arms]))}
     extra = [arm for arm in arms if arm != "mezo" and
@@ -362,7 +378,7 @@ def run_task(plan: dict, model: str, task: str, task_dir: str, out: str, log: Lo
     for arm, r in zip(extra, many([(arm, best[arm], third) for arm in extra])):
         runs[arm].append(r)
     # An arm is compared with MeZO seed by seed: a third MeZO seed that the arm lacks is left out.
-    return {arm: dict(lr=best[arm], grid={lr: final_loss(r) for lr, r in grids[arm].items()}, runs=runs[arm],
+    return {arm: dict(lr=best[arm], grid={lr: final_loss(r) for lr, r in sorted(grids[arm].items())}, runs=runs[arm],
                       mezo_runs=runs["mezo"][:len(runs[arm])]) for arm in arms}
 
 
