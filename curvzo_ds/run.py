@@ -264,7 +264,9 @@ def _resumed_at(run: Run, checkpoint: str) -> bool:
     """Whether the run resumed from `checkpoint` itself: a resume that took no step (max_steps equal to the
     checkpoint's step) does not write it again (its eval.json stays)."""
     loaded = getattr(run, "resumed_from", None)
-    return bool(loaded) and os.path.isdir(checkpoint) and os.path.samefile(loaded, checkpoint)
+    # the loaded checkpoint may have been rotated away by the steps taken since
+    return (bool(loaded) and os.path.isdir(loaded) and os.path.isdir(checkpoint)
+            and os.path.samefile(loaded, checkpoint))
 
 
 def check_state_agrees(engine: ZOEngine, step: int) -> None:
