@@ -12,6 +12,7 @@ Every checkpoint carries the same model record and files (checkpoint.write_model
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 
@@ -96,16 +97,22 @@ def check_adapter_export(result: dict, base_dir: str, out) -> None:
     from transformers import AutoModelForCausalLM
 
     printed = export_cli(result["checkpoint"], out)
-    assert f"base model {base_dir}" in printed and f"AutoPeftModelForCausalLM.from_pretrained({str(out)!r})" in printed
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == base_dir
+    relative = os.path.relpath(base_dir, out)  # a local base is named relative to the adapter (issue 28)
+    assert f"base model {relative!r}" in printed and f"from_pretrained({base_dir!r}), {str(out)!r})" in printed
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == relative
     # Onto its base model with peft: exactly the trained adapters.
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(out))
     state = get_peft_model_state_dict(model)
     assert sorted(state) == sorted(result["names"]) and len(state) == 8  # 2 layers x q, v x A, B
     assert digest(state) == result["digest"]
     assert all(state[k].abs().max() > 0 for k in state if "lora_B" in k)  # B starts at 0: these trained
-    # The adapter names its base, so peft finds it alone.
-    assert digest(get_peft_model_state_dict(AutoPeftModelForCausalLM.from_pretrained(str(out)))) == result["digest"]
+    # The adapter names its base, so peft finds it alone from the adapter's directory.
+    here = os.getcwd()
+    os.chdir(out)
+    try:
+        assert digest(get_peft_model_state_dict(AutoPeftModelForCausalLM.from_pretrained("."))) == result["digest"]
+    finally:
+        os.chdir(here)
 
 
 @pytest.mark.slow
