@@ -421,6 +421,38 @@ def grid_table(plan: dict, results: dict) -> list[str]:
     return lines
 
 
+def cached_runs_table(out: str) -> list[str]:
+    """Every run in out/runs so far (a pipeline that has not finished reports what it has): by task, arm, rate
+    and seed, with the steps MeZO's run of the same task and seed at its best seed-0 rate needs to reach the final
+    dev loss of this run, over the steps this run needs (> 1: faster than that MeZO run)."""
+    runs = []
+    for name in sorted(os.listdir(os.path.join(out, "runs"))):
+        with open(os.path.join(out, "runs", name)) as f:
+            runs.append(json.load(f))
+    key = {arm: i for i, arm in enumerate(ARMS)}
+    runs.sort(key=lambda r: (r["settings"]["task"], key[r["settings"]["arm"]], r["settings"]["lr"],
+                             r["settings"]["seed"]))
+    mezo = {}  # (task, seed) -> the MeZO run at the best seed-0 rate of its task
+    for task in {r["settings"]["task"] for r in runs}:
+        grid = {r["settings"]["lr"]: r for r in runs if r["settings"]["task"] == task
+                and r["settings"]["arm"] == "mezo" and r["settings"]["seed"] == 0}
+        if grid:
+            best = min(grid, key=lambda lr: final_loss(grid[lr]))
+            mezo.update({(task, r["settings"]["seed"]): r for r in runs if r["settings"]["task"] == task
+                         and r["settings"]["arm"] == "mezo" and r["settings"]["lr"] == best})
+    lines = ["| task | arm | lr | seed | final dev loss | final dev accuracy | test accuracy | MeZO's steps to this "
+             "final dev loss / this run's | s/step | run s |", "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for r in runs:
+        st = r["settings"]
+        ref = mezo.get((st["task"], st["seed"]))
+        ratio = speedup_at_own_loss([r], [ref]) if ref is not None and final_loss(r) < math.inf else "-"
+        last = r["curve"][-1]
+        lines.append(f"| {st['task']} | {st['arm']} | {st['lr']:g} | {st['seed']} | {last['loss']:.4f} | "
+                     f"{last['accuracy']:.3f} | {r['test']['accuracy']:.3f} | {ratio} | {r['step_seconds']:.2f} | "
+                     f"{r['seconds']:.0f} |")
+    return lines
+
+
 def plot_curves(plan: dict, results: dict, out: str) -> str:
     import matplotlib
 
@@ -532,9 +564,13 @@ def main(argv=None) -> None:
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/curvzo_ds/real_model"),
                         help="where the GGUF and its Hugging Face conversion are kept (outside the repository)")
     parser.add_argument("--model", help="a Hugging Face model directory instead of SmolLM2 (the CI test's tiny Llama)")
-    parser.add_argument("--stage", choices=["prepare", "runs", "all"], default="all",
-                        help="prepare: the model and the tasks only (with the zero-shot dev accuracy)")
+    parser.add_argument("--stage", choices=["prepare", "all", "report"], default="all",
+                        help="prepare: the model and the tasks only (with the zero-shot dev accuracy); report: "
+                             "print a table of the runs cached in --out so far and run nothing")
     args = parser.parse_args(argv)
+    if args.stage == "report":
+        print("\n".join(cached_runs_table(args.out)))
+        return
     torch.set_num_threads(1)
     plan = CONFIGS[args.config]
     os.makedirs(args.out, exist_ok=True)

@@ -149,3 +149,7 @@ def test_real_model_ci_config_end_to_end(tiny_model, tmp_path):
     script.main(["--config", "ci", "--model", tiny_model, "--out", str(out)])  # a rerun takes every run from the cache
     assert (out / "progress.log").read_text().count(" run ") == log_lines
     assert len(list((out / "runs").glob("*.json"))) == len(runs)
+    # --stage report: one row per cached run, nothing run
+    report = script.cached_runs_table(str(out))
+    assert len(report) == 2 + len(runs) and all(f"| sentiment | {arm} |" in "\n".join(report) for arm in script.ARMS)
+    assert all(line.count("|") == 11 for line in report)
