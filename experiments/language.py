@@ -120,13 +120,18 @@ def write_tokenizer(path: str) -> None:
 def write_task(root: str, task: str, seed: int, num_train: int, num_dev: int, num_test: int) -> str:
     """A task directory (task.json, train/dev/test.jsonl); returns its path."""
     rng = random.Random(f"{task}-{seed}")
-    path = os.path.join(root, task)
-    os.makedirs(path, exist_ok=True)
     template, labels = TEMPLATES[task]
+    return write_task_dir(os.path.join(root, task), task, template, labels,
+                          {"train": num_train, "dev": num_dev, "test": num_test}, lambda split: example(task, rng))
+
+
+def write_task_dir(path: str, name: str, template: str, labels: list[str], sizes: dict[str, int], make) -> str:
+    """docs/tasks.md's files in `path`: task.json, and `sizes[split]` rows of `make(split)` per split, in order."""
+    os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "task.json"), "w") as f:
-        json.dump({"name": task, "template": template, "label_words": labels, "metric": "accuracy"}, f)
-    for split, n in (("train", num_train), ("dev", num_dev), ("test", num_test)):
+        json.dump({"name": name, "template": template, "label_words": labels, "metric": "accuracy"}, f)
+    for split, n in sizes.items():
         with open(os.path.join(path, f"{split}.jsonl"), "w") as f:
             for _ in range(n):
-                f.write(json.dumps(example(task, rng)) + "\n")
+                f.write(json.dumps(make(split)) + "\n")
     return path

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from language import write_task_dir  # noqa: E402
 from pipeline import Log, digest, mean_sd, reach_ratio, run_many, speedup_at_own_loss  # noqa: E402
 
 from curvzo_ds.config import SCORE_ESTIMATORS, TrainConfig  # noqa: E402
@@ -183,16 +184,10 @@ def write_task(root: str, task: str, seed: int = 0) -> str:
     """A task directory (docs/tasks.md): task.json, train/dev/test.jsonl. Train and dev share the first half of
     each list of templates and words, test uses the second half only."""
     rng = random.Random(f"{task}-{seed}")
-    path = os.path.join(root, task)
-    os.makedirs(path, exist_ok=True)
     template, labels = TASKS[task]
-    with open(os.path.join(path, "task.json"), "w") as f:
-        json.dump({"name": task, "template": template, "label_words": labels, "metric": "accuracy"}, f)
-    for split, n in (("train", DATA["num_train"]), ("dev", DATA["num_dev"]), ("test", DATA["num_test"])):
-        with open(os.path.join(path, f"{split}.jsonl"), "w") as f:
-            for _ in range(n):
-                f.write(json.dumps(example(task, rng, split == "test")) + "\n")
-    return path
+    sizes = {"train": DATA["num_train"], "dev": DATA["num_dev"], "test": DATA["num_test"]}
+    return write_task_dir(os.path.join(root, task), task, template, labels, sizes,
+                          lambda split: example(task, rng, split == "test"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
