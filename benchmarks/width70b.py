@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from curvzo_ds import ZOConfig, ZOEngine  # noqa: E402
-from curvzo_ds.bench import METHODS, SECTIONS, ZO_COMMON, PeakMemory, python_overhead, token_loss  # noqa: E402
+from curvzo_ds.bench import METHODS, SECTIONS, ZO_COMMON, PeakMemory, python_overhead, token_loss, with_other  # noqa: E402
 from curvzo_ds.data.stream import MicroBatches  # noqa: E402
 from curvzo_ds.engine import StepTimer  # noqa: E402
 
@@ -106,10 +106,10 @@ def worker(width: str, batch: int, seq: int, steps: int, out: str) -> None:
         result = {"world_size": world, "width": width, "parameters": engine.num_params,
                   "blocks": engine.num_blocks, "batch": batch, "seq_len": seq, "steps": steps,
                   "build_seconds": build_seconds, "step_seconds": step,
-                  "seconds": {"forwards": split["forwards"],
-                              "noise_and_update": 2 * split["perturb"] + split["update"],
-                              "score_statistics": max(0.0, split["perturb_stats"] - split["perturb"]),
-                              "communication": split["reduce"], "other": step - sum(split.values())},
+                  "seconds": with_other(step, {
+                      "forwards": split["forwards"], "noise_and_update": 2 * split["perturb"] + split["update"],
+                      "score_statistics": max(0.0, split["perturb_stats"] - split["perturb"]),
+                      "communication": split["reduce"]}),
                   "planned_step_peak_bytes": plan.steady, "planned_gathered_bytes": plan.gathered,
                   "planned_shard_bytes": plan.shard, "ranks": ranks, "params_digest": digest}
         pathlib.Path(out).write_text(json.dumps(result, indent=1))

@@ -67,13 +67,30 @@ def figures(one: dict, demo: dict) -> str:
         "- training loss, mean of each block of 50 steps: "
         + ", ".join(f"{m:.3f}" for m in one["block_means"]) + ";",
         f"- dev accuracy: {dev1}; {pair(s1)};",
-        f"- params_digest `{s1['params_digest']}`.",
+        "- params_digest: the table below.",
         "",
         f"README command 1, `bash launch/demo.sh` ({s2['world_size']} CPU ranks, ZeRO-3, {s2['steps']} steps): dev "
-        f"accuracy {s2['final']['dev']['accuracy']:.3g} at step {s2['steps']}; {pair(s2)}; params_digest "
-        f"`{s2['params_digest']}`. (Dev and test here are the demo's full 200-example files; the line above uses 100 "
-        "of each, so the figures differ.)",
+        f"accuracy {s2['final']['dev']['accuracy']:.3g} at step {s2['steps']}; {pair(s2)}; params_digest the same "
+        "as the 1-process run's (the same training data and steps at another world size). (Dev and test here are "
+        "the demo's full 200-example files; the line above uses 100 of each, so the figures differ.)",
+        "",
+        "The digest depends on the CPU's vector instructions: the forwards' matrix products (oneDNN, MKL) round "
+        "differently with AVX-512 than with AVX2, so the last bits of the losses, and so the weights, differ. Each "
+        "row was measured on a machine of that kind (torch.backends.cpu.get_cpu_capability()):",
+        "",
+        "| CPU capability | params_digest of both runs |",
+        "|---|---|",
     ])
+
+
+def digest_rows(text: str) -> dict[str, str]:
+    """{capability: digest} from the block's table."""
+    rows = {}
+    for line in text.splitlines():
+        parts = [p.strip(" `") for p in line.strip().strip("|").split("|")]
+        if len(parts) == 2 and parts[1].startswith("sha256:"):
+            rows[parts[0]] = parts[1]
+    return rows
 
 
 def dated(one: dict, demo: dict) -> str:
@@ -90,17 +107,28 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         one = run([sys.executable, "-m", "curvzo_ds.cli", "train", *ONE_PROCESS], pathlib.Path(tmp) / "one")
         demo = run(["bash", str(ROOT / "launch" / "demo.sh")], pathlib.Path(tmp) / "demo")
+    digest = one["summary"]["params_digest"]
+    if demo["summary"]["params_digest"] != digest:
+        raise SystemExit(f"the 1-process run and demo.sh end with different weights ({digest} against "
+                         f"{demo['summary']['params_digest']}): world-size invariance is broken")
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
     block = figures(one, demo)
     text = DOC.read_text()
     a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
     current = text[a:b].strip("\n")
+    rows = digest_rows(current)
     if "--check" in sys.argv:
-        stale = not current.startswith(block + "\n")
+        stale = not current.startswith(block + "\n") or rows.get(capability) != digest
         if stale:
-            print(f"docs/measurements.md's demo figures are stale: run python tools/measure_docs.py\nnow:\n{block}")
+            print(f"docs/measurements.md's demo figures are stale: run python tools/measure_docs.py\nnow:\n{block}\n"
+                  f"| {capability} | `{digest}` | (recorded: {rows.get(capability, 'no row for this capability')})")
         return 1 if stale else 0
-    DOC.write_text(text[:a] + "\n" + block + "\n\n" + dated(one, demo) + "\n" + text[b:])
-    print(block)
+    rows[capability] = digest
+    table = "\n".join(f"| {c} | `{d}` |" for c, d in sorted(rows.items()))
+    DOC.write_text(text[:a] + "\n" + block + "\n" + table + "\n\n" + dated(one, demo) + "\n" + text[b:])
+    print(block + "\n" + table)
     return 0
 
 
