@@ -559,6 +559,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/curvzo_ds/real_model"),
                         help="where the GGUF and its Hugging Face conversion are kept (outside the repository)")
     parser.add_argument("--model", help="a Hugging Face model directory instead of SmolLM2 (the CI test's tiny Llama)")
+    parser.add_argument("--tasks", help="comma-separated subset of the config's tasks, in its order (default: all; "
+                             "the diagnostic runs on the first)")
     parser.add_argument("--stage", choices=["prepare", "all", "report"], default="all",
                         help="prepare: the model and the tasks only (with the zero-shot dev accuracy); report: "
                              "print a table of the runs cached in --out so far and run nothing")
@@ -568,6 +570,11 @@ def main(argv=None) -> None:
         return
     torch.set_num_threads(1)
     plan = CONFIGS[args.config]
+    if args.tasks:
+        chosen = args.tasks.split(",")
+        if not chosen or any(t not in plan["tasks"] for t in chosen):
+            parser.error(f"--tasks {args.tasks}: choose from {','.join(plan['tasks'])}")
+        plan = dict(plan, tasks=[t for t in plan["tasks"] if t in chosen])
     os.makedirs(args.out, exist_ok=True)
     log = Log(os.path.join(args.out, "progress.log"))
     log(f"config {args.config}: {json.dumps(plan)}")

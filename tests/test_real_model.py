@@ -4,6 +4,7 @@ diagnostic, the run cache); the unit tests check the two arms the script adds to
 
 import importlib.util
 import json
+import os
 import pathlib
 import re
 
@@ -153,3 +154,12 @@ def test_real_model_ci_config_end_to_end(tiny_model, tmp_path):
     report = script.cached_runs_table(str(out))
     assert len(report) == 2 + len(runs) and all(f"| sentiment | {arm} |" in "\n".join(report) for arm in script.ARMS)
     assert all(line.count("|") == 11 for line in report)
+
+
+def test_tasks_outside_the_config_are_refused(tmp_path, capsys):
+    script = load_script()
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--config", "ci", "--tasks", "topic", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "--tasks topic: choose from sentiment" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)  # refused before anything is written

@@ -23,4 +23,4 @@ python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0 -
 python -c "from importlib.metadata import version; version('curvzo_ds'); import pytest_timeout, mpi4py, ruff, triton" \
     2>/dev/null || python -m pip install -q -e ".[test]"
 
-exec python -m pytest "$@"
+exec python -m pytest --durations=25 "$@"
