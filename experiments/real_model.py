@@ -537,18 +537,23 @@ def curvature_table(plan: dict, model: str, tasks: dict, out: str) -> list[str]:
     with open(path) as f:
         rec = json.load(f)
     h, e, n = (np.array(rec[k]) for k in ("h", "e", "sizes"))
-    keep = (h > 0) & (e > 0)
-    lh, le = np.log(h[keep]), np.log(e[keep])
-    slope = np.polyfit(le, lh, 1)[0] if keep.sum() > 2 else math.nan
-    corr = np.corrcoef(le, lh)[0, 1] if keep.sum() > 2 else math.nan
     top = np.argsort(-h)[:3]
-    return [f"Curvature: task {task}, Hutchinson's diagonal (batches, samples) = {tuple(plan['curvature'])}, "
-            f"{len(h)} blocks ({os.path.basename(path)}):", "",
-            "| blocks with h > 0 | slope of log h on log e | corr(log h, log e) | corr(log h, log n) | "
-            "sd(log h) | sd(log e) | largest h |", "|---:|---:|---:|---:|---:|---:|---|",
-            f"| {int(keep.sum())} of {len(h)} | {slope:+.2f} | {corr:+.2f} | "
-            f"{np.corrcoef(np.log(n[keep]), lh)[0, 1]:+.2f} | {lh.std():.2f} | {le.std():.2f} | "
-            + ", ".join(f"{rec['names'][i]} {h[i]:.3g}" for i in top) + " |"]
+    lines = [f"Curvature: task {task}, Hutchinson's diagonal (batches, samples) = {tuple(plan['curvature'])}, "
+             f"{len(h)} blocks ({os.path.basename(path)}); largest h: "
+             + ", ".join(f"{rec['names'][i]} {h[i]:.3g}" for i in top) + ".", "",
+             "| blocks | how many | slope of log h on log e | corr(log h, log e) | corr(log h, log n) | sd(log h) | "
+             "sd(log e) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    # Matrices and vectors apart too: across all blocks, both h and e are larger per element in the small vectors.
+    for label, keep, hh in (("h > 0", h > 0, h), ("h > 0, matrices (n > 10^4)", (h > 0) & (n > 1e4), h),
+                            ("h > 0, vectors", (h > 0) & (n <= 1e4), h), ("all, by abs(h)", h != 0, np.abs(h))):
+        keep &= e > 0
+        lh, le, ln = np.log(hh[keep]), np.log(e[keep]), np.log(n[keep])
+        fit = keep.sum() > 2
+        slope = np.polyfit(le, lh, 1)[0] if fit else math.nan
+        corr = [np.corrcoef(x, lh)[0, 1] if fit and x.std() > 1e-9 else math.nan for x in (le, ln)]
+        lines.append(f"| {label} | {int(keep.sum())} of {len(h)} | {slope:+.2f} | {corr[0]:+.2f} | {corr[1]:+.2f} | "
+                     f"{lh.std():.2f} | {le.std():.2f} |")
+    return lines
 
 
 def main(argv=None) -> None:

@@ -136,7 +136,8 @@ def test_real_model_ci_config_end_to_end(tiny_model, tmp_path):
     for arm in script.ARMS:
         assert f"| sentiment | {arm} |" in tables
     assert "| unbiased_element |" in tables  # the diagnostic's table
-    assert "| blocks with h > 0 | slope of log h on log e |" in tables  # the curvature model's table
+    assert "| blocks | how many | slope of log h on log e |" in tables  # the curvature model's table
+    assert "| h > 0, matrices (n > 10^4) |" in tables
     for name in ("convergence_real.png", "diagnose/diagnose_normalized.png", "diagnose/diagnose.json"):
         assert (out / name).stat().st_size > 0
     runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
