@@ -577,7 +577,7 @@ def main(argv=None) -> None:
     plan = CONFIGS[args.config]
     if args.tasks:
         chosen = args.tasks.split(",")
-        if not chosen or any(t not in plan["tasks"] for t in chosen):
+        if any(t not in plan["tasks"] for t in chosen):
             parser.error(f"--tasks {args.tasks}: choose from {','.join(plan['tasks'])}")
         plan = dict(plan, tasks=[t for t in plan["tasks"] if t in chosen])
     os.makedirs(args.out, exist_ok=True)
