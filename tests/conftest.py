@@ -2,11 +2,46 @@ import os
 
 import pytest
 
+from tests import launches
+
 # This machine has no model hub: a hub id fails at once instead of after ~25 s of retries (subprocesses inherit it).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # Fixtures that train through the CLI in a subprocess: the tests that use them are end-to-end, slow tier.
 RUN_FIXTURES = {"straight", "lora_run", "real_run", "reference", "slurm"}
+
+
+def pytest_configure(config):
+    launches.install()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    launches.owner.append(item.nodeid)
+    yield
+    launches.owner.pop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """Launches made while a shared fixture is set up belong to the fixture, whichever test needed it first."""
+    shared = fixturedef.scope != "function"
+    if shared:
+        launches.owner.append(f"fixture:{fixturedef.baseid + '::' if fixturedef.baseid else ''}{fixturedef.argname}")
+    yield
+    if shared:
+        launches.owner.pop()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    recorded = launches.load()
+    if os.environ.get("CURVZO_RECORD_LAUNCHES"):
+        launches.save(recorded)
+        return
+    over = launches.excess(recorded)
+    if over:
+        session.config._curvzo_launch_excess = over
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(config, items):
@@ -28,6 +63,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    over = getattr(config, "_curvzo_launch_excess", [])
+    if over:
+        terminalreporter.write_line("FAILED: launches above tests/launches.json (tests/launches.py: record "
+                                    "a new test's with CURVZO_RECORD_LAUNCHES=1)", red=True)
+        for line in over:
+            terminalreporter.write_line(f"  {line}", red=True)
     count = getattr(config, "_curvzo_gpu_deselected", 0)
     if count:
         terminalreporter.write_line(f"{count} tests marked gpu deselected: no CUDA device here "
@@ -74,12 +115,11 @@ def slurm(tmp_path_factory):
 def reference(tmp_path_factory) -> str:
     """params_digest of the uninterrupted 400-step run (one process; every world size gives the same)."""
     import json
-    import subprocess
 
-    from tests.helpers import CLI, ENV, ROOT, RUN
+    from tests.helpers import CLI, ENV, ROOT, RUN, run_cli
 
     out = tmp_path_factory.mktemp("reliability") / "straight"
-    proc = subprocess.run(CLI + RUN + ["--set", f"output_dir={out}"], env=ENV, cwd=str(ROOT), capture_output=True,
+    proc = run_cli(CLI + RUN + ["--set", f"output_dir={out}"], env=ENV, cwd=str(ROOT), capture_output=True,
                           text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "summary.json").read_text())["params_digest"]

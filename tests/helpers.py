@@ -12,7 +12,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+
+from tests import launches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "check_run.py"  # the output contract (docs/contracts.md), checked on every test run
@@ -45,6 +48,71 @@ def free_port() -> int:
             return port
 
 
+class CliServer:
+    """A tests/cli_server.py process: `run` forks a child of it per `curvzo-ds` command, so the command's imports
+    are paid once per session instead of once per command (the child is still a process of its own)."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "cli_server.py")], env=ENV, cwd=str(ROOT),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self.proc.stdout.readline()
+        assert ready.startswith('{"ready"'), f"tests/cli_server.py did not start: {ready!r}"
+
+    def run(self, argv: list[str], env: dict, cwd: str, timeout: float, nproc: int = 1,
+            script: str | None = None) -> subprocess.CompletedProcess:
+        request = {"argv": argv, "env": env, "cwd": cwd, "timeout": timeout, "nproc": nproc, "script": script}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        reply = json.loads(self.proc.stdout.readline())
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(["curvzo-ds", *argv], timeout, reply["stdout"], reply["stderr"])
+        return subprocess.CompletedProcess(["curvzo-ds", *argv], reply["returncode"], reply["stdout"], reply["stderr"])
+
+
+_servers: list[CliServer] = []
+_idle: list[CliServer] = []
+_servers_lock = threading.Lock()
+MAX_SERVERS = 2  # one per core: the bad-input table runs two commands at a time
+# Variables that torch, transformers, huggingface_hub, DeepSpeed or Python read while importing (cli_server.py).
+IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "DS_", "OMP_", "MKL_", "PYTHON", "CUDA",
+                        "TRITON", "LD_", "PATH")
+
+
+def cli(*argv: str, env: dict | None = None, cwd: pathlib.Path | str = ROOT, timeout: float = 400, nproc: int = 1,
+        script: pathlib.Path | str | None = None) -> subprocess.CompletedProcess:
+    """`curvzo-ds ARGV...` in a process of its own, forked from a CliServer (tests/cli_server.py), as
+    `subprocess.run(..., capture_output=True, text=True)` would return it. Two threads may call it at once.
+    `nproc` > 1: the ranks of one job, started as `torchrun --nproc_per_node N` starts them (MASTER_PORT from
+    `env`, else a free port); `script`: a test worker instead of the CLI.
+    An environment that differs from the server's in a variable that libraries read while importing (HF_*,
+    TORCH*, DS_*, ...) cannot be had by a fork: such a command is started for real (python, or torchrun)."""
+    env = dict(env or ENV)
+    if nproc > 1 or script:
+        env.setdefault("MASTER_PORT", str(free_port()))
+    if any(env.get(k) != ENV.get(k) for k in {*env, *ENV} if k.startswith(IMPORT_TIME_PREFIXES)):
+        target = [str(script)] if script else ["-m", "curvzo_ds.cli"]
+        cmd = (torchrun(nproc, int(env["MASTER_PORT"]), *target) if nproc > 1 or script else [sys.executable, *target])
+        return subprocess.run(cmd + [str(a) for a in argv], env=env, cwd=str(cwd), capture_output=True, text=True,
+                              timeout=timeout)
+    for _ in range(nproc):
+        launches.count("forked")
+    with _servers_lock:
+        server = _idle.pop() if _idle else None
+        if server is None and len(_servers) < MAX_SERVERS:
+            server = CliServer()
+            _servers.append(server)
+    if server is None:  # both busy: wait for one
+        while server is None:
+            time.sleep(0.05)
+            with _servers_lock:
+                server = _idle.pop() if _idle else None
+    try:
+        return server.run([str(a) for a in argv], env, str(cwd), timeout, nproc, str(script) if script else None)
+    finally:
+        with _servers_lock:
+            _idle.append(server)
+
+
 def launcher_cmd(kind: str, n: int, port: int) -> list[str]:
     """The command that starts `curvzo-ds train` (or, with a script path after it, any module) under `kind`."""
     if kind == "python":
@@ -71,18 +139,32 @@ def torchrun(n: int, port: int, script: str, *args: str) -> list[str]:
             script, *args]
 
 
+def run_cli(cmd: list[str], env: dict | None = None, cwd: pathlib.Path | str | None = None, timeout: float = 400,
+            **_) -> subprocess.CompletedProcess:
+    """`subprocess.run(CLI + args, ..., capture_output=True, text=True)`, the process forked from a CliServer."""
+    assert cmd[:3] == CLI[:3], cmd
+    return cli(*cmd[3:], env=env, cwd=cwd or ROOT, timeout=timeout)
+
+
 def run_checked(cmd: list[str], env: dict | None = None, timeout: int = LAUNCH_TIMEOUT,
                 log: pathlib.Path | None = None) -> subprocess.CompletedProcess:
-    """Run `cmd` from the repository root; fail with the end of its output (and of `log`) unless it exits 0."""
-    proc = subprocess.run(cmd, env=env or ENV, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+    """Run `cmd` from the repository root; fail with the end of its output (and of `log`) unless it exits 0.
+    `python -m curvzo_ds.cli ...` is forked from a CliServer (`cli`), any other command started."""
+    if cmd[:3] == CLI[:3]:
+        proc = run_cli(cmd, env, timeout=timeout)
+    else:
+        proc = subprocess.run(cmd, env=env or ENV, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
     text = proc.stdout[-3000:] + proc.stderr[-6000:] + (log.read_text()[-5000:] if log and log.exists() else "")
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{text}"
     return proc
 
 
 def run_worker(world: int, script: pathlib.Path, *args, timeout: int = LAUNCH_TIMEOUT) -> dict:
-    """A test worker (tests/multirank/) under torchrun with `world` ranks; returns the JSON it wrote to args[-1]."""
-    run_checked(torchrun(world, free_port(), str(script), *map(str, args)), timeout=timeout)
+    """A test worker (tests/multirank/) with `world` ranks, started as torchrun starts them (forked from a
+    CliServer: `cli`); returns the JSON it wrote to args[-1]."""
+    proc = cli(*map(str, args), script=script, nproc=world, timeout=timeout)
+    assert proc.returncode == 0, f"{script.name} x{world} exited {proc.returncode}:\n" + proc.stdout[-3000:] + \
+        proc.stderr[-6000:]
     return json.loads(pathlib.Path(args[-1]).read_text())
 
 
@@ -93,15 +175,21 @@ def check_contract(out: pathlib.Path, *extra: str) -> None:
 
 
 def train(kind: str, n: int, out: pathlib.Path, *extra: str, port: int | None = None) -> dict:
-    """A run of COMMON's settings; `kind` is a launcher, or one of the scripts in launch/ ("torchrun.sh", ...)."""
+    """A run of COMMON's settings; `kind` is a launcher, or one of the scripts in launch/ ("torchrun.sh", ...).
+    "python" and "torchrun" fork their ranks from a CliServer (`cli`): the test is then about the run, not the
+    launcher (the launchers themselves are started for real by test_app, test_launchers and test_reliability)."""
     port = port or free_port()
     env = {**ENV, "MASTER_PORT": str(port)}
-    if kind.endswith(".sh"):  # as a user runs it
-        cmd = ["bash", str(ROOT / "launch" / kind)]
-        env.update(NPROC=str(n), ACCELERATE_ARGS=f"--main_process_port {port}", PATH=SCRIPT_PATH)
+    args = [*COMMON, "--set", f"output_dir={out}", *extra]
+    if kind in ("python", "torchrun"):
+        proc = cli("train", *args, env=env, nproc=n, timeout=LAUNCH_TIMEOUT)
+        assert proc.returncode == 0, f"{kind} x{n} train {' '.join(args)} exited {proc.returncode}:\n" + \
+            proc.stdout[-3000:] + proc.stderr[-6000:]
     else:
-        cmd = launcher_cmd(kind, n, port)
-    run_checked(cmd + COMMON + ["--set", f"output_dir={out}", *extra], env)
+        cmd = ["bash", str(ROOT / "launch" / kind)] if kind.endswith(".sh") else launcher_cmd(kind, n, port)
+        if kind.endswith(".sh"):  # as a user runs it
+            env.update(NPROC=str(n), ACCELERATE_ARGS=f"--main_process_port {port}", PATH=SCRIPT_PATH)
+        run_checked(cmd + args, env)
     check_contract(out)
     return json.loads((out / "summary.json").read_text())
 
@@ -109,8 +197,7 @@ def train(kind: str, n: int, out: pathlib.Path, *extra: str, port: int | None = 
 def eval_cli(checkpoint: pathlib.Path, cwd: pathlib.Path) -> dict:
     """`curvzo-ds eval --resume CHECKPOINT` with nothing else, as a user types it in `cwd`: stdout must be the JSON
     result alone (so `| jq` works), and the same result must be in eval.json next to the checkpoint."""
-    proc = subprocess.run([sys.executable, "-m", "curvzo_ds.cli", "eval", "--resume", str(checkpoint)], env=ENV,
-                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, cwd=str(cwd))
+    proc = cli("eval", "--resume", str(checkpoint), cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # raises if anything but the JSON reached stdout
     assert result == json.loads((checkpoint / "eval.json").read_text())
@@ -179,7 +266,6 @@ def checkpoints(out: pathlib.Path) -> list[int]:
 
 
 def resume(out: pathlib.Path, *extra: str) -> dict:
-    proc = subprocess.run(CLI + RUN + ["--set", f"output_dir={out}", "--resume", *extra], env=ENV, cwd=str(ROOT),
-                          capture_output=True, text=True, timeout=400)
+    proc = cli("train", *RUN, "--set", f"output_dir={out}", "--resume", *extra)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "summary.json").read_text())

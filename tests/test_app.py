@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from curvzo_ds.cli import main
-from tests.helpers import CHECK, CLI, COMMON, ENV, ROOT, SCRIPT_PATH, free_port, metrics_lines, train
+from tests.helpers import CHECK, CLI, COMMON, ENV, ROOT, SCRIPT_PATH, free_port, metrics_lines, run_cli, train
 
 
 def test_straight_run_trains_and_writes_the_contract(straight):
@@ -148,7 +148,7 @@ def test_bad_config_is_one_line_and_exit_2(capsys, args, words):
 def test_bad_task_data_or_model_setting_is_one_line_and_exit_2(tmp_path, setting, words):
     """Errors found while building the task, data and model (past the config check) are one line too."""
     cmd = CLI + ["--set", setting, "--set", "lora=true", "--set", f"output_dir={tmp_path}"]
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    proc = run_cli(cmd, env=ENV, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(errors) == 1 and errors[0].startswith("curvzo-ds train: error: ") and words in errors[0], errors
@@ -161,7 +161,7 @@ def test_a_log_file_gets_progress_lines_not_a_bar(tmp_path):
     args = ["disable_tqdm=false" if a == "disable_tqdm=true" else a for a in COMMON]
     cmd = CLI + args + ["--set", "max_steps=6", "--set", "progress_interval=0", "--set", f"output_dir={tmp_path}"]
     env = {**ENV, "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
+    proc = run_cli(cmd, env=env, timeout=400)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "\r" not in proc.stderr
     steps = [line.split("step ")[1].split(" ")[0] for line in proc.stderr.splitlines() if "INFO step " in line

@@ -10,12 +10,11 @@ import hashlib
 import json
 import pathlib
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import COMMON, ENV, ROOT, run_checked
+from tests.helpers import COMMON, ENV, ROOT, run_checked, run_cli
 
 # ~110 processes of 3-10 s each, two at a time, all in the first test's set-up: more than the 600 s per test of
 # pyproject.toml on a loaded 2-core machine
@@ -262,7 +261,7 @@ def outcomes(places, tmp_path_factory) -> dict:
         shutil.copytree(places["done"], own["done"])
         command = args[0]
         argv = [a.format(**own) for a in (args[:1] + BASE + args[1:] if command in ("train", "eval") else args)]
-        proc = subprocess.run([sys.executable, "-m", "curvzo_ds.cli", *argv], env=ENV, capture_output=True,
+        proc = run_cli([sys.executable, "-m", "curvzo_ds.cli", *argv], env=ENV, capture_output=True,
                               text=True, timeout=300, cwd=str(ROOT))
         return proc, own, _snapshot(pathlib.Path(own["done"]))
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.helpers import CLI, COMMON, ENV, ROOT, run_checked, train
+from tests.helpers import CLI, COMMON, ENV, run_checked, run_cli, train
 
 Q2 = ["--set", "num_directions=2"]
 
@@ -43,13 +43,12 @@ def test_a_two_group_run_resumes_on_one_rank(one_rank_q2, tmp_path):
 @pytest.mark.slow
 def test_bad_group_layouts_are_one_line(tmp_path):
     """One process: shard_group_size must divide the world; q must be a multiple of the number of groups."""
-    import subprocess
 
     for sets, words in ((["shard_group_size=2"], "must divide the world size 1"),
                         (["shard_group_size=0"], "shard_group_size=0 is invalid"),
                         (["num_directions=0"], "num_directions=0 is invalid")):
         cmd = CLI + COMMON + [a for s in sets for a in ("--set", s)] + ["--set", f"output_dir={tmp_path / 'x'}"]
-        proc = subprocess.run(cmd, env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+        proc = run_cli(cmd, env=ENV, timeout=300)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("curvzo-ds train: error:")]
         assert proc.returncode == 2 and len(errors) == 1 and words in errors[0], proc.stderr[-2000:]
 

@@ -25,16 +25,15 @@ def test_summary_provenance_and_one_log_file_per_rank(tmp_path):
     line (those logged before the output directory was checked too), is appended to on a resume and replaced by
     overwrite_output_dir."""
     import hashlib
-    import subprocess
 
     from curvzo_ds.noise import NoiseSource
-    from tests.helpers import CLI, COMMON, ENV, check_contract
+    from tests.helpers import CLI, COMMON, ENV, check_contract, run_cli
 
     out = tmp_path / "run"
     log = out / "logs" / "rank-00000.log"
 
     def train(steps: int, *extra: str) -> str:
-        proc = subprocess.run(CLI + COMMON + ["--set", f"output_dir={out}", "--set", f"max_steps={steps}", *extra],
+        proc = run_cli(CLI + COMMON + ["--set", f"output_dir={out}", "--set", f"max_steps={steps}", *extra],
                               env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return log.read_text()

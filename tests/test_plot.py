@@ -7,7 +7,6 @@ import json
 import math
 import random
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -19,7 +18,7 @@ from curvzo_ds.config import ConfigError, ZOConfig
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.pilog import PI_FILE, PI_HEADER, PiWriter, has_pi, read_pi
 from curvzo_ds.plot import _moving_average, figure, plot_runs, short_name, widest_blocks
-from tests.helpers import ENV, ROOT
+from tests.helpers import ENV, ROOT, run_cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TRAIN = ["--set", "max_steps=30", "--set", "eval_steps=10", "--set", "num_train=64", "--set", "num_dev=16",
@@ -49,7 +48,7 @@ def engine_pi(out, steps=30, layers=25, every=2):
 def real_run(tmp_path_factory):
     """`curvzo-ds train` of the demo: 30 steps, dev every 10, one process."""
     out = tmp_path_factory.mktemp("plot") / "curvzo-demo"
-    proc = subprocess.run([sys.executable, "-m", "curvzo_ds.cli", "train", *TRAIN, "--set", f"output_dir={out}"],
+    proc = run_cli([sys.executable, "-m", "curvzo_ds.cli", "train", *TRAIN, "--set", f"output_dir={out}"],
                           env=ENV, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert has_pi(str(out)), "the training run wrote no pi side file (pi.json, pi.bin)"

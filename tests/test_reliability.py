@@ -23,11 +23,13 @@ from tests.helpers import (
     RUN,
     SCRIPT_PATH,
     checkpoints,
+    cli,
     finish,
     free_port,
     launcher_cmd,
     log_of,
     resume,
+    run_cli,
     start,
     wait_for_steps,
 )
@@ -106,9 +108,8 @@ def test_a_rank_that_hangs_fails_the_job_within_ddp_timeout(tmp_path):
     out = tmp_path / "hung"
     env = {**ENV, "CURVZO_DS_FAULT": "hang@30:1"}
     started = time.monotonic()
-    proc = start(launcher_cmd("torchrun", 2, free_port()), out, "--set", "ddp_timeout=20", env=env)
-    code = finish(proc, timeout=240)
-    assert code != 0, log_of(out)[-3000:]
+    proc = cli("train", *RUN, "--set", f"output_dir={out}", "--set", "ddp_timeout=20", env=env, nproc=2, timeout=240)
+    assert proc.returncode != 0, proc.stderr[-3000:]
     assert time.monotonic() - started < 200  # bounded: start-up, 30 steps, then 20 s of timeout
 
 
@@ -118,8 +119,8 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank(tmp_path):
     so the run continues with one skipped step and the ranks still agree (the consistency check would stop it)."""
     out = tmp_path / "nan"
     env = {**ENV, "CURVZO_DS_FAULT": "nan@30:1"}
-    proc = start(launcher_cmd("torchrun", 2, free_port()), out, "--set", "consistency_steps=10", env=env)
-    assert finish(proc) == 0, log_of(out)[-3000:]
+    proc = cli("train", *RUN, "--set", f"output_dir={out}", "--set", "consistency_steps=10", env=env, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     skipped = [r["step"] for r in rows if r.get("skipped")]
     assert skipped == [30], skipped
@@ -130,9 +131,9 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank(tmp_path):
 def test_ranks_that_disagree_are_stopped_naming_the_step(tmp_path):
     out = tmp_path / "desync"
     env = {**ENV, "CURVZO_DS_FAULT": "desync@25:1"}
-    proc = start(launcher_cmd("torchrun", 2, free_port()), out, "--set", "consistency_steps=10", env=env)
-    assert finish(proc) != 0
-    assert "ranks disagree on the ZO state at step 30" in log_of(out), log_of(out)[-3000:]
+    proc = cli("train", *RUN, "--set", f"output_dir={out}", "--set", "consistency_steps=10", env=env, nproc=2)
+    assert proc.returncode != 0
+    assert "ranks disagree on the ZO state at step 30" in proc.stderr, proc.stderr[-3000:]
 
 
 def _corrupt(ckpt: pathlib.Path) -> None:
@@ -144,18 +145,18 @@ def _corrupt(ckpt: pathlib.Path) -> None:
 
 def test_a_corrupt_newest_checkpoint_is_skipped_by_a_bare_resume(reference, tmp_path):
     out = tmp_path / "corrupt"
-    proc = start(CLI, out, "--set", "max_steps=300")
-    assert finish(proc) == 0, log_of(out)[-2000:]
+    proc = cli("train", *RUN, "--set", f"output_dir={out}", "--set", "max_steps=300")
+    assert proc.returncode == 0, proc.stderr[-2000:]
     _corrupt(out / "checkpoint-300")
     (out / "checkpoint-200" / "manifest.json").unlink()  # a partial one: no manifest
-    proc = subprocess.run(CLI + RUN + ["--set", f"output_dir={out}", "--resume"], env=ENV, cwd=str(ROOT),
+    proc = run_cli(CLI + RUN + ["--set", f"output_dir={out}", "--resume"], env=ENV, cwd=str(ROOT),
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"skipping checkpoint {out / 'checkpoint-300'}: checksum mismatch" in proc.stderr
     assert f"resumed from {out / 'checkpoint-100'}" in proc.stderr
     assert json.loads((out / "summary.json").read_text())["params_digest"] == reference
     _corrupt(out / "checkpoint-300")  # the resumed run wrote a good one in its place
-    explicit = subprocess.run(CLI + RUN + ["--set", f"output_dir={out}", "--resume", str(out / "checkpoint-300")],
+    explicit = run_cli(CLI + RUN + ["--set", f"output_dir={out}", "--resume", str(out / "checkpoint-300")],
                               env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
     errors = [line for line in explicit.stderr.splitlines() if line.startswith("curvzo-ds train: error:")]
     assert explicit.returncode == 2 and len(errors) == 1 and "checksum mismatch" in errors[0], explicit.stderr[-2000:]
@@ -184,7 +185,7 @@ def test_a_full_disk_is_refused_before_training(small_disk):
     disk = small_disk(64)
     (disk / "filler").write_bytes(b"\0" * (60 * 1024))
     out = disk / "run"
-    proc = subprocess.run(CLI + RUN + ["--set", f"output_dir={out}"], env=ENV, cwd=str(ROOT), capture_output=True,
+    proc = run_cli(CLI + RUN + ["--set", f"output_dir={out}"], env=ENV, cwd=str(ROOT), capture_output=True,
                           text=True, timeout=400)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("curvzo-ds train: error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "cannot be written" in errors[0], proc.stderr[-2000:]
@@ -195,12 +196,13 @@ def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(reference, smal
     """Room for about one and a half checkpoints: the first save succeeds, the second runs out of space. The run
     stops with one line, checkpoint-100 is intact, and resuming it elsewhere gives the uninterrupted digest."""
     probe = tmp_path / "probe"
-    proc = start(CLI, probe, "--set", "max_steps=100", "--set", "eval_steps=0", "--set", "save_total_limit=1")
-    assert finish(proc) == 0
+    proc = cli("train", *RUN, "--set", f"output_dir={probe}", "--set", "max_steps=100", "--set", "eval_steps=0",
+               "--set", "save_total_limit=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
     size = sum(f.stat().st_size for f in (probe / "checkpoint-100").iterdir())
     disk = small_disk(int(size * 1.5 / 1024) + 64)
     out = disk / "run"
-    proc = subprocess.run(CLI + RUN + ["--set", f"output_dir={out}", "--set", "eval_steps=0", "--set",
+    proc = run_cli(CLI + RUN + ["--set", f"output_dir={out}", "--set", "eval_steps=0", "--set",
                                        "save_total_limit=1", "--set", "report_to=none"], env=ENV, cwd=str(ROOT),
                           capture_output=True, text=True, timeout=400)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("curvzo-ds train: error:")]
@@ -215,24 +217,24 @@ def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(reference, smal
 
 def test_an_output_dir_holding_another_run_is_refused_unless_resumed_or_overwritten(tmp_path):
     out = tmp_path / "run"
-    first = subprocess.run(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "max_steps=6"], env=ENV,
+    first = run_cli(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "max_steps=6"], env=ENV,
                            cwd=str(ROOT), capture_output=True, text=True, timeout=400)
     assert first.returncode == 0, first.stderr[-2000:]
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    again = subprocess.run(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "task=sst2", "--set",
+    again = run_cli(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "task=sst2", "--set",
                                            "data_dir=samples", "--set", "global_batch_size=4"],
                            env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
     assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr[-2000:]
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # byte for byte
-    other_task = subprocess.run(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "task=sst2", "--set",
+    other_task = run_cli(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "task=sst2", "--set",
                                                 "data_dir=samples", "--set", "global_batch_size=4", "--resume"],
                                 env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
     assert other_task.returncode == 2 and "task: 'demo' -> 'sst2'" in other_task.stderr, other_task.stderr[-2000:]
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
-    shorter = subprocess.run(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "max_steps=3", "--resume"],
+    shorter = run_cli(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "max_steps=3", "--resume"],
                              env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
     assert shorter.returncode == 2 and "max_steps=3 is below the checkpoint's step 6" in shorter.stderr
-    replaced = subprocess.run(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "max_steps=3", "--set",
+    replaced = run_cli(CLI + COMMON + ["--set", f"output_dir={out}", "--set", "max_steps=3", "--set",
                                               "overwrite_output_dir=true"], env=ENV, cwd=str(ROOT),
                               capture_output=True, text=True, timeout=400)
     assert replaced.returncode == 0, replaced.stderr[-2000:]
@@ -242,7 +244,7 @@ def test_an_output_dir_holding_another_run_is_refused_unless_resumed_or_overwrit
 def test_a_longer_resume_reports_the_steps_its_weights_have(tmp_path):
     out = tmp_path / "run"
     for steps, extra in ((6, []), (9, ["--resume"])):
-        proc = subprocess.run(CLI + COMMON + ["--set", f"output_dir={out}", "--set", f"max_steps={steps}", *extra],
+        proc = run_cli(CLI + COMMON + ["--set", f"output_dir={out}", "--set", f"max_steps={steps}", *extra],
                               env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert json.loads((out / "summary.json").read_text())["steps"] == steps
@@ -261,7 +263,7 @@ def test_a_pickled_or_escaping_checkpoint_is_refused(straight, tmp_path):
         manifest["files"] = {bad: manifest["files"][good]}
         manifest["slices"] = {bad: manifest["slices"][good]}
         (ckpt / "manifest.json").write_text(json.dumps(manifest))
-        proc = subprocess.run(CLI + COMMON + ["--set", f"output_dir={tmp_path / name}", "--resume", str(ckpt)],
+        proc = run_cli(CLI + COMMON + ["--set", f"output_dir={tmp_path / name}", "--resume", str(ckpt)],
                               env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
         assert proc.returncode == 2 and "only rank-NNNNN-of-NNNNN.safetensors files" in proc.stderr, name
 

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.helpers import CLI, COMMON, ENV, ROOT, free_port, launcher_cmd, run_checked
+from tests.helpers import CLI, COMMON, ENV, ROOT, free_port, launcher_cmd, run_checked, run_cli
 
 pytestmark = pytest.mark.slow  # CLI runs in real processes
 SHORT = [*COMMON, "--set", "max_steps=3", "--set", "save_steps=3", "--set", "eval_steps=3"]
@@ -32,7 +32,7 @@ def snapshot(root: pathlib.Path) -> dict[str, str]:
 
 
 def cli(*args: str, env: dict | None = None, cwd=ROOT, timeout: int = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "curvzo_ds.cli", *args], env=env or ENV, cwd=str(cwd),
+    return run_cli([sys.executable, "-m", "curvzo_ds.cli", *args], env=env or ENV, cwd=str(cwd),
                           capture_output=True, text=True, timeout=timeout)
 
 

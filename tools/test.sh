@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command (README.md): install what the tests need, then run them. Arguments go to pytest:
 #   bash tools/test.sh                  # the full suite (what CI runs)
-#   bash tools/test.sh -m "not slow"    # the unit tier: about 3 CPU-minutes (README.md has the measurement)
+#   bash tools/test.sh -m "not slow"    # the unit tier (README.md and docs/testing.md have the measurements)
+# The last line gives the suite's wall time. CURVZO_RECORD_LAUNCHES=1 records each test's launches in
+# tests/launches.json instead of checking them against it (tests/launches.py).
 # The suite starts real mpirun and SLURM jobs: Open MPI, SLURM and munge come from apt (as root). The tests that
 # need them fail, never skip, when they are missing.
 set -euo pipefail
@@ -23,4 +25,8 @@ python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0 -
 python -c "from importlib.metadata import version; version('curvzo_ds'); import pytest_timeout, mpi4py, ruff, triton" \
     2>/dev/null || python -m pip install -q -e ".[test]"
 
-exec python -m pytest --durations=25 "$@"
+start=$(date +%s)
+status=0
+python -m pytest --durations=25 "$@" || status=$?
+echo "tools/test.sh: pytest $* took $(( $(date +%s) - start )) s of wall time (exit $status)"
+exit $status
