@@ -392,11 +392,22 @@ def mark_preempted() -> None:
             open(os.path.join(directory, f"preempted-{os.getpid()}"), "w").close()
 
 
+def destroy_process_group() -> None:
+    """Leave the job's process group when a command returns, as torchtitan's trainer does: without it NCCL warns at
+    each exit, and the interpreter's teardown can abort in gloo's threads ("terminate called without an active
+    exception", pytorch/pytorch#190489). Only a command that made a group has torch.distributed imported."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
 def entry() -> None:
     """The console script and `python -m curvzo_ds.cli`: a crash in native code (a segfault or an abort in a
     communication library) prints every thread's Python stack to stderr, so a cluster job's log shows where."""
     faulthandler.enable()
     code = main()
+    destroy_process_group()  # not after an exception: other ranks may still be in a collective (torchtitan#1342)
     if code == EXIT_PREEMPTED:  # every rank is here at once (run_train's barrier): leave without the interpreter's
         mark_preempted()        # teardown, which can take seconds, so that srun --kill-on-bad-exit ends no rank
         logging.shutdown()

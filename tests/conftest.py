@@ -11,37 +11,47 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 RUN_FIXTURES = {"straight", "lora_run", "real_run", "reference", "slurm"}
 
 
+# Every interpreter the tests start logs its start (tests/launches.py), also one started with os.environ as it is.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(launches.HOOK_DIR), os.environ.get("PYTHONPATH")) if p)
+
+
+class LaunchCounter:
+    """Attributes launches to the test or shared fixture running (tests/launches.py). A plugin of its own: hooks in
+    this conftest would not see the set-up of session-scoped fixtures, which pytest runs at the root's level."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        launches.push(item.nodeid)
+        yield
+        launches.pop()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        """Launches made while a shared fixture is set up belong to it, whichever test needed it first."""
+        shared = fixturedef.scope != "function"
+        if shared:
+            launches.push(f"fixture:{fixturedef.baseid + '::' if fixturedef.baseid else ''}{fixturedef.argname}")
+        yield
+        if shared:
+            launches.pop()
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        launches.settle()
+        recorded = launches.load()
+        if os.environ.get("CURVZO_RECORD_LAUNCHES"):
+            launches.save(recorded)
+            return
+        over = launches.excess(recorded)
+        if over:
+            session.config._curvzo_launch_excess = over
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_unconfigure(self, config):
+        launches.remove_log()
+
+
 def pytest_configure(config):
-    launches.install()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    launches.owner.append(item.nodeid)
-    yield
-    launches.owner.pop()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_fixture_setup(fixturedef, request):
-    """Launches made while a shared fixture is set up belong to the fixture, whichever test needed it first."""
-    shared = fixturedef.scope != "function"
-    if shared:
-        launches.owner.append(f"fixture:{fixturedef.baseid + '::' if fixturedef.baseid else ''}{fixturedef.argname}")
-    yield
-    if shared:
-        launches.owner.pop()
-
-
-def pytest_sessionfinish(session, exitstatus):
-    recorded = launches.load()
-    if os.environ.get("CURVZO_RECORD_LAUNCHES"):
-        launches.save(recorded)
-        return
-    over = launches.excess(recorded)
-    if over:
-        session.config._curvzo_launch_excess = over
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    config.pluginmanager.register(LaunchCounter(), "curvzo-launch-counter")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -113,7 +123,7 @@ def slurm(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> str:
-    """params_digest of the uninterrupted 400-step run (one process; every world size gives the same)."""
+    """params_digest of the uninterrupted run of helpers.RUN (one process; every world size gives the same)."""
     import json
 
     from tests.helpers import CLI, ENV, ROOT, RUN, run_cli

@@ -23,7 +23,9 @@ COMMON = ["--set", "max_steps=12", "--set", "eval_steps=3", "--set", "save_steps
           "--set", "num_dev=16", "--set", "num_eval=16", "--set", "global_batch_size=8",
           "--set", "micro_batch_size=2", "--set", "disable_tqdm=true", "--set", "report_to=none",
           "--set", "save_total_limit=2", "--deepspeed", str(ROOT / "ds_configs" / "zero3.json")]
-ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+# PYTHONPATH: the repository, and tests/launch_log, whose sitecustomize counts the interpreters started (launches.py).
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": f"{ROOT}{os.pathsep}{launches.HOOK_DIR}"}
 CLI = [sys.executable, "-m", "curvzo_ds.cli", "train"]
 # For the scripts in launch/: their `python` is this interpreter.
 SCRIPT_PATH = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{ENV.get('PATH', '')}"
@@ -221,9 +223,12 @@ def metrics_lines(out: pathlib.Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "seconds"} for r in rows if not r.get("final")]
 
 
-# Interrupted runs (test_reliability, test_launchers): 400 steps of the demo model with the COMMON settings, so
-# that a signal sent once metrics.jsonl has lines lands in the middle of training.
-STEPS = ["--set", "max_steps=400", "--set", "save_steps=100", "--set", "eval_steps=200", "--set", "save_total_limit=3"]
+# Interrupted runs (test_reliability, test_launchers): TOTAL steps of the demo model with the COMMON settings, so
+# that a signal sent at step 20 lands in the middle of training (a 2-rank step takes 0.05-0.1 s here: seconds of
+# margin). 200, not 400 as before issue 35: every resume after an interruption runs the rest.
+TOTAL, SAVE, EVAL = 200, 50, 100
+STEPS = ["--set", f"max_steps={TOTAL}", "--set", f"save_steps={SAVE}", "--set", f"eval_steps={EVAL}",
+         "--set", "save_total_limit=3"]
 RUN = COMMON + STEPS
 
 

@@ -75,30 +75,37 @@ def test_lora_export_and_merge(lora_run, tmp_path):
 
 
 LOAD_AND_GENERATE = """
-import sys
+import json, os, sys
 from peft import AutoPeftModelForCausalLM, PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
-how, path = sys.argv[1], sys.argv[2]
-if how == "full":
-    model = AutoModelForCausalLM.from_pretrained(path)
-elif how == "adapter":
-    model = AutoPeftModelForCausalLM.from_pretrained(path)
-else:  # the line export prints for loading from any directory: PeftModel onto the base named in sys.argv[3]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sys.argv[3]), path)
-model = model.eval()
-tokenizer = AutoTokenizer.from_pretrained(path)
-ids = tokenizer("A fun film. It was", return_tensors="pt").input_ids
-out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-print("new tokens", out.shape[1] - ids.shape[1], "logits", model(ids).logits.sum().item())
+for how, path, cwd, base in json.loads(sys.argv[1]):
+    os.chdir(cwd)
+    if how == "full":
+        model = AutoModelForCausalLM.from_pretrained(path)
+    elif how == "adapter":
+        model = AutoPeftModelForCausalLM.from_pretrained(path)
+    else:  # the line export prints for loading from any directory: PeftModel onto the base named by `base`
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path)
+    model = model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("A fun film. It was", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    print("new tokens", out.shape[1] - ids.shape[1], "logits", model(ids).logits.sum().item(), flush=True)
 """
 
 
-def load_and_generate(how: str, path, cwd, *base) -> str:
+def load_and_generate(*loads: tuple) -> list[str]:
+    """Each (how, path, cwd[, base]) loaded with from_pretrained, in that working directory, then generate(): all
+    in one new process with HF_HUB_OFFLINE=1 (one interpreter for the batch: before issue 35, one each)."""
     env = {**ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", LOAD_AND_GENERATE, how, str(path), *map(str, base)], env=env,
-                          cwd=str(cwd), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "new tokens 4" in proc.stdout, (how, path, proc.stderr[-2000:])
-    return proc.stdout.split("logits")[1].strip()
+    jobs = [[how, str(path), str(cwd), str(base[0]) if base else None] for how, path, cwd, *base in loads]
+    proc = subprocess.run([sys.executable, "-c", LOAD_AND_GENERATE, json.dumps(jobs)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("new tokens")]
+    assert proc.returncode == 0 and len(lines) == len(jobs), (jobs, proc.stderr[-2000:])
+    assert all(line.startswith("new tokens 4 ") for line in lines), lines
+    return [line.split("logits")[1].strip() for line in lines]
 
 
 def test_every_export_loads_offline_in_a_fresh_process_and_generates(straight, lora_run, tmp_path, capsys):
@@ -106,16 +113,18 @@ def test_every_export_loads_offline_in_a_fresh_process_and_generates(straight, l
     from_pretrained by a new process with HF_HUB_OFFLINE=1 (no retries against the hub), then generate(). The
     demo's adapter names its base "base", relative to itself (issue 28 §5): AutoPeftModelForCausalLM loads it in
     the adapter's directory, and the printed PeftModel line loads it from any directory, also after the export
-    was moved."""
+    was moved (a second process, started after the move)."""
     exports = {"full": (straight[0] / "checkpoint-12", []), "adapter": (lora_run[0] / "checkpoint-8", []),
                "merged": (lora_run[0] / "checkpoint-8", ["--merge-lora"])}
+    loads = []  # (how, path, cwd[, base]), loaded together below
     for kind, (ckpt, extra) in exports.items():
         out = tmp_path / kind
         assert main(["export", str(ckpt), "--out", str(out), *extra]) == 0
         printed = capsys.readouterr().out
-        if kind == "full":
+        if kind in ("full", "merged"):
             assert f"from_pretrained({str(out)!r})" in printed
-            load_and_generate("full", out, tmp_path)
+            loads.append(("full", out, tmp_path))
+        if kind == "full":
             continue
         adapter = out / "adapter" if kind == "merged" else out
         recipe = f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({str(out / 'base')!r}), " \
@@ -123,17 +132,15 @@ def test_every_export_loads_offline_in_a_fresh_process_and_generates(straight, l
         assert recipe in printed, printed
         config = json.loads((adapter / "adapter_config.json").read_text())
         assert config["base_model_name_or_path"] == ("../base" if kind == "merged" else "base")
-        logits = load_and_generate("adapter", ".", adapter)  # in the adapter's directory
-        assert load_and_generate("anywhere", adapter, tmp_path, out / "base") == logits
-        if kind == "merged":
-            assert f"from_pretrained({str(out)!r})" in printed
-            load_and_generate("full", out, tmp_path)
-            continue
-        moved = tmp_path / "elsewhere" / "copied-export"
-        shutil.copytree(out, moved)
-        shutil.rmtree(out)
-        assert load_and_generate("adapter", ".", moved) == logits
-        assert load_and_generate("anywhere", moved, tmp_path, moved / "base") == logits
+        loads += [("adapter", ".", adapter), ("anywhere", adapter, tmp_path, out / "base")]  # in its directory, any
+    logits = load_and_generate(*loads)
+    adapter_logits = logits[1]
+    assert logits[2] == adapter_logits and logits[4] == logits[5]  # each adapter, from its directory or any
+    moved = tmp_path / "elsewhere" / "copied-export"
+    shutil.copytree(tmp_path / "adapter", moved)
+    shutil.rmtree(tmp_path / "adapter")
+    assert load_and_generate(("adapter", ".", moved), ("anywhere", moved, tmp_path, moved / "base")) == \
+        [adapter_logits] * 2
 
 
 def test_merge_lora_on_a_full_checkpoint_and_out_onto_a_file_are_one_line_errors(straight, tmp_path, capsys):

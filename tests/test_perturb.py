@@ -56,15 +56,16 @@ from test_perturb import step_launches
 for dtypes, master in (((torch.float32,), False), ((torch.float32, torch.bfloat16, torch.float16), False),
                        ((torch.bfloat16,), "auto")):
     few = step_launches(10, dtypes, alternate_1d=True, method="mezo", fp32_master_weights=master)
-    many = step_launches(100, dtypes, alternate_1d=True, method="mezo", fp32_master_weights=master)
+    many = step_launches(30, dtypes, alternate_1d=True, method="mezo", fp32_master_weights=master)
     print(len(dtypes), master, few, many)
 """
 
 
-def test_a_pass_is_one_triton_launch_per_dtype_for_10_and_100_tensors():
+def test_a_pass_is_one_triton_launch_per_dtype_for_10_and_30_tensors():
     """The Triton kernel (run by Triton's interpreter on CPU tensors): one launch per target dtype and pass. With
     fp32 master copies (bf16 weights, the 1-D half kept in fp32 too) one more per pass for the master rows, and the
-    update a third (the master copies in place, then written to the stored copies). Independent of the count."""
+    update a third (the master copies in place, then written to the stored copies). Independent of the count (30,
+    not 100 as before issue 35: the interpreter's time grows with the tensors, the property does not)."""
     proc = subprocess.run([sys.executable, "-c", TRITON_LAUNCHES], capture_output=True, text=True, cwd=str(ROOT),
                           env={**ENV, "TRITON_INTERPRET": "1"}, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -108,22 +109,27 @@ def mixed_sum_loss(model, batch):
     return sum_loss(list(model.parameters()), batch)
 
 
+def backend_digest(**extra: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", BACKEND_RUN], capture_output=True, text=True, cwd=str(ROOT),
+                          env={**ENV, "CURVZO_DS_NOISE_KERNEL": "auto", **extra}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def c_kernel_digest() -> str:
+    """The C kernel's run, once for both backends compared with it."""
+    return backend_digest()
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_every_backend_gives_the_c_kernels_bits(backend):
+def test_every_backend_gives_the_c_kernels_bits(c_kernel_digest, backend):
     """Four steps of CurvZO (statistics, weight decay) and of MeZO with q = 2 directions (snapshot, restore, the
     per-direction update) on mixed dtypes with fp32 master copies: the torch reference and the Triton kernel (under
     the interpreter) leave every weight and score exactly as the C kernel does."""
-    env = {**ENV, "CURVZO_DS_NOISE_KERNEL": "auto"}
-    digests = {}
-    for name, extra in (("c", {}), ("torch", {"CURVZO_DS_NOISE_KERNEL": "torch"}),
-                        ("triton", {"CURVZO_DS_NOISE_KERNEL": "triton", "TRITON_INTERPRET": "1"})):
-        if name not in ("c", backend):
-            continue
-        proc = subprocess.run([sys.executable, "-c", BACKEND_RUN],
-                              capture_output=True, text=True, cwd=str(ROOT), env={**env, **extra}, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        digests[name] = proc.stdout.strip().splitlines()[-1]
-    assert digests["c"] == digests[backend]
+    extra = {"CURVZO_DS_NOISE_KERNEL": "torch"} if backend == "torch" else {"CURVZO_DS_NOISE_KERNEL": "triton",
+                                                                            "TRITON_INTERPRET": "1"}
+    assert backend_digest(**extra) == c_kernel_digest
 
 
 def test_threads_give_the_same_bits_and_cover_every_element_once():

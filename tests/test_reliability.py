@@ -1,7 +1,7 @@
 """Pre-emption, faults, output directories and resume compatibility, with real processes (docs/reliability.md).
 
 Every interrupted run must leave a checkpoint at a step boundary from which `--resume` reproduces the
-uninterrupted run's params_digest exactly. The runs use the demo model with the helpers' settings, 400 steps,
+uninterrupted run's params_digest exactly. The runs use the demo model with the helpers' settings, TOTAL steps,
 so that a signal sent once metrics.jsonl has lines lands in the middle of training.
 """
 
@@ -21,7 +21,9 @@ from tests.helpers import (
     ENV,
     ROOT,
     RUN,
+    SAVE,
     SCRIPT_PATH,
+    TOTAL,
     checkpoints,
     cli,
     finish,
@@ -60,7 +62,7 @@ def test_sigterm_saves_at_a_step_boundary_and_resume_is_exact(reference, tmp_pat
     if target == "worker":  # torchrun reports the workers' code; signalled itself, it re-raises the signal instead
         assert "exitcode: 3" in text, text[-3000:]
     saved = checkpoints(out)
-    assert saved and 20 <= saved[-1] < 400 and saved[-1] % 100 != 0, saved  # a boundary, not a regular save
+    assert saved and 20 <= saved[-1] < TOTAL and saved[-1] % SAVE != 0, saved  # a boundary, not a regular save
     assert all(f"at step {saved[-1]}" in line for line in stops)  # the same boundary on both ranks
     assert resume(out)["params_digest"] == reference
 
@@ -81,7 +83,7 @@ def test_a_launch_script_exits_3_when_the_ranks_stopped_on_a_signal(tmp_path):
     assert code == 3 and len(stops) == 2, f"exit {code}:\n{text[-3000:]}"
     assert "(the launcher exited 1): exit 3" in text, text[-3000:]
     saved = checkpoints(out)
-    assert saved and 20 <= saved[-1] < 400 and saved[-1] % 100 != 0, saved
+    assert saved and 20 <= saved[-1] < TOTAL and saved[-1] % SAVE != 0, saved
     env["MASTER_PORT"] = str(free_port())
     bad = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), "--set", "max_steps=abc"], env=env,
                          cwd=str(ROOT), capture_output=True, text=True, timeout=300)
@@ -92,14 +94,14 @@ def test_a_launch_script_exits_3_when_the_ranks_stopped_on_a_signal(tmp_path):
 def test_sigkill_of_one_rank_ends_the_job_quickly_and_the_last_checkpoint_resumes_exactly(reference, tmp_path):
     out = tmp_path / "killed"
     proc = start(launcher_cmd("torchrun", 2, free_port()), out)
-    wait_for_steps(out, proc, 120)  # past the checkpoint at step 100
+    wait_for_steps(out, proc, SAVE + 20)  # past the first regular checkpoint
     workers = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "curvzo_ds.cli"], capture_output=True,
                              text=True).stdout.split()
     killed_at = time.monotonic()
     os.kill(int(workers[-1]), signal.SIGKILL)
     assert finish(proc, timeout=60) != 0
     assert time.monotonic() - killed_at < 60  # the whole job is gone, not waiting in a collective
-    assert 100 in checkpoints(out)
+    assert SAVE in checkpoints(out)
     assert resume(out)["params_digest"] == reference
 
 
@@ -145,18 +147,18 @@ def _corrupt(ckpt: pathlib.Path) -> None:
 
 def test_a_corrupt_newest_checkpoint_is_skipped_by_a_bare_resume(reference, tmp_path):
     out = tmp_path / "corrupt"
-    proc = cli("train", *RUN, "--set", f"output_dir={out}", "--set", "max_steps=300")
+    proc = cli("train", *RUN, "--set", f"output_dir={out}", "--set", f"max_steps={3 * SAVE}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    _corrupt(out / "checkpoint-300")
-    (out / "checkpoint-200" / "manifest.json").unlink()  # a partial one: no manifest
+    _corrupt(out / f"checkpoint-{3 * SAVE}")
+    (out / f"checkpoint-{2 * SAVE}" / "manifest.json").unlink()  # a partial one: no manifest
     proc = run_cli(CLI + RUN + ["--set", f"output_dir={out}", "--resume"], env=ENV, cwd=str(ROOT),
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"skipping checkpoint {out / 'checkpoint-300'}: checksum mismatch" in proc.stderr
-    assert f"resumed from {out / 'checkpoint-100'}" in proc.stderr
+    assert f"skipping checkpoint {out / f'checkpoint-{3 * SAVE}'}: checksum mismatch" in proc.stderr
+    assert f"resumed from {out / f'checkpoint-{SAVE}'}" in proc.stderr
     assert json.loads((out / "summary.json").read_text())["params_digest"] == reference
-    _corrupt(out / "checkpoint-300")  # the resumed run wrote a good one in its place
-    explicit = run_cli(CLI + RUN + ["--set", f"output_dir={out}", "--resume", str(out / "checkpoint-300")],
+    _corrupt(out / f"checkpoint-{3 * SAVE}")  # the resumed run wrote a good one in its place
+    explicit = run_cli(CLI + RUN + ["--set", f"output_dir={out}", "--resume", str(out / f"checkpoint-{3 * SAVE}")],
                               env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=400)
     errors = [line for line in explicit.stderr.splitlines() if line.startswith("curvzo-ds train: error:")]
     assert explicit.returncode == 2 and len(errors) == 1 and "checksum mismatch" in errors[0], explicit.stderr[-2000:]
@@ -194,12 +196,12 @@ def test_a_full_disk_is_refused_before_training(small_disk):
 
 def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(reference, small_disk, tmp_path):
     """Room for about one and a half checkpoints: the first save succeeds, the second runs out of space. The run
-    stops with one line, checkpoint-100 is intact, and resuming it elsewhere gives the uninterrupted digest."""
+    stops with one line, the first checkpoint is intact, and resuming it elsewhere gives the uninterrupted digest."""
     probe = tmp_path / "probe"
-    proc = cli("train", *RUN, "--set", f"output_dir={probe}", "--set", "max_steps=100", "--set", "eval_steps=0",
+    proc = cli("train", *RUN, "--set", f"output_dir={probe}", "--set", f"max_steps={SAVE}", "--set", "eval_steps=0",
                "--set", "save_total_limit=1")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    size = sum(f.stat().st_size for f in (probe / "checkpoint-100").iterdir())
+    size = sum(f.stat().st_size for f in (probe / f"checkpoint-{SAVE}").iterdir())
     disk = small_disk(int(size * 1.5 / 1024) + 64)
     out = disk / "run"
     proc = run_cli(CLI + RUN + ["--set", f"output_dir={out}", "--set", "eval_steps=0", "--set",
@@ -207,7 +209,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(reference, smal
                           capture_output=True, text=True, timeout=400)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("curvzo-ds train: error:")]
     assert proc.returncode != 0 and len(errors) == 1 and "No space left" in errors[0], proc.stderr[-3000:]
-    assert checkpoints(out) == [100]
+    assert checkpoints(out) == [SAVE]
     moved = tmp_path / "moved"
     subprocess.run(["cp", "-r", str(out), str(moved)], check=True)
     for tmp in moved.glob("*.tmp"):

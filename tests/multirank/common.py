@@ -4,7 +4,7 @@
 
 Sets the CPU accelerator and one torch thread, prints native crashes' Python stacks, drops the
 `--local_rank=N` the deepspeed launcher adds, calls `run(args, out_path)` on every rank, and writes what rank 0's
-call returned to OUT.json; then all ranks meet at a barrier and leave the process group.
+call returned to OUT.json; then all ranks meet at a barrier, leave the process group and exit at once.
 """
 
 import faulthandler
@@ -32,3 +32,9 @@ def main(run: Callable[[list[str], str], dict]) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown: the result is written and every rank has met, and that teardown
+    # sometimes aborts in a library's communication thread ("terminate called without an active exception", seen
+    # under the deepspeed launcher with the HF Trainer and under torchrun; pytorch/pytorch#190489).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
