@@ -70,6 +70,7 @@ CASES = [
     ("report-to", ["train", "--set", "report_to=wandb"], "report_to"),
     ("trust-remote-code", ["train", "--set", "trust_remote_code=yes please"], "trust_remote_code"),
     ("config-missing", ["train", "--config", "{tmp}/none.yaml"], "none.yaml: no such file"),
+    ("config-is-dir", ["train", "--config", "{tmp}"], "is a directory"),
     ("config-bad-yaml", ["train", "--config", "{tmp}/bad.yaml"], "not valid YAML"),
     ("config-a-list", ["train", "--config", "{tmp}/list.yaml"], "must be a mapping"),
     ("config-duplicate-key", ["train", "--config", "{tmp}/duplicate.yaml"],
@@ -167,6 +168,7 @@ CASES = [
     ("plot-missing-dir", ["plot", "{tmp}/no-run"], "no such directory"),
     ("plot-out-txt", ["plot", "{done}", "--out", "{tmp}/x.txt"], ".png"),
     # plan
+    ("plan-gpu-memory-zero", ["plan", "--world-size", "8", "--gpu-memory", "0GB"], "must be more than 0"),
     ("plan-world-zero", ["plan", "--world-size", "0"], "world-size"),
     ("plan-world-negative", ["plan", "--world-size", "-8"], "world-size"),
     ("plan-group-not-dividing", ["plan", "--world-size", "4", "--shard-group-size", "3"], "shard-group-size"),
