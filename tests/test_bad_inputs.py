@@ -135,6 +135,7 @@ CASES = [
     ("task-bad-json-line", ["train", "--set", "task={tmp}/tasks/bad-json-line"], "line 2: not valid JSON"),
     ("task-empty-train", ["train", "--set", "task={tmp}/tasks/empty-train"], "holds no examples"),
     ("task-bad-metric", ["train", "--set", "task={tmp}/tasks/bad-metric"], "metric 'f1'"),
+    ("task-misspelt-key", ["train", "--set", "task={tmp}/tasks/misspelt-key"], "did you mean 'label_words'"),
     # --resume
     ("resume-missing", ["train", "--resume", "{tmp}/no-checkpoint"], "no such checkpoint directory"),
     ("resume-not-a-checkpoint", ["train", "--resume", "{done}"], "no manifest.json"),
@@ -240,6 +241,7 @@ def places(tmp_path_factory):
     _task_dir(tasks, "bad-json-line", train=_lines(ok[0], '{"text": "a", "label": 0', *GOOD_LINES[2:]))
     _task_dir(tasks, "empty-train", train=b"\n")
     _task_dir(tasks, "bad-metric", spec={**GOOD_TASK, "metric": "f1"})
+    _task_dir(tasks, "misspelt-key", spec={**GOOD_TASK, "lable_words": [" bad", " good"]})
     _task_dir(tasks, "task-json-non-utf8", spec=None)
     (tasks / "task-json-non-utf8" / "task.json").write_bytes(json.dumps(GOOD_TASK).encode().replace(b"bad", b"b\xffd"))
     corrupt = tmp / "corrupt"

@@ -254,6 +254,8 @@ def test_demo_is_a_bundled_task_dir():
     ({"metric": "f1"}, "metric 'f1' is not supported"),
     ({"template": "no fields"}, "must name example fields"),
     ({"label_words": [" one"]}, "at least two"),
+    ({"lable_words": [" bad", " good"]}, "unknown field 'lable_words'; did you mean 'label_words'"),
+    ({"colour": "red"}, "unknown field 'colour'; the known fields are name, template"),
 ])
 def test_task_json_errors(tmp_path, spec_change, message):
     spec = {"name": "mine", "template": "{text} It was", "label_words": [" bad", " good"], "metric": "accuracy"}
