@@ -135,6 +135,7 @@ CASES = [
     ("task-bad-json-line", ["train", "--set", "task={tmp}/tasks/bad-json-line"], "line 2: not valid JSON"),
     ("task-empty-train", ["train", "--set", "task={tmp}/tasks/empty-train"], "holds no examples"),
     ("task-bad-metric", ["train", "--set", "task={tmp}/tasks/bad-metric"], "metric 'f1'"),
+    ("output-dir-empty", ["train", "--set", "output_dir="], "output_dir=None is invalid"),
     ("task-misspelt-key", ["train", "--set", "task={tmp}/tasks/misspelt-key"], "did you mean 'label_words'"),
     # --resume
     ("resume-missing", ["train", "--resume", "{tmp}/no-checkpoint"], "no such checkpoint directory"),
