@@ -49,6 +49,8 @@ def read_values(config_file: str | None, sets: list[str], deepspeed: str | None)
 
     values: dict = {}
     if config_file:
+        if os.path.isdir(config_file):
+            raise ConfigError(f"--config {config_file}: is a directory; name the YAML file inside it")
         if not os.path.isfile(config_file):
             raise ConfigError(f"--config {config_file}: no such file")
         loaded = read_yaml(config_file)

@@ -211,6 +211,10 @@ class TrainConfig(ZOConfig):
             if not ok:
                 raise ConfigError(f"{key}={getattr(self, key)!r} is invalid: it must be {rng}")
 
+        # `--set output_dir=` parses to None (an empty YAML scalar); without this it fails deep inside as a TypeError.
+        if not isinstance(self.output_dir, str) or not self.output_dir.strip():
+            raise ConfigError(f"output_dir={self.output_dir!r} is invalid: it must name a directory, for example "
+                              "--set output_dir=runs/mine")
         # A ZO update moves each weight by learning_rate * projected_grad * z, and the perturbation is zo_eps * z.
         if self.learning_rate is not None and not (_finite(self.learning_rate) and 0 < self.learning_rate < 1):
             raise ConfigError(f"learning_rate={self.learning_rate!r} is invalid: it must be a number in (0, 1); a ZO "

@@ -115,7 +115,11 @@ def parse_memory(text: str) -> int:
         raise ConfigError(f"--gpu-memory {text}: use a size such as 80GiB, 80GB or 40G")
     power = " kmgt".index(m.group(2) or " ")
     base = 1000 if m.group(3) == "b" and m.group(2) else 1024
-    return int(float(m.group(1)) * base**power)
+    size = int(float(m.group(1)) * base**power)
+    if size <= 0:
+        # Nothing fits in no memory; a plan that says so with rc 0 hides a typo.
+        raise ConfigError(f"--gpu-memory {text}: must be more than 0; use a size such as 80GiB, 80GB or 40G")
+    return size
 
 
 def zero_settings(deepspeed: str | None, dtype: str, offload: str, world_size: int, hidden: int | None):

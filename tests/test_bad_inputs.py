@@ -70,6 +70,7 @@ CASES = [
     ("report-to", ["train", "--set", "report_to=wandb"], "report_to"),
     ("trust-remote-code", ["train", "--set", "trust_remote_code=yes please"], "trust_remote_code"),
     ("config-missing", ["train", "--config", "{tmp}/none.yaml"], "none.yaml: no such file"),
+    ("config-is-dir", ["train", "--config", "{tmp}"], "is a directory"),
     ("config-bad-yaml", ["train", "--config", "{tmp}/bad.yaml"], "not valid YAML"),
     ("config-a-list", ["train", "--config", "{tmp}/list.yaml"], "must be a mapping"),
     ("config-duplicate-key", ["train", "--config", "{tmp}/duplicate.yaml"],
@@ -134,6 +135,8 @@ CASES = [
     ("task-bad-json-line", ["train", "--set", "task={tmp}/tasks/bad-json-line"], "line 2: not valid JSON"),
     ("task-empty-train", ["train", "--set", "task={tmp}/tasks/empty-train"], "holds no examples"),
     ("task-bad-metric", ["train", "--set", "task={tmp}/tasks/bad-metric"], "metric 'f1'"),
+    ("output-dir-empty", ["train", "--set", "output_dir="], "output_dir=None is invalid"),
+    ("task-misspelt-key", ["train", "--set", "task={tmp}/tasks/misspelt-key"], "did you mean 'label_words'"),
     # --resume
     ("resume-missing", ["train", "--resume", "{tmp}/no-checkpoint"], "no such checkpoint directory"),
     ("resume-not-a-checkpoint", ["train", "--resume", "{done}"], "no manifest.json"),
@@ -167,6 +170,7 @@ CASES = [
     ("plot-missing-dir", ["plot", "{tmp}/no-run"], "no such directory"),
     ("plot-out-txt", ["plot", "{done}", "--out", "{tmp}/x.txt"], ".png"),
     # plan
+    ("plan-gpu-memory-zero", ["plan", "--world-size", "8", "--gpu-memory", "0GB"], "must be more than 0"),
     ("plan-world-zero", ["plan", "--world-size", "0"], "world-size"),
     ("plan-world-negative", ["plan", "--world-size", "-8"], "world-size"),
     ("plan-group-not-dividing", ["plan", "--world-size", "4", "--shard-group-size", "3"], "shard-group-size"),
@@ -238,6 +242,7 @@ def places(tmp_path_factory):
     _task_dir(tasks, "bad-json-line", train=_lines(ok[0], '{"text": "a", "label": 0', *GOOD_LINES[2:]))
     _task_dir(tasks, "empty-train", train=b"\n")
     _task_dir(tasks, "bad-metric", spec={**GOOD_TASK, "metric": "f1"})
+    _task_dir(tasks, "misspelt-key", spec={**GOOD_TASK, "lable_words": [" bad", " good"]})
     _task_dir(tasks, "task-json-non-utf8", spec=None)
     (tasks / "task-json-non-utf8" / "task.json").write_bytes(json.dumps(GOOD_TASK).encode().replace(b"bad", b"b\xffd"))
     corrupt = tmp / "corrupt"

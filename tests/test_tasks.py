@@ -131,7 +131,8 @@ def test_num_eval_none_takes_whole_validation_in_order(tmp_path):
     assert [ex["idx"] for ex in splits["test"]] == list(range(20))
 
 
-def test_small_train_pool_is_cut_without_overlap(tmp_path):
+def test_small_train_pool_is_cut_without_overlap(tmp_path, caplog):
+    caplog.set_level("INFO", logger="curvzo_ds")
     write_sst2(tmp_path, 20, 5)
     splits = load_splits("sst2", seed=0, num_train=1000, num_dev=500, data_dir=tmp_path)
     assert len(splits["dev"]) == 4 and len(splits["train"]) == 16  # dev would take all: cut to a fifth
@@ -139,6 +140,9 @@ def test_small_train_pool_is_cut_without_overlap(tmp_path):
     splits = load_splits("sst2", seed=0, num_train=1000, num_dev=15, data_dir=tmp_path)
     assert len(splits["dev"]) == 15 and len(splits["train"]) == 5  # dev kept whole, train takes the rest
     assert not {key(e) for e in splits["train"]} & {key(e) for e in splits["dev"]}
+    # The log says it in words, not as Python dicts such as {'dev': 500} or {}
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "drawing 4 for dev" in text and "15 for dev held out" in text and "{" not in text, text
 
 
 def test_csv_data_dir(tmp_path):
@@ -250,6 +254,8 @@ def test_demo_is_a_bundled_task_dir():
     ({"metric": "f1"}, "metric 'f1' is not supported"),
     ({"template": "no fields"}, "must name example fields"),
     ({"label_words": [" one"]}, "at least two"),
+    ({"lable_words": [" bad", " good"]}, "unknown field 'lable_words'; did you mean 'label_words'"),
+    ({"colour": "red"}, "unknown field 'colour'; the known fields are name, template"),
 ])
 def test_task_json_errors(tmp_path, spec_change, message):
     spec = {"name": "mine", "template": "{text} It was", "label_words": [" bad", " good"], "metric": "accuracy"}

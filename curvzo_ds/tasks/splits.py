@@ -75,14 +75,21 @@ def split(pools: dict[str, list], seed: int, num_train: int | None, num_dev: int
     if "test" not in pools:
         held["test"] = num_dev if num_eval is None else num_eval
     n = len(train)
+
+    def words(sizes: dict) -> str:
+        # Users read the log; "8 for dev, 8 for test" reads better than a Python dict, and "none" better than {}.
+        return ", ".join(f"{v} for {k}" for k, v in sizes.items()) or "none"
+
     if sum(held.values()) >= n:  # a small sample: held-out splits would leave no train
         cut = {k: min(v, n // 5) for k, v in held.items()}
-        log.warning("train holds %d examples, not more than %s; drawing %s from it", n, held, cut)
+        log.warning("train holds %d examples, not more than the held-out %s; drawing %s from it", n, words(held),
+                    words(cut))
         held = cut
     rest = n - sum(held.values())
     n_train = rest if num_train is None else min(num_train, rest)
     if num_train is not None and n_train < num_train:  # MeZO: held-out splits first, train takes the rest
-        log.info("train holds %d examples: %s held out, %d for train (num_train=%d)", n, held, n_train, num_train)
+        log.info("train holds %d examples: %s held out, %d for train (num_train=%d)", n, words(held), n_train,
+                 num_train)
     order = _permutation(seed, n)
     out = {"train": [dict(train[i]) for i in order[:n_train]]}
     start = n_train

@@ -6,6 +6,7 @@ continuation per class after the prompt (its label word); a generation task trai
 " <first answer>\n" after the prompt and is scored on the greedy answer.
 """
 
+import difflib
 import json
 import string
 from collections.abc import Callable
@@ -206,6 +207,13 @@ def load_task_dir(path: str | Path) -> Task:
         raise ValueError(f"{spec_path}: expected a JSON object with name, template, label_words, metric")
     example = {"name": "my-task", "template": "{text} It was", "label_words": [" terrible", " great"],
                "metric": "accuracy"}
+    # A misspelt key (lable_words) ignored in silence would surface later as a confusing "missing field"
+    # or not at all; name it, as unknown config keys are named.
+    for key in spec:
+        if key not in example:
+            close = difflib.get_close_matches(key, list(example), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"the known fields are {', '.join(example)}"
+            raise ValueError(f"{spec_path}: unknown field {key!r}; {hint}")
     for key in example:
         if key not in spec:
             raise ValueError(f"{spec_path}: missing field {key!r}; add it, for example "
