@@ -56,7 +56,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Multi-rank tests and tests on a CLI training run are in the slow tier: `python -m pytest -m "not slow"` is
-    the unit tier (about 3 CPU-minutes; README.md has the measurement and the machine's load). Tests marked `gpu`
+    the unit tier (README.md and docs/testing.md have its measured time). Tests marked `gpu`
     are deselected where CUDA is absent, and the run says how many: they are never skipped silently
     (`python -m pytest -m gpu` runs them on a GPU machine)."""
     import torch

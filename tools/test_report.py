@@ -20,7 +20,9 @@ import xml.etree.ElementTree as ET
 def file_of(test_id: str) -> str:
     """tests/test_x.py from 'tests/test_x.py::test_y[...]' or 'fixture:tests/test_x.py::name'."""
     test_id = test_id.removeprefix("fixture:")
-    return test_id.split("::")[0] if test_id.startswith("tests/") else "(session)"
+    if test_id.startswith("tests::"):
+        return "tests/conftest.py"
+    return test_id.split("::")[0] if test_id.startswith("tests/") else "(the CLI servers)"
 
 
 def main() -> None:
