@@ -25,14 +25,11 @@ import os
 import shutil
 
 import torch
-from peft import PeftModel
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
 
 from .checkpoint import consolidated_state_dict, read_manifest
 from .config import DEMO_MODELS, ConfigError, TrainConfig, field_names, resolve_presets
 from .hub import offline_unless_reachable
-from .models import DTYPES, build_model, load_tokenizer
 
 MAX_SHARD_BYTES = 2 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -128,6 +125,11 @@ def _export_adapter(checkpoint: str, model: dict, staging: str, out: str, merge_
         lines = [f"wrote the LoRA adapter to {out_adapter} (base model {base_ref}): PeftModel.from_pretrained("
                  f"AutoModelForCausalLM.from_pretrained({base_ref!r}), {out_adapter!r})"]
     if merge_lora:
+        from peft import PeftModel  # here, not at the top: a bad checkpoint path is refused without importing them
+        from transformers import AutoModelForCausalLM
+
+        from .models import DTYPES
+
         if base is None:
             if base_dir is None:
                 offline_unless_reachable()
@@ -149,6 +151,8 @@ def _base_model(recorded: str | None, cfg: TrainConfig | None, staging: str, out
     name of its own) is built from the run's seed and saved to base/ in the export (staged in `staging`), named
     "base" or "../base" from the adapter, so that the export can be moved or copied as a whole."""
     if recorded is None and cfg is not None and cfg.model in DEMO_MODELS:
+        from .models import build_model, load_tokenizer
+
         base, _ = build_model(resolve_presets(TrainConfig(**{**cfg.__dict__, "lora": False})), {})
         base.save_pretrained(os.path.join(staging, "base"))
         load_tokenizer(cfg).save_pretrained(os.path.join(staging, "base"))
