@@ -185,12 +185,17 @@ def _eval(args) -> None:
     cfg, resume = eval_config(values, args.resume) if args.resume else (load_config(
         args.config, args.set, args.deepspeed), None)
     set_sources(cfg, key_sources(args.config, args.set, values))
-    from .run import run_eval
+    # Only the JSON result goes to stdout, so that `curvzo-ds eval | jq` works. DeepSpeed is imported inside too:
+    # without DS_ACCELERATOR it prints "Setting accelerator to CPU" as it loads, and its logger keeps the stdout
+    # it finds then.
+    with stdout_to_stderr() as stdout:
+        from .run import run_eval
 
-    with stdout_to_stderr() as stdout:  # only the JSON result goes to stdout: `curvzo-ds eval | jq` works
         results = run_eval(cfg, resume)
         if results is not None:
-            stdout.write(json.dumps(results, indent=1) + "\n")
+            with contextlib.suppress(BrokenPipeError):  # a reader that stopped early (`| head -c 1`): end quietly
+                stdout.write(json.dumps(results, indent=1) + "\n")
+                stdout.flush()
 
 
 def export_command(sub) -> None:
@@ -370,7 +375,8 @@ def stdout_to_stderr():
             yield real
     finally:
         sys.stdout.flush()
-        real.close()
+        with contextlib.suppress(BrokenPipeError):  # the reader is gone: what was left unwritten is dropped
+            real.close()
         os.dup2(saved, 1)
         os.close(saved)
 

@@ -12,7 +12,7 @@ import pytest
 
 from curvzo_ds.cli import build_parser, main
 from curvzo_ds.config import TrainConfig, resolve_presets
-from tests.helpers import CLI, COMMON, ROOT, eval_cli, logged_eval, run_checked
+from tests.helpers import CLI, COMMON, ENV, ROOT, eval_cli, logged_eval, run_checked
 
 KEYS = [f.name for f in dataclasses.fields(TrainConfig)]
 
@@ -58,6 +58,24 @@ def eval_checkpoint(out: pathlib.Path, step: int) -> dict:
     args = [a.replace(str(out), str(ev_dir)) for a in COMMON] + ["--set", f"output_dir={ev_dir}"]
     assert main(["eval", *args, "--resume", str(out / f"checkpoint-{step}")]) == 0
     return json.loads((ev_dir / "eval.json").read_text())
+
+
+def test_eval_prints_the_json_alone_without_ds_accelerator_and_ends_quietly_on_a_closed_pipe(straight, tmp_path):
+    """Issue 38 §1: the README's `curvzo-ds eval --resume CKPT | jq ...` on a CPU machine, where DS_ACCELERATOR is
+    not set: DeepSpeed's "Setting accelerator to CPU" goes to stderr, not into the JSON, and a reader that stops
+    early (`| head -c 1`) ends the command without a BrokenPipeError traceback. Real processes: DS_ACCELERATOR is
+    read while DeepSpeed is imported."""
+    env = {k: v for k, v in ENV.items() if k != "DS_ACCELERATOR"}
+    ckpt = straight[0] / "checkpoint-12"
+    proc = subprocess.run([sys.executable, "-m", "curvzo_ds.cli", "eval", "--resume", str(ckpt)], env=env,
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["step"] == 12, proc.stdout[:500]  # raises if anything else reached stdout
+    piped = subprocess.run(["bash", "-c", 'set -o pipefail; "$0" -m curvzo_ds.cli eval --resume "$1" | head -c 1',
+                            sys.executable, str(ckpt)], env=env, cwd=str(tmp_path), capture_output=True, text=True,
+                           timeout=400)
+    assert piped.returncode == 0 and piped.stdout == "{", piped.stderr[-3000:]
+    assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr, piped.stderr[-3000:]
 
 
 def test_eval_of_a_checkpoint_equals_the_training_eval(straight):
