@@ -54,17 +54,23 @@ def refused(key: str, value: str, e: ValueError) -> ConfigError:
     return ConfigError(f"{key}={value!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
 
-def probe_hub(name: str) -> None:
-    """Before a hub id is resolved: one probe, so that an unreachable hub fails at once (hub.py)."""
-    if not os.path.isdir(name):
-        offline_unless_reachable()
+def probe_hub(name: str, key: str = "model") -> None:
+    """Before a hub id is resolved: one probe, so that an unreachable hub fails at once (hub.py). A name that can
+    only be a path (absolute, ./ ../ ~, or more than one /) and is no directory is refused here: the hub would
+    answer it with a page of tracebacks about repo ids."""
+    if os.path.isdir(name):
+        return
+    if os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") > 1:
+        raise ConfigError(f"{key}={name!r}: no such directory; give a local directory (one from save_pretrained) "
+                          "or a hub id such as facebook/opt-125m")
+    offline_unless_reachable()
 
 
 def load_tokenizer(cfg: TrainConfig):
     if cfg.tokenizer is None and cfg.model in DEMO_MODELS:
         tok = load_demo_tokenizer(demo_kind(cfg.model))
     else:
-        probe_hub(cfg.tokenizer or cfg.model)
+        probe_hub(cfg.tokenizer or cfg.model, "tokenizer" if cfg.tokenizer else "model")
         try:
             tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
         except ValueError as e:

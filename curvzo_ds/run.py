@@ -18,6 +18,7 @@ import socket
 import time
 
 import deepspeed
+from deepspeed.accelerator import get_accelerator
 
 from . import data as D
 from . import ds_compat
@@ -103,6 +104,10 @@ class Run:
             log.warning("deepspeed config: %s", note)
         cfg = dataclasses.replace(cfg, **mapped)
         cfg.validate()
+        accelerator = get_accelerator()
+        if cfg.dtype == "float16" and not accelerator.is_fp16_supported():  # else DeepSpeed's ValueError, later
+            raise ConfigError(f"dtype=float16: DeepSpeed's {accelerator.device_name()} accelerator has no float16 "
+                              "on this machine; use dtype=bfloat16 or dtype=float32")
         self.cfg = cfg
         if self.rank == 0:
             warn_idle_ranks(cfg, self.topology.shard.world_size)

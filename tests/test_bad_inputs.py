@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.helpers import COMMON, ENV, ROOT, run_checked, run_cli
+from tests.helpers import COMMON, ENV, ROOT, cli, run_checked, run_cli
 
 # ~110 processes of 3-10 s each, two at a time, all in the first test's set-up: more than the 600 s per test of
 # pyproject.toml on a loaded 2-core machine
@@ -63,6 +63,9 @@ CASES = [
     ("seed-float", ["train", "--set", "seed=1.5"], "seed"),
     ("scheduler", ["train", "--set", "lr_scheduler_type=cosine"], "lr_scheduler_type"),
     ("dtype", ["train", "--set", "dtype=int8"], "dtype"),
+    # issue 38 §5: paths that are no directory, refused before the hub is asked (it answered with 4 tracebacks)
+    ("tokenizer-missing-path", ["train", "--set", "tokenizer={tmp}/no-tokenizer"], "no-tokenizer': no such directory"),
+    ("model-missing-path", ["train", "--set", "model={tmp}/no-model"], "no-model': no such directory"),
     ("zero-stage-2", ["train", "--set", "zero_stage=2"], "zero_stage=2"),
     ("lora-not-bool", ["train", "--set", "lora=maybe"], "lora"),
     ("granularity", ["train", "--set", "block_granularity=row"], "block_granularity"),
@@ -286,3 +289,20 @@ def test_a_bad_input_is_one_line_and_exit_2(places, outcomes, name, args, words)
 
 def test_the_table_is_large_and_its_ids_unique():
     assert len(CASES) >= 112 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_float16_is_refused_in_one_line_where_the_device_has_none(places, tmp_path):
+    """Issue 38 §5: `--set dtype=float16` on a CPU without float16 was DeepSpeed's ValueError traceback. Where the
+    device has float16 (DeepSpeed's accelerator says so), the same command trains."""
+    from deepspeed.accelerator import get_accelerator
+
+    out = tmp_path / "fp16"
+    argv = [a.format(done=out) for a in BASE] + ["--set", "dtype=float16"]
+    proc = cli("train", *argv)
+    if get_accelerator().is_fp16_supported():
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("curvzo-ds train: error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and "dtype=float16" in errors[0] and "bfloat16" in errors[0], errors
+    assert not out.exists()  # refused before anything was written
