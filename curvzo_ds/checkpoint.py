@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from .config import ConfigError, RunEnded
 from .engine import ZOEngine
-from .jsonio import replace_atomic
+from .jsonio import honour_umask, replace_atomic
 from .mask import StaticMask
 from .params import canonical_name, intersect
 
@@ -151,6 +151,7 @@ def _write_group(engine: ZOEngine, final: str, trainer_state: dict | None,
                     tensors[MASK_PREFIX + e.name] = owned.contiguous()
         path = os.path.join(tmp, fname)
         save_file(tensors, path)
+        honour_umask(path)
         _fsync(path)
         mine = (fname, _sha256(path), slices)
     except Exception as e:  # noqa: BLE001 - re-raised on every rank below

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from .checkpoint import consolidated_state_dict, read_manifest
 from .config import DEMO_MODELS, ConfigError, TrainConfig, field_names, resolve_presets
 from .hub import offline_unless_reachable
+from .jsonio import honour_umask
 
 MAX_SHARD_BYTES = 2 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -62,6 +63,9 @@ def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False, overw
             lines = _export_full(checkpoint, model, staging, out)
         else:
             lines = _export_adapter(checkpoint, model, staging, out, merge_lora)
+        for root, _, files in os.walk(staging):  # safetensors files are created 0600 whatever the umask
+            for name in files:
+                honour_umask(os.path.join(root, name))
         replace_dir(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

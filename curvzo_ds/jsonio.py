@@ -43,6 +43,11 @@ def _umask() -> int:
     return mask
 
 
+def honour_umask(path: str) -> None:
+    """Give a file the mode a plain open() would: safetensors' save_file creates 0600 whatever the umask."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def replace_atomic(path: str, text: str) -> None:
     """A reader sees the old file or the new one, never a half-written one (os.replace is atomic)."""
     directory = os.path.dirname(os.path.abspath(path))

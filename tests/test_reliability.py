@@ -273,13 +273,20 @@ def test_a_pickled_or_escaping_checkpoint_is_refused(straight, tmp_path):
 
 
 def test_files_are_created_with_the_users_umask(tmp_path):
+    """Every file of a run and of its export has the mode the umask gives (027: group-readable, nothing for others);
+    safetensors' save_file alone would make the weights 0600 (issue 38 §8)."""
     out = tmp_path / "run"
-    proc = subprocess.run(["bash", "-c", 'umask 027 && exec "$@"', "--", *CLI, *COMMON, "--set", f"output_dir={out}",
-                           "--set", "max_steps=3"], env=ENV, cwd=str(ROOT), capture_output=True, text=True,
-                          timeout=400)
+    export = out / "export"
+    script = 'umask 027 && "$0" "$@" && "$0" -m curvzo_ds.cli export "$EXPORT_FROM" --out "$EXPORT_TO"'
+    proc = subprocess.run(["bash", "-c", script, *CLI, *COMMON, "--set", f"output_dir={out}", "--set", "max_steps=3"],
+                          env={**ENV, "EXPORT_FROM": str(out / "checkpoint-3"), "EXPORT_TO": str(export)},
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    weights = [p for p in out.rglob("*.safetensors")]
+    assert any(export in p.parents for p in weights) and any("checkpoint-" in str(p) for p in weights), weights
     for path in [out, *out.rglob("*")]:
         assert path.stat().st_mode & 0o007 == 0, f"{path} is readable or writable by others"
+        assert path.stat().st_mode & 0o040, f"{path} is not readable by the group (umask 027)"
 
 
 def test_launch_scripts_pass_values_with_spaces_and_dollars_through(tmp_path):
