@@ -7,6 +7,7 @@ goes through `launcher_cmd` / `train`, so the launchers are started the same way
 import json
 import os
 import pathlib
+import queue
 import shutil
 import signal
 import socket
@@ -71,8 +72,8 @@ class CliServer:
         return subprocess.CompletedProcess(["curvzo-ds", *argv], reply["returncode"], reply["stdout"], reply["stderr"])
 
 
-_servers: list[CliServer] = []
-_idle: list[CliServer] = []
+_idle: queue.Queue[CliServer] = queue.Queue()
+_started = 0
 _servers_lock = threading.Lock()
 MAX_SERVERS = 2  # one per core: the bad-input table runs two commands at a time
 # Variables that torch, transformers, huggingface_hub, DeepSpeed or Python read while importing (cli_server.py).
@@ -88,6 +89,7 @@ def cli(*argv: str, env: dict | None = None, cwd: pathlib.Path | str = ROOT, tim
     `env`, else a free port); `script`: a test worker instead of the CLI.
     An environment that differs from the server's in a variable that libraries read while importing (HF_*,
     TORCH*, DS_*, ...) cannot be had by a fork: such a command is started for real (python, or torchrun)."""
+    global _started
     env = dict(env or ENV)
     if nproc > 1 or script:
         env.setdefault("MASTER_PORT", str(free_port()))
@@ -96,23 +98,15 @@ def cli(*argv: str, env: dict | None = None, cwd: pathlib.Path | str = ROOT, tim
         cmd = (torchrun(nproc, int(env["MASTER_PORT"]), *target) if nproc > 1 or script else [sys.executable, *target])
         return subprocess.run(cmd + [str(a) for a in argv], env=env, cwd=str(cwd), capture_output=True, text=True,
                               timeout=timeout)
-    for _ in range(nproc):
-        launches.count("forked")
-    with _servers_lock:
-        server = _idle.pop() if _idle else None
-        if server is None and len(_servers) < MAX_SERVERS:
-            server = CliServer()
-            _servers.append(server)
-    if server is None:  # both busy: wait for one
-        while server is None:
-            time.sleep(0.05)
-            with _servers_lock:
-                server = _idle.pop() if _idle else None
+    launches.count("forked", nproc)
+    with _servers_lock:  # a server is started only when none is idle, up to MAX_SERVERS; else wait for one
+        new = _idle.empty() and _started < MAX_SERVERS
+        _started += new
+    server = CliServer() if new else _idle.get()
     try:
         return server.run([str(a) for a in argv], env, str(cwd), timeout, nproc, str(script) if script else None)
     finally:
-        with _servers_lock:
-            _idle.append(server)
+        _idle.put(server)
 
 
 def launcher_cmd(kind: str, n: int, port: int) -> list[str]:

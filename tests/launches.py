@@ -92,8 +92,8 @@ def save(recorded: dict[str, dict[str, int]]) -> None:
     for who, kinds in counts.items():
         merged[who] = {k: kinds[k] for k in sorted(kinds) if kinds[k]}
     # How many servers a session starts depends on which tests ran (the bad-input table uses two): keep the most.
-    merged["cli-server"] = {"started": max(recorded.get("cli-server", {}).get("started", 0),
-                                           counts["cli-server"]["started"])}
+    servers = max(recorded.get("cli-server", {}).get("started", 0), counts["cli-server"]["started"])
+    merged["cli-server"] = {"started": servers} if servers else {}
     merged = {k: v for k, v in sorted(merged.items()) if v}
     RECORD.write_text(json.dumps(merged, indent=1) + "\n")
 
