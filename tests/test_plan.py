@@ -6,7 +6,6 @@ Run as a script under torchrun, this file is the measuring worker (`_measure`).
 
 import json
 import pathlib
-import sys
 
 import pytest
 
@@ -173,9 +172,9 @@ TOLERANCE = 0.15
 STEPS = 3  # the first records ZeRO-3's trace; prefetching starts with the second forward
 
 
-def _measure(model: str, tokenizer: str | None, out_path: str) -> None:
+def _measure(args: list[str], out_path: str) -> dict:
     """One rank: the runtime baseline (torch, deepspeed, transformers imported; the process group up), then the
-    CLI's Run with its defaults and STEPS steps; writes per-rank bytes and the shapes the forwards saw."""
+    CLI's Run with its defaults and STEPS steps; per-rank bytes and the shapes the forwards saw (rank 0 writes)."""
     import gc
 
     import curvzo_ds.run as run_module
@@ -183,6 +182,7 @@ def _measure(model: str, tokenizer: str | None, out_path: str) -> None:
     from curvzo_ds.distributed import init_distributed
     from curvzo_ds.sysinfo import peak_rss_bytes, rss_bytes
 
+    model, tokenizer = args[0], args[1] or None
     rank, world, _ = init_distributed()
     gc.collect()
     baseline = rss_bytes(trim=True)
@@ -200,10 +200,7 @@ def _measure(model: str, tokenizer: str | None, out_path: str) -> None:
         run.engine.step(batches)
     figures = run.engine.comm.all_gather_object(dict(rank=rank, baseline=baseline, loaded_peak=loaded,
                                                      peak=peak_rss_bytes()))
-    if rank == 0:
-        pathlib.Path(out_path).write_text(json.dumps(dict(world=world, rows=rows, seq=seq, positions=positions,
-                                                          dtype=run.cfg.dtype, ranks=figures)))
-    run.engine.comm.barrier()
+    return dict(world=world, rows=rows, seq=seq, positions=positions, dtype=run.cfg.dtype, ranks=figures)
 
 
 def measure(world: int, model: str, tokenizer: str | None, out: pathlib.Path) -> dict:
@@ -250,5 +247,6 @@ def test_planned_peak_is_within_15_percent_of_the_measured(which, world, request
 
 
 if __name__ == "__main__":
-    _model, _tokenizer, _out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    _measure(_model, _tokenizer or None, _out)
+    from tests.multirank.common import main as worker_main
+
+    worker_main(_measure)
