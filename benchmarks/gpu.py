@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from curvzo_ds import ZOConfig, ZOEngine  # noqa: E402
-from curvzo_ds.bench import noise_threads, token_loss  # noqa: E402
-from curvzo_ds.distributed import init_distributed  # noqa: E402
+from curvzo_ds import ZOConfig, ZOEngine
+from curvzo_ds.commands.bench import noise_threads, token_loss  # noqa: E402
 from curvzo_ds.engine import StepTimer  # noqa: E402
-from curvzo_ds.kernels import cpu as cpu_kernel  # noqa: E402
-from curvzo_ds.kernels import reference  # noqa: E402
+from curvzo_ds.noise import cpu as cpu_kernel  # noqa: E402
+from curvzo_ds.noise import reference  # noqa: E402
+from curvzo_ds.shard.distributed import init_distributed  # noqa: E402
 
 CONFIGS = {  # the published configs of meta-llama/Llama-2-{7,13}b-hf
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -111,7 +111,7 @@ def environment() -> dict:
 def noise_parity(device: str, report: Report) -> None:
     """The device kernel (Triton on CUDA) against the CPU kernel and the torch reference, one line per case:
     z itself (mode 0), then a bf16 axpy with its fixed-point sum of z^2."""
-    from curvzo_ds.kernels import gpu
+    from curvzo_ds.noise import gpu
 
     for k0, k1, start, n in PARITY_CASES:
         case = {"kind": "noise_parity", "k0": k0, "k1": k1, "start": start, "n": n}

@@ -9,7 +9,7 @@
 a Hugging Face Trainer: `ZOTrainer` (imported on first use, so `import curvzo_ds` stays light).
 """
 
-from curvzo_ds.checkpoint import CheckpointManager, load_checkpoint, save_checkpoint
+from curvzo_ds.checkpoint.manager import CheckpointManager, load_checkpoint, save_checkpoint
 from curvzo_ds.config import ConfigError, ZOConfig
 from curvzo_ds.data.stream import MicroBatches, split_batch
 from curvzo_ds.engine import NonFiniteLossError, StepResult, ZOEngine
@@ -28,11 +28,11 @@ __all__ = [
 def __getattr__(name: str):
     # Lazy: ZOTrainer pulls in transformers' Trainer, from_accelerator pulls in accelerate.
     if name == "ZOTrainer":
-        from curvzo_ds.hf_trainer import ZOTrainer
+        from curvzo_ds.train.hf_trainer import ZOTrainer
 
         return ZOTrainer
     if name == "from_accelerator":
-        from curvzo_ds.integrations import from_accelerator
+        from curvzo_ds.train.integrations import from_accelerator
 
         return from_accelerator
     raise AttributeError(f"module 'curvzo_ds' has no attribute {name!r}")

@@ -17,7 +17,7 @@ import os
 import re
 import sys
 
-from .config import (
+from curvzo_ds.config import (
     EVAL_FROM_CHECKPOINT,
     ConfigError,
     RunEnded,
@@ -29,8 +29,8 @@ from .config import (
     key_docs,
     set_sources,
 )
-from .signals import EXIT_PREEMPTED
-from .startup import extensions_dir
+from curvzo_ds.startup import extensions_dir
+from curvzo_ds.train.signals import EXIT_PREEMPTED
 
 
 def _keys_help() -> str:
@@ -118,7 +118,7 @@ def load_config(config_file: str | None, sets: list[str], deepspeed: str | None)
 def eval_config(values: dict, resume) -> tuple[TrainConfig, str]:
     """`eval --resume [CKPT]`: the checkpoint's run config, with the given keys that do not change what is
     evaluated (batch size, num_eval, output path, ...). eval.json goes into the checkpoint unless output_dir is set."""
-    from .checkpoint import latest_checkpoint
+    from curvzo_ds.checkpoint.manager import latest_checkpoint
 
     path = resume
     if resume is True:
@@ -167,7 +167,7 @@ def train_command(sub) -> None:
 
 def _train(args) -> None:
     cfg = load_config(args.config, args.set, args.deepspeed)
-    from .run import run_train  # deepspeed and transformers load only for these
+    from curvzo_ds.train.run import run_train
 
     run_train(cfg, args.resume)
 
@@ -189,7 +189,7 @@ def _eval(args) -> None:
     # without DS_ACCELERATOR it prints "Setting accelerator to CPU" as it loads, and its logger keeps the stdout
     # it finds then.
     with stdout_to_stderr() as stdout:
-        from .run import run_eval
+        from curvzo_ds.train.run import run_eval
 
         results = run_eval(cfg, resume)
         if results is not None:
@@ -210,7 +210,7 @@ def export_command(sub) -> None:
 
 
 def _export(args) -> None:
-    from .export import export_checkpoint
+    from curvzo_ds.commands.export import export_checkpoint
 
     for line in export_checkpoint(args.checkpoint, args.out, args.merge_lora, args.overwrite):
         print(line)
@@ -224,7 +224,7 @@ def plot_command(sub) -> None:
 
 
 def _plot(args) -> None:
-    from .plot import plot_runs
+    from curvzo_ds.commands.plot import plot_runs
 
     print(plot_runs(args.run_dirs, args.out))
 
@@ -247,7 +247,7 @@ def bench_command(sub) -> None:
 
 
 def _bench(args) -> None:
-    from .bench import drift, run_bench, run_suite
+    from curvzo_ds.commands.bench import drift, run_bench, run_suite
 
     if args.drift:
         drift(args.steps, args.drift)
@@ -285,7 +285,7 @@ def plan_command(sub) -> None:
 
 
 def _plan(args) -> None:
-    from .plan import plan
+    from curvzo_ds.commands.plan import plan
 
     plan(model=args.model, world_size=args.world_size, shard_group_size=args.shard_group_size, dtype=args.dtype,
          offload=args.offload, batch=args.batch, seq_len=args.seq_len, gpu_memory=args.gpu_memory,
@@ -310,7 +310,7 @@ def diagnose_command(sub) -> None:
 
 
 def _diagnose(args) -> None:
-    from .diagnose import diagnose
+    from curvzo_ds.commands.diagnose import diagnose
 
     cfg = load_config(args.config, args.set, None)
     for line in diagnose(cfg, [x.strip() for x in args.estimators.split(",") if x.strip()], args.steps,

@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .ds_policy import REFUSAL_BY_KEY
-from .params import Granularity
-from .sampling import ESTIMATORS, Method
+from curvzo_ds.algo.sampling import ESTIMATORS, Method
+from curvzo_ds.shard.ds_policy import REFUSAL_BY_KEY
+from curvzo_ds.shard.params import Granularity
 
 # The valid values of the mode keys, from their one definition each (sampling.Method, sampling.ESTIMATORS,
 # params.Granularity).

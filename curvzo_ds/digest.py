@@ -12,7 +12,7 @@ import hashlib
 
 import torch
 
-from . import ds_compat
+from curvzo_ds.shard import ds_compat
 
 
 def hash_tensor(h, name: str, tensor: torch.Tensor) -> None:

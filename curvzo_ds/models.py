@@ -17,11 +17,11 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
-from . import ds_compat
-from .config import DEMO_MODELS, ConfigError, TrainConfig
-from .hub import offline_unless_reachable
-from .tasks import demo_model_config
-from .tasks import load_tokenizer as load_demo_tokenizer
+from curvzo_ds.config import DEMO_MODELS, ConfigError, TrainConfig
+from curvzo_ds.hub import offline_unless_reachable
+from curvzo_ds.shard import ds_compat
+from curvzo_ds.tasks import demo_model_config
+from curvzo_ds.tasks import load_tokenizer as load_demo_tokenizer
 
 log = logging.getLogger("curvzo_ds")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

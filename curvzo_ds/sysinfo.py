@@ -7,7 +7,7 @@ import resource
 import sys
 from importlib import metadata
 
-from .versions import installed_versions
+from curvzo_ds.versions import installed_versions
 
 
 def peak_rss_bytes() -> int:

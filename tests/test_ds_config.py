@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from curvzo_ds.config import ConfigError, TrainConfig
-from curvzo_ds.ds_config import load_ds_config, resolve_ds_config
+from curvzo_ds.shard.ds_config import load_ds_config, resolve_ds_config
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "ds_configs"
@@ -180,7 +180,7 @@ CONFLICTS = [
 
 
 def test_every_mapped_key_has_a_conflict_case():
-    from curvzo_ds.ds_policy import MAPPED_FIELDS
+    from curvzo_ds.shard.ds_policy import MAPPED_FIELDS
 
     assert {key for _, key, _, _ in CONFLICTS} == set(MAPPED_FIELDS)
 
@@ -259,7 +259,7 @@ def test_a_users_own_engine_is_refused_when_shard_local_edits_cannot_serve_it(st
     """Users who build their DeepSpeed engine themselves skip the config mapping: the engine check refuses too."""
     from types import SimpleNamespace
 
-    from curvzo_ds.ds_compat import check_engine_supported
+    from curvzo_ds.shard.ds_compat import check_engine_supported
 
     stub = SimpleNamespace(zero_optimization_stage=lambda: stage,  # as DeepSpeedEngine (tests/test_ds_contract.py)
                            _config=SimpleNamespace(zero_config=SimpleNamespace(**zero)))

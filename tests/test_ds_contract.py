@@ -1,6 +1,6 @@
 """The DeepSpeed internals curvzo_ds reads, checked against the installed DeepSpeed on a real ZeRO-3 engine.
 
-Every private DeepSpeed attribute the package reads is read in curvzo_ds/ds_compat.py (and the settings named in
+Every private DeepSpeed attribute the package reads is read in curvzo_ds/shard/ds_compat.py (and the settings named in
 ds_policy.REFUSALS). A DeepSpeed release that renames or retypes one fails here, naming the attribute and the
 DeepSpeed version, rather than in a training run. One process, world size 1, DS_ACCELERATOR=cpu.
 """
@@ -14,8 +14,8 @@ import deepspeed
 import pytest
 import torch
 
-from curvzo_ds import ds_compat
-from curvzo_ds.ds_policy import REFUSALS, refusal
+from curvzo_ds.shard import ds_compat
+from curvzo_ds.shard.ds_policy import REFUSALS, refusal
 from tests.helpers import ROOT
 from tests.toys import TinyNet
 
@@ -45,7 +45,7 @@ ENGINE_ATTRIBUTES = ("_config",)  # engine._config.zero_config: the engine's Dee
 
 
 def fail(what: str, problem: str) -> None:
-    pytest.fail(f"DeepSpeed {VERSION}: {what} {problem}; curvzo_ds/ds_compat.py reads it (docs/deepspeed.md): "
+    pytest.fail(f"DeepSpeed {VERSION}: {what} {problem}; curvzo_ds/shard/ds_compat.py reads it (docs/deepspeed.md): "
                 "update ds_compat.py for this release, or install deepspeed within curvzo_ds/versions.py's range")
 
 
@@ -72,7 +72,7 @@ def engine(one_rank_group):
 
 
 def test_the_tables_name_every_private_attribute_ds_compat_reads():
-    source = (ROOT / "curvzo_ds" / "ds_compat.py").read_text()
+    source = (ROOT / "curvzo_ds" / "shard" / "ds_compat.py").read_text()
     read = set(re.findall(r"[.\"'](ds_(?!policy\b)[a-z_]+)\b", source))
     read |= {m for m in re.findall(r"\.([a-z_]+)\(", source) if m in DS_PARAM_METHODS}
     assert read <= set(PARAM_ATTRIBUTES), f"add {sorted(read - set(PARAM_ATTRIBUTES))} to PARAM_ATTRIBUTES"

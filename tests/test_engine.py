@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from curvzo_ds import sampling
+from curvzo_ds.algo import sampling
 from curvzo_ds.config import ZOConfig
 from curvzo_ds.engine import NonFiniteLossError, ZOEngine
-from curvzo_ds.noise import NoiseSource
+from curvzo_ds.noise.gaussian import NoiseSource
 from tests.toys import Quadratic, TinyNet, ce_loss, quad_loss, toy_task
 
 
@@ -290,7 +290,7 @@ def test_budget_min_above_max_and_no_trainable_parameters():
 
 def test_noise_generated_three_times_per_selected_tensor(monkeypatch):
     """+eps z, -2 eps z, then restore-and-update in one pass: 3 generations of each element, fused into the edit."""
-    from curvzo_ds import perturb
+    from curvzo_ds.shard import perturb
 
     net = TinyNet()
     x, y = toy_task(16)

@@ -12,9 +12,9 @@ as in test_sampler.py.
 import pytest
 import torch
 
-from curvzo_ds import sampling
+from curvzo_ds.algo import sampling
+from curvzo_ds.commands.diagnose import corr_log, expected_scores, fixed_point, simulate
 from curvzo_ds.config import ZOConfig
-from curvzo_ds.diagnose import corr_log, expected_scores, fixed_point, simulate
 from tests.test_sampler import N, assert_mean, draw, layout, normalized_mean, sampler_with
 
 

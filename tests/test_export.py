@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from curvzo_ds import checkpoint as ckpt
+from curvzo_ds.checkpoint import manager as ckpt
 from curvzo_ds.cli import main
 from curvzo_ds.digest import hash_tensor
 from curvzo_ds.engine import ZOEngine

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from curvzo_ds import ZOConfig, ZOEngine
-from curvzo_ds.kernels import cpu as cpu_kernel
-from curvzo_ds.kernels import gpu, reference
+from curvzo_ds.noise import cpu as cpu_kernel
+from curvzo_ds.noise import gpu, reference
 
 pytestmark = pytest.mark.gpu
 

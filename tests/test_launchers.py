@@ -94,7 +94,7 @@ def one_rank(tmp_path_factory) -> str:
 @pytest.mark.timeout(600)
 def test_srun_two_tasks_give_the_one_process_result(slurm, one_rank, tmp_path):
     # launch/srun.sh is `srun --ntasks $NPROC python -m curvzo_ds.cli train "$@"`; MASTER_ADDR comes from
-    # `scontrol show hostnames` inside curvzo_ds.distributed.
+    # `scontrol show hostnames` inside curvzo_ds.shard.distributed.
     env = {**slurm, "NPROC": "2", "MASTER_PORT": str(free_port())}
     summary = launch(["bash", str(ROOT / "launch" / "srun.sh")], tmp_path / "srun", env)
     assert_two_ranks_match(summary, one_rank)
@@ -185,7 +185,7 @@ def test_a_requeued_sbatch_job_resumes_by_itself(slurm, reference, tmp_path):
 def test_a_batch_script_is_one_rank_and_its_srun_tasks_are_ranks(slurm, tmp_path):
     # The batch step itself has SLURM_PROCID=0 and SLURM_NTASKS=2: it must not count as rank 0 of 2.
     log = tmp_path / "kind.out"
-    probe = "python -c 'from curvzo_ds.distributed import launcher_kind; print(launcher_kind())'"
+    probe = "python -c 'from curvzo_ds.shard.distributed import launcher_kind; print(launcher_kind())'"
     proc = subprocess.run(["sbatch", "--wait", "--ntasks=2", "--time=2", f"--output={log}", f"--chdir={ROOT}",
                            f"--wrap={probe}; srun {probe}"], env=slurm, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr + (log.read_text() if log.exists() else "")
@@ -251,8 +251,9 @@ def test_mpirun_ranks_take_rank_0s_master_port(tmp_path):
     # Each rank writes its own file: mpirun forwards the ranks' stdout in pieces, which can interleave (seen: "22 P").
     said = tmp_path / "said"
     said.mkdir()
-    probe = ("import os, pathlib, sys, torch.distributed as dist; from curvzo_ds.distributed import init_distributed; "
-             "init_distributed(); pathlib.Path(sys.argv[1], str(dist.get_rank())).write_text("
+    probe = ("import os, pathlib, sys, torch.distributed as dist; "
+             "from curvzo_ds.shard.distributed import init_distributed; init_distributed(); "
+             "pathlib.Path(sys.argv[1], str(dist.get_rank())).write_text("
              "str(dist.get_world_size()) + ' ' + os.environ['MASTER_PORT']); dist.barrier(); "
              "dist.destroy_process_group()")  # without it the ranks' exit waited about 50 s
     port = free_port()

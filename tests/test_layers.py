@@ -16,13 +16,14 @@ import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "curvzo_ds"
 LAYERS = {
-    0: {"config", "ds_policy", "sampling", "noise", "kernels", "params", "perturb", "mask", "visibility", "comm",
-        "ds_compat", "digest", "jsonio", "sysinfo", "distributed", "tasks", "data", "versions", "hub", "startup"},
-    1: {"engine"},
-    2: {"checkpoint"},
-    3: {"run", "integrations", "hf_trainer", "evaluate", "models", "ds_config", "logs", "export", "plot", "bench",
-        "plan", "diagnose", "signals", "pilog"},
-    4: {"cli", "__init__", "__main__"},
+    0: {"errors", "config", "jsonio", "sysinfo", "versions", "digest", "hub", "startup", "algo", "noise", "data",
+        "tasks"},
+    1: {"shard"},
+    2: {"engine"},
+    3: {"checkpoint", "models"},
+    4: {"train"},
+    5: {"commands"},
+    6: {"cli", "__init__", "__main__"},
 }
 LAYER_OF = {unit: layer for layer, units in LAYERS.items() for unit in units}
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from curvzo_ds.jsonio import to_jsonable, write_json_atomic
-from curvzo_ds.logs import MetricsWriter, read_metrics
 from curvzo_ds.sysinfo import peak_rss_bytes, versions
+from curvzo_ds.train.logs import MetricsWriter, read_metrics
 
 
 def lines(path):
@@ -136,7 +136,7 @@ def test_log_lines_in_a_terminal_are_not_glued_to_the_bar(monkeypatch, through_t
 
     from tqdm import tqdm
 
-    from curvzo_ds.logs import progress_logging, setup_logging
+    from curvzo_ds.train.logs import progress_logging, setup_logging
 
     terminal = io.StringIO()
     monkeypatch.setattr("sys.stderr", terminal)
@@ -146,7 +146,7 @@ def test_log_lines_in_a_terminal_are_not_glued_to_the_bar(monkeypatch, through_t
         bar = tqdm(total=10, file=terminal, desc="curvzo", mininterval=0)
         with progress_logging(bar) if through_the_bar else contextlib.nullcontext():
             bar.update(1)
-            logging.getLogger("curvzo_ds.run").info("step 1: dev loss 0.5")
+            logging.getLogger("curvzo_ds.train.run").info("step 1: dev loss 0.5")
         bar.close()
     finally:
         logging.root.handlers[:] = handlers

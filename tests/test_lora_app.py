@@ -156,8 +156,8 @@ def test_the_adapter_names_a_hub_id_as_given_and_a_local_directory_relative_to_i
     """What export writes as base_model_name_or_path for the two non-demo kinds of model (the demo's is tested
     above, by loading): a hub id as given; a local directory by its path from the adapter (issue 28 §5), so that
     moving the export and the model together keeps it loadable."""
+    from curvzo_ds.commands.export import _base_model
     from curvzo_ds.config import TrainConfig
-    from curvzo_ds.export import _base_model
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "my-model").mkdir(parents=True)

@@ -16,9 +16,9 @@ import sys
 import pytest
 import torch
 
-from curvzo_ds.kernels import cpu as cpu_kernel
-from curvzo_ds.kernels import reference
-from curvzo_ds.noise import FIXED_POINT_BITS, NoiseSource, f32, stable_seed
+from curvzo_ds.noise import cpu as cpu_kernel
+from curvzo_ds.noise import reference
+from curvzo_ds.noise.gaussian import FIXED_POINT_BITS, NoiseSource, f32, stable_seed
 from tests.helpers import ENV, ROOT
 
 K = 5.0  # standard errors allowed
@@ -103,7 +103,7 @@ def test_the_fixed_point_scale_is_one_number_everywhere():
     and the sums the C kernel and the reference return must be round(z^2 2^FIXED_POINT_BITS), computed here in
     Python (exact: z has 24 significant bits, so z^2 2^24 is exact in float64; round() ties to even)."""
     scale = 2**FIXED_POINT_BITS
-    kernels = ROOT / "curvzo_ds" / "kernels"
+    kernels = ROOT / "curvzo_ds" / "noise"
     literals = {
         "philox.c": re.findall(r"\(double\)zf \* \(double\)zf \* (\d+)\.0", (kernels / "philox.c").read_text()),
         "gpu.py": re.findall(r"FIXED_POINT_SCALE = tl\.constexpr\((\d+)\.0\)", (kernels / "gpu.py").read_text()),
@@ -202,7 +202,7 @@ def test_builds_for_other_instruction_sets_give_the_same_bits():
 TRITON_CHECK = r"""
 import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"
-from curvzo_ds.kernels import gpu, reference
+from curvzo_ds.noise import gpu, reference
 bad = []
 # key words 0, 1 and 2^32 - 1 (a compiled kernel specialises an int argument equal to 1), starts at 2^31, 2^32 and
 # 2^33 + a tail (index arithmetic past int32), the 2^32-group counter carry, 2^40, every mode

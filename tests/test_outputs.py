@@ -26,7 +26,7 @@ def test_summary_provenance_and_one_log_file_per_rank(tmp_path):
     overwrite_output_dir."""
     import hashlib
 
-    from curvzo_ds.noise import NoiseSource
+    from curvzo_ds.noise.gaussian import NoiseSource
     from tests.helpers import CLI, COMMON, ENV, check_contract, run_cli
 
     out = tmp_path / "run"

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from curvzo_ds import ZOConfig, ZOEngine, perturb
-from curvzo_ds.kernels import cpu as cpu_kernel
-from curvzo_ds.kernels import reference
+from curvzo_ds import ZOConfig, ZOEngine
+from curvzo_ds.noise import cpu as cpu_kernel
+from curvzo_ds.noise import reference
+from curvzo_ds.shard import perturb
 from tests.helpers import ENV, ROOT
 
 
@@ -160,8 +161,8 @@ def test_offsets_beyond_2_to_the_31_on_the_meta_device(monkeypatch):
     crosses a chunk, and the noise at the last row's end is the definition's at that global offset."""
     import torch.distributed as dist
 
-    from curvzo_ds.noise import NoiseSource
-    from curvzo_ds.params import collect_entries, make_blocks
+    from curvzo_ds.noise.gaussian import NoiseSource
+    from curvzo_ds.shard.params import collect_entries, make_blocks
 
     rows, K = 2**20 + 3, 3
     numel = rows * 4096
@@ -201,7 +202,7 @@ def test_offsets_beyond_2_to_the_31_on_the_meta_device(monkeypatch):
 NO_SUMS = r"""
 import os, torch
 os.environ["TRITON_INTERPRET"] = "1"
-from curvzo_ds.kernels import gpu
+from curvzo_ds.noise import gpu
 seen = []
 real = gpu.launch
 gpu.launch = lambda *args, **kwargs: seen.append(args[6]) or real(*args, **kwargs)  # args[6]: the sums tensor
@@ -222,7 +223,7 @@ def test_no_statistics_work_or_allocation_when_none_are_wanted():
 
 
 def test_keys_equal_the_one_at_a_time_definition():
-    from curvzo_ds.noise import NoiseSource
+    from curvzo_ds.noise.gaussian import NoiseSource
 
     src = NoiseSource(2**40 + 7)
     names = ["model.embed_tokens.weight", "x", "é.weight"]

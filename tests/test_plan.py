@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 from curvzo_ds.cli import main
-from curvzo_ds.plan import GiB, parse_memory, plan_memory, published_key, shard_elements
+from curvzo_ds.commands.plan import GiB, parse_memory, plan_memory, published_key, shard_elements
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -130,7 +130,7 @@ def test_gather_peak_replays_deepspeeds_prefetcher():
     lives (one tensor of it still unfetched). With gloo, the second gather's own temporary too."""
     from types import SimpleNamespace
 
-    from curvzo_ds.plan import gather_peak
+    from curvzo_ds.commands.plan import gather_peak
 
     zero = SimpleNamespace(max_live_parameters=10**9, prefetch_bucket_size=150, max_reuse_distance=0)
     calls = [[], [0], [1], [2], [3]]
@@ -153,7 +153,8 @@ def test_fp32_copy_follows_the_rule():
 
 
 def test_table_row_is_the_perturbers():
-    from curvzo_ds import perturb, plan
+    from curvzo_ds.commands import plan
+    from curvzo_ds.shard import perturb
 
     assert plan.TABLE_ROW == 8 * len(("DST", "SRC", "N", "START", "KEY", "STAT", "KIND", "ENTRY")) == \
         8 * (perturb.ENTRY + 1)
@@ -177,9 +178,9 @@ def _measure(args: list[str], out_path: str) -> dict:
     CLI's Run with its defaults and STEPS steps; per-rank bytes and the shapes the forwards saw (rank 0 writes)."""
     import gc
 
-    import curvzo_ds.run as run_module
+    import curvzo_ds.train.run as run_module
     from curvzo_ds.cli import load_config
-    from curvzo_ds.distributed import init_distributed
+    from curvzo_ds.shard.distributed import init_distributed
     from curvzo_ds.sysinfo import peak_rss_bytes, rss_bytes
 
     model, tokenizer = args[0], args[1] or None

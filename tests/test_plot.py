@@ -1,5 +1,5 @@
 """`curvzo-ds plot`: the figure of a real run (every panel has data), comparisons, runs that lack a panel's data,
-one-line errors; and the pi side file (curvzo_ds/pilog.py): round trip, resume truncation, a torn last row."""
+one-line errors; and the pi side file (curvzo_ds/train/pilog.py): round trip, resume truncation, a torn last row."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from curvzo_ds.cli import main
+from curvzo_ds.commands.plot import _moving_average, figure, plot_runs, short_name, widest_blocks
 from curvzo_ds.config import ConfigError, ZOConfig
 from curvzo_ds.engine import ZOEngine
-from curvzo_ds.pilog import PI_FILE, PI_HEADER, PiWriter, has_pi, read_pi
-from curvzo_ds.plot import _moving_average, figure, plot_runs, short_name, widest_blocks
+from curvzo_ds.train.pilog import PI_FILE, PI_HEADER, PiWriter, has_pi, read_pi
 from tests.helpers import ENV, ROOT, run_cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -198,7 +198,7 @@ def test_best_dev_notes_stay_inside_the_panel(tmp_path, count):
 
 
 def test_a_run_is_labelled_with_its_method_lora_lr_seed_and_world_size(tmp_path):
-    from curvzo_ds.plot import run_label
+    from curvzo_ds.commands.plot import run_label
 
     config = {"method": "curvzo", "lora": True, "lora_r": 8, "learning_rate": 5e-5, "seed": 3}
     assert run_label("a", config, {"world_size": 2}) == "a (curvzo, LoRA r=8, lr 5e-05, seed 3, 2 ranks)"

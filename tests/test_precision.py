@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from curvzo_ds.engine import ZOEngine
-from curvzo_ds.noise import NoiseSource
+from curvzo_ds.noise.gaussian import NoiseSource
 from tests.toys import TinyNet, ce_loss, toy_task
 
 EPS, SEED = 1e-2, 5
@@ -59,7 +59,7 @@ def test_second_forward_is_within_bf16_rounding_of_w_minus_eps_z(master):
 
 
 def test_drift_benchmark_prints_its_table(capsys):
-    from curvzo_ds.bench import drift
+    from curvzo_ds.commands.bench import drift
 
     rows = drift(steps=3, dtype="bfloat16")
     assert [(r["lr"] > 0, r["fp32_master"]) for r in rows] == [(False, False), (False, True), (True, False),

@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from curvzo_ds import sampling
+from curvzo_ds.algo import sampling
+from curvzo_ds.algo.sampling import CurvZOSampler, StepPlan
 from curvzo_ds.config import ZOConfig
-from curvzo_ds.sampling import CurvZOSampler, StepPlan
 
 SIZES = (3, 5, 2, 6)
 N = 200_000

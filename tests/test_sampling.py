@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from curvzo_ds import sampling
+from curvzo_ds.algo import sampling
 
 
 def test_water_filling_sums_to_budget_and_clips():

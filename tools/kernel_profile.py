@@ -16,10 +16,10 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from curvzo_ds.kernels import gpu  # noqa: E402
-from curvzo_ds.noise import NoiseSource  # noqa: E402
-from curvzo_ds.params import collect_entries, make_blocks  # noqa: E402
-from curvzo_ds.perturb import Perturber  # noqa: E402
+from curvzo_ds.noise import gpu  # noqa: E402
+from curvzo_ds.noise.gaussian import NoiseSource  # noqa: E402
+from curvzo_ds.shard.params import collect_entries, make_blocks  # noqa: E402
+from curvzo_ds.shard.perturb import Perturber  # noqa: E402
 
 NUMEL, TENSORS = 1 << 26, 16
 

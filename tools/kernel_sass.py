@@ -1,7 +1,7 @@
 """Instructions per element of the GPU noise kernel, read from its compiled code: no GPU needed (triton compiles
 for a CUDA target on any machine, and nvdisasm from triton's own tools prints the SASS).
 
-    python tools/kernel_sass.py                      # this tree's kernel (curvzo_ds/kernels/gpu.py), sm_90
+    python tools/kernel_sass.py                      # this tree's kernel (curvzo_ds/noise/gpu.py), sm_90
     python tools/kernel_sass.py --old FILE.py        # a previous version's gpu.py (e.g. git show e2c42e6:...)
 
 For each variant it prints the SASS instruction count of the kernel and, since the kernel has no loop over
@@ -41,7 +41,7 @@ def sass_count(fn, signature: dict, constexprs: dict, capability: int) -> tuple[
 
 def new_kernel(capability: int) -> list[dict]:
     sys.path.insert(0, ".")
-    from curvzo_ds.kernels import gpu
+    from curvzo_ds.noise import gpu
 
     out = []
     per_thread = 4 * gpu.BLOCK * gpu.SUB / (32 * WARPS)
@@ -61,7 +61,7 @@ def new_kernel(capability: int) -> list[dict]:
 
 
 def old_kernel(path: str, capability: int) -> list[dict]:
-    source = open(path).read().replace("from . import reference as R", "from curvzo_ds.kernels import reference as R")
+    source = open(path).read().replace("from . import reference as R", "from curvzo_ds.noise import reference as R")
     spec = importlib.util.spec_from_loader("old_gpu", loader=None)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, ".")

@@ -21,10 +21,10 @@ from common import main
 import curvzo_ds.models
 import curvzo_ds.tasks
 from curvzo_ds import data as D
-from curvzo_ds.comm import Comm, main_process_first
 from curvzo_ds.config import TrainConfig
-from curvzo_ds.distributed import init_distributed
-from curvzo_ds.evaluate import evaluate
+from curvzo_ds.shard.comm import Comm, main_process_first
+from curvzo_ds.shard.distributed import init_distributed
+from curvzo_ds.train.evaluate import evaluate
 
 MAX_NEW_TOKENS = 16
 
@@ -82,11 +82,11 @@ def zero_init_scenario(world: int) -> dict:
 
 
 def run_scenario(task: str, rank: int) -> dict:
-    import curvzo_ds.run
-    from curvzo_ds.run import Run
+    import curvzo_ds.train.run
+    from curvzo_ds.train.run import Run
 
     times = []
-    real_tok, real_splits = curvzo_ds.run.load_tokenizer, curvzo_ds.run.load_splits
+    real_tok, real_splits = curvzo_ds.train.run.load_tokenizer, curvzo_ds.train.run.load_splits
 
     def timed(fn, delay):
         def wrapper(*args, **kwargs):
@@ -98,8 +98,8 @@ def run_scenario(task: str, rank: int) -> dict:
             return out
         return wrapper
 
-    curvzo_ds.run.load_tokenizer = timed(real_tok, 0.3)  # the names Run looks up
-    curvzo_ds.run.load_splits = timed(real_splits, 0.3)
+    curvzo_ds.train.run.load_tokenizer = timed(real_tok, 0.3)  # the names Run looks up
+    curvzo_ds.train.run.load_splits = timed(real_splits, 0.3)
     try:
         num_train, num_dev = {"sst2": (4, 7), "squad": (2, 5)}[task]  # test: the whole validation file
         cfg = TrainConfig(model="demo", task=task, data_dir="samples", num_train=num_train, num_dev=num_dev,
@@ -107,7 +107,7 @@ def run_scenario(task: str, rank: int) -> dict:
                           disable_tqdm=True, report_to="none", log_level="warning")
         run = Run(cfg)
     finally:
-        curvzo_ds.run.load_tokenizer, curvzo_ds.run.load_splits = real_tok, real_splits
+        curvzo_ds.train.run.load_tokenizer, curvzo_ds.train.run.load_splits = real_tok, real_splits
     calls = []
     if task == "squad":
         boost_newline(run.ds_engine.module, run.tokenizer, 3.0)

@@ -24,7 +24,7 @@ from common import main
 
 from curvzo_ds.config import ZOConfig
 from curvzo_ds.digest import params_digest
-from curvzo_ds.ds_compat import optimizer_of
+from curvzo_ds.shard.ds_compat import optimizer_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ, N_EXAMPLES, GLOBAL, MICRO = 16, 64, 8, 2
@@ -130,7 +130,7 @@ def trainer_scenario(out_dir: str) -> dict:
         # Without a GPU, Accelerate's DeepSpeed set-up does not start torch.distributed, and DeepSpeed's
         # zero.Init (the model below is built under it: TrainingArguments holds a live ZeRO-3 config) would
         # take the world size for 1. On GPUs Accelerate starts it; here the launcher's environment does.
-        from curvzo_ds.distributed import init_distributed
+        from curvzo_ds.shard.distributed import init_distributed
 
         init_distributed()
     data = examples(tiny_model().config.vocab_size)

@@ -18,7 +18,7 @@ from common import main
 from curvzo_ds import MicroBatches, ZOConfig, ZOEngine
 from curvzo_ds.config import RanksDisagree
 from curvzo_ds.digest import params_digest
-from curvzo_ds.distributed import init_distributed
+from curvzo_ds.shard.distributed import init_distributed
 
 
 def tiny_llama(seed: int, tie: bool):
@@ -131,7 +131,7 @@ def other_kernel(real):
 def disagree(spec: dict, ds_engine, rank: int) -> dict:
     """Rank 1 differs from the others ("seed": its seed; "kernel": its CPU noise kernel). Every rank records the
     error its ZOEngine raised at start-up (None if it raised none)."""
-    from curvzo_ds.kernels import cpu as cpu_kernel
+    from curvzo_ds.noise import cpu as cpu_kernel
 
     config = ZOConfig(**{**spec["zo"], "seed": rank if spec["disagree"] == "seed" else spec["zo"].get("seed", 42)})
     real = cpu_kernel.run
@@ -152,8 +152,8 @@ def disagree(spec: dict, ds_engine, rank: int) -> dict:
 def data_disagree(rank: int) -> dict:
     """Run's check that every rank tokenized the same data: the same data passes; rank 1's other data stops every
     rank (the error each rank raised, gathered)."""
-    from curvzo_ds.comm import Comm
-    from curvzo_ds.run import check_data_agrees
+    from curvzo_ds.shard.comm import Comm
+    from curvzo_ds.train.run import check_data_agrees
 
     train, dev = [{"input_ids": [1, 2]}], {"dev": [{"input_ids": [3]}]}
     check_data_agrees(Comm(), train, dev)  # the same data everywhere: no error

@@ -14,10 +14,10 @@ import os
 import sys
 import time
 
-from .config import ConfigError
-from .jsonio import dumps, replace_atomic
-from .pilog import PiWriter
-from .startup import take_captured
+from curvzo_ds.config import ConfigError
+from curvzo_ds.jsonio import dumps, replace_atomic
+from curvzo_ds.startup import take_captured
+from curvzo_ds.train.pilog import PiWriter
 
 METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger("curvzo_ds")

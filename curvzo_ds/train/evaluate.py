@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from . import data as D
-from .data.stream import chunks, round_robin_slots
+from curvzo_ds import data as D
+from curvzo_ds.data.stream import chunks, round_robin_slots
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from .params import Block, ParamEntry
+from curvzo_ds.shard.params import Block, ParamEntry
 
 log = logging.getLogger("curvzo_ds")
 

@@ -3,7 +3,7 @@
 Panels: training loss (raw and smoothed); dev loss; the task metric on dev, with the best-dev step marked and
 the test score at that step (summary.json) in a box inside the axes, one line per run; the budget B and the blocks
 drawn; B as the fraction of parameters; d_eff / G and H; and, when a run has one, a heat map of pi per block over
-steps (pi.bin, curvzo_ds/pilog.py) of the first such run. The title names the model, task and method; each run's
+steps (pi.bin, curvzo_ds/train/pilog.py) of the first such run. The title names the model, task and method; each run's
 legend label its method, LoRA rank, learning rate, seed and world size.
 """
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ConfigError
-from .logs import METRICS_FILE, read_metrics
-from .pilog import PI_FILE, has_pi, read_pi
+from curvzo_ds.config import ConfigError
+from curvzo_ds.train.logs import METRICS_FILE, read_metrics
+from curvzo_ds.train.pilog import PI_FILE, has_pi, read_pi
 
 EVAL_METRICS = ("accuracy", "f1", "exact_match")
 HEATMAP_BLOCKS = 40

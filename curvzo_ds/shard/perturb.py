@@ -31,11 +31,11 @@ from collections import Counter
 import numpy as np
 import torch
 
-from .kernels import cpu as cpu_kernel
-from .kernels import reference
-from .kernels.cpu import MODES
-from .noise import NoiseSource, f32, triton_available
-from .params import Block, ParamEntry, intersect
+from curvzo_ds.noise import cpu as cpu_kernel
+from curvzo_ds.noise import reference
+from curvzo_ds.noise.cpu import MODES
+from curvzo_ds.noise.gaussian import NoiseSource, f32, triton_available
+from curvzo_ds.shard.params import Block, ParamEntry, intersect
 
 DST, SRC, N, START, KEY, STAT, KIND, ENTRY = range(8)
 COPY = 256
@@ -318,7 +318,7 @@ class Perturber:
         return sums
 
     def _launch(self, s: StepRows, coef: np.ndarray, sums: torch.Tensor | None, copy: bool) -> None:
-        from .kernels import gpu
+        from curvzo_ds.noise import gpu
 
         device = s.group.device
         if s.keys_for != self._keys_direction or s.device_rows is None:

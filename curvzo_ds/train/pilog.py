@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from .jsonio import write_json_atomic
+from curvzo_ds.jsonio import write_json_atomic
 
 PI_HEADER = "pi.json"
 PI_FILE = "pi.bin"

@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 
-from .config import RunEnded
+from curvzo_ds.config import RunEnded
 
 log = logging.getLogger("curvzo_ds")
 EXIT_PREEMPTED = 3  # stopped on a signal after saving a checkpoint: resume with --resume (or requeue)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ds_compat
+from curvzo_ds.shard import ds_compat
 
 
 class Granularity(str, enum.Enum):

@@ -20,16 +20,16 @@ import os
 import numpy as np
 import torch
 
-from . import data as D
-from .comm import Comm
-from .config import ConfigError, TrainConfig, resolve_presets, zo_part
-from .data.stream import MicroBatches
-from .engine import ZOEngine
-from .evaluate import evaluate
-from .jsonio import write_json_atomic
-from .models import build_model
-from .run import load_data, step_batch
-from .sampling import ESTIMATORS, CurvZOSampler, adaptive_budget, expected_scores
+from curvzo_ds import data as D
+from curvzo_ds.algo.sampling import ESTIMATORS, CurvZOSampler, adaptive_budget, expected_scores
+from curvzo_ds.config import ConfigError, TrainConfig, resolve_presets, zo_part
+from curvzo_ds.data.stream import MicroBatches
+from curvzo_ds.engine import ZOEngine
+from curvzo_ds.jsonio import write_json_atomic
+from curvzo_ds.models import build_model
+from curvzo_ds.shard.comm import Comm
+from curvzo_ds.train.evaluate import evaluate
+from curvzo_ds.train.run import load_data, step_batch
 
 log = logging.getLogger("curvzo_ds")
 

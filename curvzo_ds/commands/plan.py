@@ -17,10 +17,10 @@ import re
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, OPTConfig
 
-from .config import ConfigError
-from .ds_config import load_ds_config, resolve_ds_config
-from .hub import offline_unless_reachable
-from .tasks import demo_model_config
+from curvzo_ds.config import ConfigError
+from curvzo_ds.hub import offline_unless_reachable
+from curvzo_ds.shard.ds_config import load_ds_config, resolve_ds_config
+from curvzo_ds.tasks import demo_model_config
 
 GiB = 2**30
 TABLE_ROW = 64  # bytes of one row of the Perturber's piece table (perturb.py: 8 int64)

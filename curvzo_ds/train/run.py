@@ -20,11 +20,9 @@ import time
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 
-from . import data as D
-from . import ds_compat
-from .checkpoint import CheckpointManager, load_checkpoint, verify_checkpoint
-from .comm import main_process_first
-from .config import (
+from curvzo_ds import data as D
+from curvzo_ds.checkpoint.manager import CheckpointManager, load_checkpoint, verify_checkpoint
+from curvzo_ds.config import (
     RESUME_MAY_CHANGE,
     ConfigError,
     RanksDisagree,
@@ -36,21 +34,23 @@ from .config import (
     to_dict,
     zo_part,
 )
-from .data.stream import MicroBatches, micro_batch_indices
-from .digest import params_digest
-from .distributed import GroupMPU, Topology, init_distributed, pin_threads
-from .ds_config import load_ds_config, resolve_ds_config
-from .ds_policy import MAPPED_FIELDS
-from .engine import ZOEngine
-from .evaluate import Evaluator
-from .integrations import accelerate_ds_config
-from .jsonio import dumps, write_json_atomic
-from .logs import RunLog, log_to_file, setup_logging
-from .models import build_model, load_tokenizer, model_hidden_size
-from .signals import Fault, Preempted, StopRequest
-from .sysinfo import device_name, peak_rss_bytes, versions
-from .tasks import get_task, load_splits
-from .tasks.splits import data_source
+from curvzo_ds.data.stream import MicroBatches, micro_batch_indices
+from curvzo_ds.digest import params_digest
+from curvzo_ds.engine import ZOEngine
+from curvzo_ds.jsonio import dumps, write_json_atomic
+from curvzo_ds.models import build_model, load_tokenizer, model_hidden_size
+from curvzo_ds.shard import ds_compat
+from curvzo_ds.shard.comm import main_process_first
+from curvzo_ds.shard.distributed import GroupMPU, Topology, init_distributed, pin_threads
+from curvzo_ds.shard.ds_config import load_ds_config, resolve_ds_config
+from curvzo_ds.shard.ds_policy import MAPPED_FIELDS
+from curvzo_ds.sysinfo import device_name, peak_rss_bytes, versions
+from curvzo_ds.tasks import get_task, load_splits
+from curvzo_ds.tasks.splits import data_source
+from curvzo_ds.train.evaluate import Evaluator
+from curvzo_ds.train.integrations import accelerate_ds_config
+from curvzo_ds.train.logs import RunLog, log_to_file, setup_logging
+from curvzo_ds.train.signals import Fault, Preempted, StopRequest
 
 log = logging.getLogger("curvzo_ds")
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from . import ds_compat
-from .data.losses import loss_parts
-from .data.stream import MicroBatches
-from .noise import NoiseSource
-from .params import ParamEntry
+from curvzo_ds.data.losses import loss_parts
+from curvzo_ds.data.stream import MicroBatches
+from curvzo_ds.noise.gaussian import NoiseSource
+from curvzo_ds.shard import ds_compat
+from curvzo_ds.shard.params import ParamEntry
 
 
 class StaticMask:

@@ -23,11 +23,11 @@ import torch.distributed as dist
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 
-from . import ds_compat
-from .checkpoint import CheckpointManager
-from .config import ConfigError, ZOConfig
-from .ds_config import resolve_ds_config
-from .engine import ZOEngine
+from curvzo_ds.checkpoint.manager import CheckpointManager
+from curvzo_ds.config import ConfigError, ZOConfig
+from curvzo_ds.engine import ZOEngine
+from curvzo_ds.shard import ds_compat
+from curvzo_ds.shard.ds_config import resolve_ds_config
 
 log = logging.getLogger("curvzo_ds")
 ZO_CHECKPOINT = "zo_checkpoint"  # the sub-directory of an accelerate.save_state() directory (no DeepSpeed)

@@ -39,8 +39,8 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-from .config import ConfigError, TrainConfig
-from .ds_policy import (
+from curvzo_ds.config import ConfigError, TrainConfig
+from curvzo_ds.shard.ds_policy import (
     BATCH_KEYS,
     DROPPED,
     FP16_LOSS_SCALING,

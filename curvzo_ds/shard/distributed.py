@@ -21,9 +21,9 @@ import subprocess
 import torch
 import torch.distributed as dist
 
-from .comm import Comm
-from .config import ConfigError
-from .startup import extensions_dir, stdout_to_log
+from curvzo_ds.config import ConfigError
+from curvzo_ds.shard.comm import Comm
+from curvzo_ds.startup import extensions_dir, stdout_to_log
 
 log = logging.getLogger("curvzo_ds")
 

@@ -19,10 +19,10 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import TrainOutput, set_seed
 
-from .checkpoint import CheckpointManager
-from .config import ZOConfig
-from .engine import StepResult, ZOEngine
-from .integrations import (
+from curvzo_ds.checkpoint.manager import CheckpointManager
+from curvzo_ds.config import ZOConfig
+from curvzo_ds.engine import StepResult, ZOEngine
+from curvzo_ds.train.integrations import (
     align_accelerate_state,
     clean_deepspeed_config,
     hidden_size,

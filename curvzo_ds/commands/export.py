@@ -27,10 +27,10 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import consolidated_state_dict, read_manifest
-from .config import DEMO_MODELS, ConfigError, TrainConfig, field_names, resolve_presets
-from .hub import offline_unless_reachable
-from .jsonio import honour_umask
+from curvzo_ds.checkpoint.manager import consolidated_state_dict, read_manifest
+from curvzo_ds.config import DEMO_MODELS, ConfigError, TrainConfig, field_names, resolve_presets
+from curvzo_ds.hub import offline_unless_reachable
+from curvzo_ds.jsonio import honour_umask
 
 MAX_SHARD_BYTES = 2 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -132,7 +132,7 @@ def _export_adapter(checkpoint: str, model: dict, staging: str, out: str, merge_
         from peft import PeftModel  # here, not at the top: a bad checkpoint path is refused without importing them
         from transformers import AutoModelForCausalLM
 
-        from .models import DTYPES
+        from curvzo_ds.models import DTYPES
 
         if base is None:
             if base_dir is None:
@@ -155,7 +155,7 @@ def _base_model(recorded: str | None, cfg: TrainConfig | None, staging: str, out
     name of its own) is built from the run's seed and saved to base/ in the export (staged in `staging`), named
     "base" or "../base" from the adapter, so that the export can be moved or copied as a whole."""
     if recorded is None and cfg is not None and cfg.model in DEMO_MODELS:
-        from .models import build_model, load_tokenizer
+        from curvzo_ds.models import build_model, load_tokenizer
 
         base, _ = build_model(resolve_presets(TrainConfig(**{**cfg.__dict__, "lora": False})), {})
         base.save_pretrained(os.path.join(staging, "base"))

@@ -27,9 +27,9 @@ import struct
 import numpy as np
 import torch
 
-from .kernels import cpu as cpu_kernel
-from .kernels import reference
-from .kernels.cpu import ElementMode
+from curvzo_ds.noise import cpu as cpu_kernel
+from curvzo_ds.noise import reference
+from curvzo_ds.noise.cpu import ElementMode
 
 # z^2 is summed as round(z^2 * 2^24) in int64: exact and order-free. The one source of the scale: philox.c,
 # kernels/gpu.py and kernels/reference.py state 2^24 as a literal, and tests/test_noise.py checks that they agree.
@@ -131,7 +131,7 @@ class NoiseSource:
             total = cpu_kernel.run(k0, k1, start, out, mode, scale, alpha, want_sq)
             return total if want_sq else None
         if kind == "cuda" and mode is not None and mode != ElementMode.FLOAT64 and triton_available():
-            from .kernels import gpu
+            from curvzo_ds.noise import gpu
 
             return gpu.run(k0, k1, start, out, mode, scale, alpha, want_sq)
         z = reference.normals(k0, k1, start, out.numel(), out.device)

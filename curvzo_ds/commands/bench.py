@@ -21,17 +21,17 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from . import data as D
-from .config import ZOConfig
-from .data.stream import MicroBatches
-from .distributed import init_distributed
-from .engine import StepTimer, ZOEngine
-from .jsonio import write_json_atomic
-from .noise import NoiseSource
-from .run import Run
-from .sysinfo import peak_rss_bytes, rss_bytes
-from .tasks import demo_model_config, get_task, load_splits
-from .tasks.demo import load_tokenizer
+from curvzo_ds import data as D
+from curvzo_ds.config import ZOConfig
+from curvzo_ds.data.stream import MicroBatches
+from curvzo_ds.engine import StepTimer, ZOEngine
+from curvzo_ds.jsonio import write_json_atomic
+from curvzo_ds.noise.gaussian import NoiseSource
+from curvzo_ds.shard.distributed import init_distributed
+from curvzo_ds.sysinfo import peak_rss_bytes, rss_bytes
+from curvzo_ds.tasks import demo_model_config, get_task, load_splits
+from curvzo_ds.tasks.demo import load_tokenizer
+from curvzo_ds.train.run import Run
 
 
 def run_bench(cfg, steps: int) -> None:
@@ -307,8 +307,8 @@ def noise_speed(numel: int = 1 << 24, rounds: int = 5, device: str = "cpu") -> d
     """Normals per second on one core (one thread), in the same process: torch.randn, the generator's slice (into
     a new tensor, as torch.randn, and into a reused buffer), its fused in-place update (the engine's path), and the
     torch-eager reference of the same definition."""
-    from .kernels import cpu as cpu_kernel
-    from .kernels import reference
+    from curvzo_ds.noise import cpu as cpu_kernel
+    from curvzo_ds.noise import reference
 
     source, buf = NoiseSource(0), torch.zeros(numel, device=device)
     sync = torch.cuda.synchronize if device == "cuda" else None
@@ -335,8 +335,8 @@ def noise_speed(numel: int = 1 << 24, rounds: int = 5, device: str = "cpu") -> d
 def noise_threads(numel: int = 1 << 26, tensors: int = 16, rounds: int = 3, threads: list[int] | None = None) -> dict:
     """Offloaded parameters (bf16 on the CPU): seconds of one perturb pass of the Perturber over `tensors` tensors of
     `numel` elements in all, at 1, 2 and all cores (the C kernel's calls release the GIL: threads over rows)."""
-    from .params import collect_entries, make_blocks
-    from .perturb import Perturber
+    from curvzo_ds.shard.params import collect_entries, make_blocks
+    from curvzo_ds.shard.perturb import Perturber
 
     all_cores = os.cpu_count() or 1
     threads = sorted({t for t in (threads or [1, 2, all_cores]) if t <= all_cores})
@@ -426,7 +426,7 @@ def run_suite(out: str | None, seq_lens: list[int], rounds: int, world_sizes: li
               "rounds": rounds, "seq_lens": {}, "python_overhead": None, "world_sizes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         part = os.path.join(tmp, "timing.json")
-        subprocess.run([sys.executable, "-m", "curvzo_ds.bench", "timing", part, ",".join(map(str, seq_lens)),
+        subprocess.run([sys.executable, "-m", "curvzo_ds.commands.bench", "timing", part, ",".join(map(str, seq_lens)),
                         str(rounds), str(batch)], env=env, check=True)
         timing = json.loads(open(part).read())
         report["seq_lens"], report["python_overhead"] = timing["seq_lens"], timing["python_overhead"]
@@ -436,7 +436,7 @@ def run_suite(out: str | None, seq_lens: list[int], rounds: int, world_sizes: li
             part = os.path.join(tmp, f"ranks-{world}.json")
             port = str(20000 + os.getpid() % 20000 + world)
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                            "--master_port", port, "-m", "curvzo_ds.bench", "ranks", part, str(rank_seq),
+                            "--master_port", port, "-m", "curvzo_ds.commands.bench", "ranks", part, str(rank_seq),
                             str(rank_steps), str(batch)], env={**env, "DS_ACCELERATOR": env.get(
                                 "DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")}, check=True)
             report["world_sizes"][str(world)] = json.loads(open(part).read())

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from . import reference as R
+from curvzo_ds.noise import reference as R
 
 SIN1, SIN3, SIN5, SIN7 = (tl.constexpr(v) for v in (R.SIN1, R.SIN3, R.SIN5, R.SIN7))
 COS2, COS4, COS6, COS8 = (tl.constexpr(v) for v in (R.COS2, R.COS4, R.COS6, R.COS8))

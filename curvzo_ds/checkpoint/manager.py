@@ -29,11 +29,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import ConfigError, RunEnded
-from .engine import ZOEngine
-from .jsonio import honour_umask, replace_atomic
-from .mask import StaticMask
-from .params import canonical_name, intersect
+from curvzo_ds.algo.mask import StaticMask
+from curvzo_ds.config import ConfigError, RunEnded
+from curvzo_ds.engine import ZOEngine
+from curvzo_ds.jsonio import honour_umask, replace_atomic
+from curvzo_ds.shard.params import canonical_name, intersect
 
 log = logging.getLogger("curvzo_ds")
 FORMAT = "curvzo_ds-checkpoint-v1"
