@@ -10,9 +10,10 @@ a Hugging Face Trainer: `ZOTrainer` (imported on first use, so `import curvzo_ds
 """
 
 from curvzo_ds.checkpoint.manager import CheckpointManager, load_checkpoint, save_checkpoint
-from curvzo_ds.config import ConfigError, ZOConfig
+from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.data.stream import MicroBatches, split_batch
-from curvzo_ds.engine import NonFiniteLossError, StepResult, ZOEngine
+from curvzo_ds.engine import StepResult, ZOEngine
+from curvzo_ds.errors import ConfigError, NonFiniteLossError
 from curvzo_ds.versions import check_versions
 
 __version__ = "0.1.0"

@@ -17,10 +17,8 @@ import os
 import re
 import sys
 
-from curvzo_ds.config import (
+from curvzo_ds.config.schema import (
     EVAL_FROM_CHECKPOINT,
-    ConfigError,
-    RunEnded,
     TrainConfig,
     build,
     coerce,
@@ -29,8 +27,8 @@ from curvzo_ds.config import (
     key_docs,
     set_sources,
 )
+from curvzo_ds.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, ConfigError, RunEnded
 from curvzo_ds.startup import extensions_dir
-from curvzo_ds.train.signals import EXIT_PREEMPTED
 
 
 def _keys_help() -> str:
@@ -343,16 +341,16 @@ def main(argv: list[str] | None = None) -> int:
         args.handler(args)
     except (ConfigError, FileNotFoundError) as e:
         _say(f"curvzo-ds {args.command}: error: {e}")
-        return 2
+        return EXIT_BAD_INPUT
     except RunEnded as e:  # the run stopped for a stated reason: one line (the log above has the context)
-        _say(f"curvzo-ds {args.command}: {'' if e.exit_code == 3 else 'error: '}{e}")
+        _say(f"curvzo-ds {args.command}: {'' if e.exit_code == EXIT_PREEMPTED else 'error: '}{e}")
         return e.exit_code
     except ValueError as e:
         if args.command not in VALUE_ERRORS_ARE_THE_USERS:
             raise
         _say(f"curvzo-ds {args.command}: error: {e}")
-        return 2
-    return 0
+        return EXIT_BAD_INPUT
+    return EXIT_OK
 
 
 def _say(line: str) -> None:

@@ -29,24 +29,21 @@ from typing import Any
 
 import torch
 
-from curvzo_ds.algo.mask import MaskedPerturber, StaticMask
 from curvzo_ds.algo.sampling import CurvZOSampler, StepPlan
-from curvzo_ds.config import RanksDisagree, RunEnded, ZOConfig
+from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.data.losses import loss_parts, mean_loss
 from curvzo_ds.data.stream import MicroBatches, round_robin_slots
+from curvzo_ds.errors import NonFiniteLossError, RanksDisagree
 from curvzo_ds.noise.gaussian import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
 from curvzo_ds.shard import ds_compat
 from curvzo_ds.shard.comm import Comm, StepPacket, bits_float64, float64_bits
 from curvzo_ds.shard.distributed import Topology
+from curvzo_ds.shard.mask import MaskedPerturber, StaticMask
 from curvzo_ds.shard.params import ParamEntry, collect_entries, make_blocks
 from curvzo_ds.shard.perturb import Perturber
 from curvzo_ds.shard.visibility import VisibilityMonitor
 
 log = logging.getLogger("curvzo_ds")
-
-
-class NonFiniteLossError(RunEnded):
-    """Raised after `max_consecutive_skips` steps in a row had a non-finite loss."""
 
 
 @dataclass
@@ -178,7 +175,7 @@ class ZOEngine:
         """static_mask (docs/algorithm.md, "A static mask"): pick the top `cfg.static_mask` fraction of elements by
         one backprop per batch of `batches` (the first `static_mask_batches` training batches), and perturb only
         those from now on. Collective; call it once before the first step (the CLI does)."""
-        from curvzo_ds.algo import mask
+        from curvzo_ds.shard import mask
 
         self.set_static_mask(mask.fit(self, batches, self.cfg.static_mask))
         log.info("static_mask: %d of %d trainable elements (%.4g%%) chosen by backprop on %d batches",

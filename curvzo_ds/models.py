@@ -17,7 +17,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
-from curvzo_ds.config import DEMO_MODELS, ConfigError, TrainConfig
+from curvzo_ds.config.schema import DEMO_MODELS, TrainConfig
+from curvzo_ds.errors import ConfigError
 from curvzo_ds.hub import offline_unless_reachable
 from curvzo_ds.shard import ds_compat
 from curvzo_ds.tasks import demo_model_config

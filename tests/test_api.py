@@ -84,7 +84,7 @@ def test_a_bare_scalar_from_loss_fn_is_refused_naming_the_contract():
 def test_a_linear_schedule_without_max_steps_is_refused():
     import pytest
 
-    from curvzo_ds.config import ConfigError
+    from curvzo_ds.errors import ConfigError
 
     with pytest.raises(ConfigError, match="lr_scheduler_type=linear needs max_steps > 0"):
         tiny_engine(lambda m, b: (m(b).sum(), 1), lr_scheduler_type="linear")

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from curvzo_ds.cli import build_parser, main
-from curvzo_ds.config import TrainConfig, resolve_presets
+from curvzo_ds.config.schema import TrainConfig, resolve_presets
 from tests.helpers import CLI, COMMON, ENV, ROOT, eval_cli, logged_eval, run_checked
 
 KEYS = [f.name for f in dataclasses.fields(TrainConfig)]

@@ -6,7 +6,7 @@ import torch
 
 from curvzo_ds.cli import main
 from curvzo_ds.commands.diagnose import PlainRun, corr_log
-from curvzo_ds.config import TrainConfig
+from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.shard.params import canonical_name
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from curvzo_ds.config import ConfigError, TrainConfig
-from curvzo_ds.shard.ds_config import load_ds_config, resolve_ds_config
+from curvzo_ds.config.ds_config import load_ds_config, resolve_ds_config
+from curvzo_ds.config.schema import TrainConfig
+from curvzo_ds.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "ds_configs"
@@ -180,7 +181,7 @@ CONFLICTS = [
 
 
 def test_every_mapped_key_has_a_conflict_case():
-    from curvzo_ds.shard.ds_policy import MAPPED_FIELDS
+    from curvzo_ds.config.ds_policy import MAPPED_FIELDS
 
     assert {key for _, key, _, _ in CONFLICTS} == set(MAPPED_FIELDS)
 

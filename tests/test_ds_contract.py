@@ -14,8 +14,8 @@ import deepspeed
 import pytest
 import torch
 
+from curvzo_ds.config.ds_policy import REFUSALS, refusal
 from curvzo_ds.shard import ds_compat
-from curvzo_ds.shard.ds_policy import REFUSALS, refusal
 from tests.helpers import ROOT
 from tests.toys import TinyNet
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from curvzo_ds.algo import sampling
-from curvzo_ds.config import ZOConfig
-from curvzo_ds.engine import NonFiniteLossError, ZOEngine
+from curvzo_ds.config.schema import ZOConfig
+from curvzo_ds.engine import ZOEngine
+from curvzo_ds.errors import NonFiniteLossError
 from curvzo_ds.noise.gaussian import NoiseSource
 from tests.toys import Quadratic, TinyNet, ce_loss, quad_loss, toy_task
 

@@ -14,7 +14,7 @@ import torch
 
 from curvzo_ds.algo import sampling
 from curvzo_ds.commands.diagnose import corr_log, expected_scores, fixed_point, simulate
-from curvzo_ds.config import ZOConfig
+from curvzo_ds.config.schema import ZOConfig
 from tests.test_sampler import N, assert_mean, draw, layout, normalized_mean, sampler_with
 
 

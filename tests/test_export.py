@@ -21,8 +21,8 @@ import torch
 
 from curvzo_ds.checkpoint import manager as ckpt
 from curvzo_ds.cli import main
-from curvzo_ds.digest import hash_tensor
 from curvzo_ds.engine import ZOEngine
+from curvzo_ds.shard.digest import hash_tensor
 from tests.helpers import ENV, ROOT, free_port, run_checked
 
 WORKER = str(ROOT / "tests" / "multirank" / "integ_worker.py")

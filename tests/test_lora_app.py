@@ -52,7 +52,7 @@ def test_lora_export_and_merge(lora_run, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from curvzo_ds.config import TrainConfig, resolve_presets
+    from curvzo_ds.config.schema import TrainConfig, resolve_presets
     from curvzo_ds.models import build_model
 
     out, _ = lora_run
@@ -157,7 +157,7 @@ def test_the_adapter_names_a_hub_id_as_given_and_a_local_directory_relative_to_i
     above, by loading): a hub id as given; a local directory by its path from the adapter (issue 28 §5), so that
     moving the export and the model together keeps it loadable."""
     from curvzo_ds.commands.export import _base_model
-    from curvzo_ds.config import TrainConfig
+    from curvzo_ds.config.schema import TrainConfig
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "my-model").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""static_mask (curvzo_ds/algo/mask.py): the backprop probe's choice, the masked step, and an exact resume. The same
+"""static_mask (curvzo_ds/shard/mask.py): the backprop probe's choice, the masked step, and an exact resume. The same
 trajectory at 1, 2 and 3 ZeRO-3 ranks is tests/test_zero3.py's "static_mask" scenario."""
 
 import json
@@ -11,8 +11,8 @@ import torch
 from curvzo_ds import MicroBatches, ZOConfig, ZOEngine
 from curvzo_ds.checkpoint.manager import load_checkpoint, save_checkpoint
 from curvzo_ds.cli import main
-from curvzo_ds.config import ConfigError
-from curvzo_ds.digest import params_digest
+from curvzo_ds.errors import ConfigError
+from curvzo_ds.shard.digest import params_digest
 from tests.toys import TinyNet, ce_loss, toy_task
 
 X, Y = toy_task(256)

@@ -15,8 +15,9 @@ import torch
 
 from curvzo_ds.cli import main
 from curvzo_ds.commands.plot import _moving_average, figure, plot_runs, short_name, widest_blocks
-from curvzo_ds.config import ConfigError, ZOConfig
+from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.engine import ZOEngine
+from curvzo_ds.errors import ConfigError
 from curvzo_ds.train.pilog import PI_FILE, PI_HEADER, PiWriter, has_pi, read_pi
 from tests.helpers import ENV, ROOT, run_cli
 

@@ -16,7 +16,7 @@ import torch
 
 from curvzo_ds.algo import sampling
 from curvzo_ds.algo.sampling import CurvZOSampler, StepPlan
-from curvzo_ds.config import ZOConfig
+from curvzo_ds.config.schema import ZOConfig
 
 SIZES = (3, 5, 2, 6)
 N = 200_000

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from curvzo_ds.config import TrainConfig
+from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.tasks import (
     BUILTIN,
     TASK_NAMES,

@@ -1,1 +1,1 @@
-"""The algorithm, pure: CurvZO's sampler and its method table (sampling), and the static element mask (mask)."""
+"""The algorithm, pure: CurvZO's sampler and its method table (sampling)."""

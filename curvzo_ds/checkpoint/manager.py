@@ -29,10 +29,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from curvzo_ds.algo.mask import StaticMask
-from curvzo_ds.config import ConfigError, RunEnded
 from curvzo_ds.engine import ZOEngine
+from curvzo_ds.errors import CheckpointWriteError, ConfigError
 from curvzo_ds.jsonio import honour_umask, replace_atomic
+from curvzo_ds.shard.mask import StaticMask
 from curvzo_ds.shard.params import canonical_name, intersect
 
 log = logging.getLogger("curvzo_ds")
@@ -209,10 +209,6 @@ def _publish(tmp: str, final: str) -> None:
     os.rename(tmp, final)
     _fsync(os.path.dirname(os.path.abspath(final)))
     shutil.rmtree(old, ignore_errors=True)
-
-
-class CheckpointWriteError(RunEnded):
-    """A checkpoint could not be written on some rank (disk full, permissions): the previous ones are intact."""
 
 
 def _raise_any(final: str, errors: list) -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from curvzo_ds import data as D
-from curvzo_ds.config import ZOConfig
+from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.engine import StepTimer, ZOEngine
 from curvzo_ds.jsonio import write_json_atomic

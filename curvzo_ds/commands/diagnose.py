@@ -22,9 +22,10 @@ import torch
 
 from curvzo_ds import data as D
 from curvzo_ds.algo.sampling import ESTIMATORS, CurvZOSampler, adaptive_budget, expected_scores
-from curvzo_ds.config import ConfigError, TrainConfig, resolve_presets, zo_part
+from curvzo_ds.config.schema import TrainConfig, resolve_presets, zo_part
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.engine import ZOEngine
+from curvzo_ds.errors import ConfigError
 from curvzo_ds.jsonio import write_json_atomic
 from curvzo_ds.models import build_model
 from curvzo_ds.shard.comm import Comm

@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import save_file
 
 from curvzo_ds.checkpoint.manager import consolidated_state_dict, read_manifest
-from curvzo_ds.config import DEMO_MODELS, ConfigError, TrainConfig, field_names, resolve_presets
+from curvzo_ds.config.schema import DEMO_MODELS, TrainConfig, field_names, resolve_presets
+from curvzo_ds.errors import ConfigError
 from curvzo_ds.hub import offline_unless_reachable
 from curvzo_ds.jsonio import honour_umask
 

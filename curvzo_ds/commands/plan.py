@@ -17,9 +17,9 @@ import re
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, OPTConfig
 
-from curvzo_ds.config import ConfigError
+from curvzo_ds.config.ds_config import load_ds_config, resolve_ds_config
+from curvzo_ds.errors import ConfigError
 from curvzo_ds.hub import offline_unless_reachable
-from curvzo_ds.shard.ds_config import load_ds_config, resolve_ds_config
 from curvzo_ds.tasks import demo_model_config
 
 GiB = 2**30

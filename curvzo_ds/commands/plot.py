@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from curvzo_ds.config import ConfigError
+from curvzo_ds.errors import ConfigError
 from curvzo_ds.train.logs import METRICS_FILE, read_metrics
 from curvzo_ds.train.pilog import PI_FILE, has_pi, read_pi
 

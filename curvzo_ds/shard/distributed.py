@@ -21,7 +21,7 @@ import subprocess
 import torch
 import torch.distributed as dist
 
-from curvzo_ds.config import ConfigError
+from curvzo_ds.errors import ConfigError
 from curvzo_ds.shard.comm import Comm
 from curvzo_ds.startup import extensions_dir, stdout_to_log
 

@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from curvzo_ds.shard.ds_policy import REFUSALS, refusal
+from curvzo_ds.config.ds_policy import REFUSALS, refusal
 
 
 def is_ds_engine(obj) -> bool:

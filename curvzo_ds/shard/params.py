@@ -13,22 +13,13 @@ Blocks (paper Sec. 3.5) are lists of segments (entry, lo, hi) of one or more ten
 from __future__ import annotations
 
 import contextlib
-import enum
 import re
 from dataclasses import dataclass, field
 
 import torch
 
+from curvzo_ds.config.schema import Granularity
 from curvzo_ds.shard import ds_compat
-
-
-class Granularity(str, enum.Enum):
-    """The `block_granularity` key: what one block of the algorithm is."""
-
-    TENSOR = "tensor"  # one block per trainable tensor (the paper's setting)
-    LAYER = "layer"  # the tensors of one transformer layer
-    CHUNK = "chunk"  # fixed-size pieces of a tensor (block_chunk_size elements)
-
 
 _LAYER = re.compile(r"^(.*?\.(?:layers|h|layer|blocks|decoder\.layers)\.\d+)\.")
 

@@ -20,7 +20,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import TrainOutput, set_seed
 
 from curvzo_ds.checkpoint.manager import CheckpointManager
-from curvzo_ds.config import ZOConfig
+from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.engine import StepResult, ZOEngine
 from curvzo_ds.train.integrations import (
     align_accelerate_state,

@@ -24,10 +24,11 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 
 from curvzo_ds.checkpoint.manager import CheckpointManager
-from curvzo_ds.config import ConfigError, ZOConfig
+from curvzo_ds.config.ds_config import resolve_ds_config
+from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.engine import ZOEngine
+from curvzo_ds.errors import ConfigError
 from curvzo_ds.shard import ds_compat
-from curvzo_ds.shard.ds_config import resolve_ds_config
 
 log = logging.getLogger("curvzo_ds")
 ZO_CHECKPOINT = "zo_checkpoint"  # the sub-directory of an accelerate.save_state() directory (no DeepSpeed)

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from curvzo_ds.config import ConfigError
+from curvzo_ds.errors import ConfigError
 from curvzo_ds.jsonio import dumps, replace_atomic
 from curvzo_ds.startup import take_captured
 from curvzo_ds.train.pilog import PiWriter

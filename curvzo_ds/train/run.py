@@ -22,10 +22,10 @@ from deepspeed.accelerator import get_accelerator
 
 from curvzo_ds import data as D
 from curvzo_ds.checkpoint.manager import CheckpointManager, load_checkpoint, verify_checkpoint
-from curvzo_ds.config import (
+from curvzo_ds.config.ds_config import load_ds_config, resolve_ds_config
+from curvzo_ds.config.ds_policy import MAPPED_FIELDS
+from curvzo_ds.config.schema import (
     RESUME_MAY_CHANGE,
-    ConfigError,
-    RanksDisagree,
     TrainConfig,
     differences,
     field_names,
@@ -35,22 +35,21 @@ from curvzo_ds.config import (
     zo_part,
 )
 from curvzo_ds.data.stream import MicroBatches, micro_batch_indices
-from curvzo_ds.digest import params_digest
 from curvzo_ds.engine import ZOEngine
+from curvzo_ds.errors import ConfigError, Preempted, RanksDisagree
 from curvzo_ds.jsonio import dumps, write_json_atomic
 from curvzo_ds.models import build_model, load_tokenizer, model_hidden_size
 from curvzo_ds.shard import ds_compat
 from curvzo_ds.shard.comm import main_process_first
+from curvzo_ds.shard.digest import params_digest
 from curvzo_ds.shard.distributed import GroupMPU, Topology, init_distributed, pin_threads
-from curvzo_ds.shard.ds_config import load_ds_config, resolve_ds_config
-from curvzo_ds.shard.ds_policy import MAPPED_FIELDS
 from curvzo_ds.sysinfo import device_name, peak_rss_bytes, versions
 from curvzo_ds.tasks import get_task, load_splits
 from curvzo_ds.tasks.splits import data_source
 from curvzo_ds.train.evaluate import Evaluator
 from curvzo_ds.train.integrations import accelerate_ds_config
 from curvzo_ds.train.logs import RunLog, log_to_file, setup_logging
-from curvzo_ds.train.signals import Fault, Preempted, StopRequest
+from curvzo_ds.train.signals import Fault, StopRequest
 
 log = logging.getLogger("curvzo_ds")
 

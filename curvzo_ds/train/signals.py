@@ -20,17 +20,8 @@ import signal
 import threading
 import time
 
-from curvzo_ds.config import RunEnded
-
 log = logging.getLogger("curvzo_ds")
-EXIT_PREEMPTED = 3  # stopped on a signal after saving a checkpoint: resume with --resume (or requeue)
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-
-
-class Preempted(RunEnded):
-    """The run stopped on a signal at a step boundary, after saving its checkpoint."""
-
-    exit_code = EXIT_PREEMPTED
 
 
 class StopRequest:

@@ -21,7 +21,7 @@ from common import main
 import curvzo_ds.models
 import curvzo_ds.tasks
 from curvzo_ds import data as D
-from curvzo_ds.config import TrainConfig
+from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.shard.comm import Comm, main_process_first
 from curvzo_ds.shard.distributed import init_distributed
 from curvzo_ds.train.evaluate import evaluate

@@ -22,8 +22,8 @@ import os
 import torch
 from common import main
 
-from curvzo_ds.config import ZOConfig
-from curvzo_ds.digest import params_digest
+from curvzo_ds.config.schema import ZOConfig
+from curvzo_ds.shard.digest import params_digest
 from curvzo_ds.shard.ds_compat import optimizer_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from common import main
 
 from curvzo_ds import MicroBatches, ZOConfig, ZOEngine
-from curvzo_ds.config import RanksDisagree
-from curvzo_ds.digest import params_digest
+from curvzo_ds.errors import RanksDisagree
+from curvzo_ds.shard.digest import params_digest
 from curvzo_ds.shard.distributed import init_distributed
 
 

@@ -39,8 +39,7 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-from curvzo_ds.config import ConfigError, TrainConfig
-from curvzo_ds.shard.ds_policy import (
+from curvzo_ds.config.ds_policy import (
     BATCH_KEYS,
     DROPPED,
     FP16_LOSS_SCALING,
@@ -52,6 +51,8 @@ from curvzo_ds.shard.ds_policy import (
     QUIET_PASS,
     refusal,
 )
+from curvzo_ds.config.schema import TrainConfig
+from curvzo_ds.errors import ConfigError
 
 
 def load_ds_config(path: str) -> dict:

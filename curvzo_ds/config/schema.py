@@ -10,17 +10,27 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from curvzo_ds.algo.sampling import ESTIMATORS, Method
-from curvzo_ds.shard.ds_policy import REFUSAL_BY_KEY
-from curvzo_ds.shard.params import Granularity
+from curvzo_ds.config.ds_policy import REFUSAL_BY_KEY
+from curvzo_ds.errors import ConfigError
+
+
+class Granularity(str, enum.Enum):
+    """The `block_granularity` key: what one block of the algorithm is."""
+
+    TENSOR = "tensor"  # one block per trainable tensor (the paper's setting)
+    LAYER = "layer"  # the tensors of one transformer layer
+    CHUNK = "chunk"  # fixed-size pieces of a tensor (block_chunk_size elements)
+
 
 # The valid values of the mode keys, from their one definition each (sampling.Method, sampling.ESTIMATORS,
-# params.Granularity).
+# Granularity above).
 METHODS = tuple(m.value for m in Method)
 SCORE_ESTIMATORS = tuple(ESTIMATORS)
 GRANULARITIES = tuple(g.value for g in Granularity)
@@ -36,20 +46,6 @@ def key(default: Any, doc: str):
 def key_docs(cls=None) -> dict[str, str]:
     """Each key's one-line doc, from the field metadata."""
     return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls or TrainConfig)}
-
-
-class RunEnded(RuntimeError):
-    """A run stopped for a reason it states in one line (the CLI prints it and exits with `exit_code`)."""
-
-    exit_code = 1
-
-
-class RanksDisagree(RunEnded):
-    """Ranks that must agree (on the configuration, the model, the noise kernel, the data or the ZO state) do not."""
-
-
-class ConfigError(ValueError):
-    """A bad configuration value. The message names the key, the value and the fix."""
 
 
 @dataclass
@@ -372,5 +368,5 @@ def zo_part(cfg: TrainConfig) -> ZOConfig:
     return ZOConfig(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in names})
 
 
-__all__ = ["ZOConfig", "TrainConfig", "ConfigError", "RunEnded", "build", "resolve_presets", "zo_part", "key",
+__all__ = ["ZOConfig", "TrainConfig", "build", "resolve_presets", "zo_part", "key",
            "key_docs", "set_sources", "sources_of"]
