@@ -160,7 +160,7 @@ def test_bad_values_name_the_key(user, key):
     assert key in str(err.value)
 
 
-# DESIGN.md §5: every key a DeepSpeed config maps (ds_policy.MAPPED_FIELDS), set explicitly to another value, is
+# docs/config.md: every key a DeepSpeed config maps (ds_policy.MAPPED_FIELDS), set explicitly to another value, is
 # refused naming both values and both places. (DeepSpeed dict, the explicit key and value, the words of the error.)
 CONFLICTS = [
     ({"train_batch_size": 32}, "global_batch_size", 8,

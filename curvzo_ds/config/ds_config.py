@@ -9,7 +9,7 @@ What cannot be served raises `ConfigError` naming the key, the reason and the fi
 
 Policy:
 - a key mapped onto `TrainConfig` that the user also set explicitly (`--set` or the YAML) to another value is
-  refused, naming both values and where each came from (DESIGN.md §5); set in one place only, it is taken from there.
+  refused, naming both values and where each came from (docs/config.md); set in one place only, it is taken from there.
 - batch keys map to `global_batch_size`/`micro_batch_size` ("auto" keeps ours). DeepSpeed's own
   batch fields are then set to `micro`, `1`, `micro * world_size`, which it accepts at any world
   size; the engine does its own batching.
@@ -83,7 +83,7 @@ def resolve_ds_config(user: dict | None, world_size: int, hidden_size: int | Non
     keys are applied: `dataclasses.replace(cfg, **mapped)` is the run's config. A key of `ours` that was given
     explicitly (`explicit`: name -> where it came from, config.sources_of: `--set` or the YAML) and that `user`
     sets to another value is refused, naming both values and where each came from (`where`: the DeepSpeed
-    config's name, DESIGN.md §5); otherwise the user's keys win over our defaults. Nothing given is edited.
+    config's name, docs/config.md); otherwise the user's keys win over our defaults. Nothing given is edited.
     """
     unknown = set(ours) - set(MAPPED_FIELDS)
     if unknown:
@@ -134,7 +134,7 @@ def resolve_ds_config(user: dict | None, world_size: int, hidden_size: int | Non
 
 
 def _refuse_conflicts(given: dict, ours: dict, explicit: dict[str, str], staged, world_size: int, where: str) -> None:
-    """DESIGN.md's rule: a key set explicitly (--set or the YAML) that the DeepSpeed config maps to another value is
+    """The rule of docs/config.md: a key set explicitly (--set or the YAML) that the DeepSpeed config maps to another value is
     refused in one line naming both values and where each came from."""
     for name in MAPPED_FIELDS:
         mine = ours.get(name)
