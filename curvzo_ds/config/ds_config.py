@@ -134,8 +134,8 @@ def resolve_ds_config(user: dict | None, world_size: int, hidden_size: int | Non
 
 
 def _refuse_conflicts(given: dict, ours: dict, explicit: dict[str, str], staged, world_size: int, where: str) -> None:
-    """The rule of docs/config.md: a key set explicitly (--set or the YAML) that the DeepSpeed config maps to another value is
-    refused in one line naming both values and where each came from."""
+    """The rule of docs/config.md: a key set explicitly (--set or the YAML) that the DeepSpeed config maps to another
+    value is refused in one line naming both values and where each came from."""
     for name in MAPPED_FIELDS:
         mine = ours.get(name)
         if name in explicit and mine != getattr(staged, name):
