@@ -40,7 +40,7 @@ from curvzo_ds.shard.comm import Comm, StepPacket, bits_float64, float64_bits
 from curvzo_ds.shard.distributed import Topology
 from curvzo_ds.shard.mask import MaskedPerturber, StaticMask
 from curvzo_ds.shard.params import ParamEntry, collect_entries, make_blocks
-from curvzo_ds.shard.perturb import Perturber
+from curvzo_ds.shard.perturb import Perturber, StepPasses
 from curvzo_ds.shard.visibility import VisibilityMonitor
 
 log = logging.getLogger("curvzo_ds")
@@ -152,7 +152,7 @@ class ZOEngine:
         first = self.entries[0]
         self.device = self.comm.device if self.comm.world_size > 1 else ds_compat.storage_device(first.param)
         self.sampler = CurvZOSampler(cfg, self.sizes, self.noise.mask_uniforms)
-        self.perturber = Perturber(self.entries, self.blocks, self.noise, self.device)
+        self.perturber: StepPasses = Perturber(self.entries, self.blocks, self.noise, self.device)
         self.static_mask: StaticMask | None = None  # static_mask: set by fit_static_mask or a checkpoint
         self.visibility = VisibilityMonitor(self.entries, self.blocks, self.device, cfg.visibility_steps,
                                             cfg.visibility_warn, cfg.zo_eps)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from curvzo_ds.noise import cpu as cpu_kernel
-from curvzo_ds.noise import reference
-from curvzo_ds.noise.gaussian import FIXED_POINT_BITS, NoiseSource, f32, stable_seed
+from curvzo_ds.noise import reference, rows
+from curvzo_ds.noise.gaussian import FIXED_POINT_BITS, NoiseSource, backend, f32, stable_seed
 from tests.helpers import ENV, ROOT
 
 K = 5.0  # standard errors allowed
@@ -114,6 +114,53 @@ def test_the_fixed_point_scale_is_one_number_everywhere():
     expected = sum(round(float(v) ** 2 * scale) for v in z.tolist())
     total = NoiseSource(seed=5).axpy_(torch.zeros(5000), 0, "w", 0, 1.0, 0.0, want_sq=True)
     assert total == expected == int(reference.fixed_point_sum_of_squares(z))
+
+
+def test_the_key_hash_is_one_definition():
+    """key() (one tensor), keys() (many, vectorised) and stable_seed give the same bits, and the values are those the
+    hash gave before it was written once (pinned)."""
+    src = NoiseSource(2**40 + 7)
+    names = ["model.embed_tokens.weight", "x", "é.weight", ""]
+    for step, direction in ((3, 1), (123, 0), (0, 5)):
+        keys = [int(k) for k in src.keys(step, names, direction)]
+        assert keys == [stable_seed(src.seed, step, n, direction) for n in names]
+        assert keys == [k1 << 32 | k0 for k0, k1 in (src.key(step, n, direction) for n in names)]
+    assert [int(k) for k in src.keys(3, ["a", "b"], 1)] == [6881979852762984575, 8293075928006372833]
+    assert src.keys(3, []).shape == (0,)
+
+
+def test_one_backend_chooser_for_the_noise_source_and_the_perturber(monkeypatch):
+    """gaussian.backend is the only rule: the Perturber's groups ask it, and it answers as the Perturber's own rule
+    did (C on CPU, Triton on CUDA for the dtypes it has, CURVZO_DS_NOISE_KERNEL=triton on any device, else torch)."""
+    from curvzo_ds.noise import gaussian
+    from curvzo_ds.shard.perturb import Group
+
+    monkeypatch.setattr(gaussian, "TRITON_FOUND", True)
+    cpu, cuda, meta = torch.device("cpu"), torch.device("cuda"), torch.device("meta")
+    f32_, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
+    expected = {"auto": {(cpu, f32_): "c", (cpu, bf16): "c", (cpu, f64): "c", (cuda, f32_): "triton",
+                         (cuda, bf16): "triton", (cuda, f64): "torch", (meta, f32_): "torch"},
+                "triton": {(cpu, f32_): "triton", (cpu, bf16): "triton", (cpu, f64): "c", (cuda, f32_): "triton",
+                           (cuda, bf16): "triton", (cuda, f64): "torch", (meta, f32_): "triton"}}
+    for forced, table in expected.items():
+        monkeypatch.setenv("CURVZO_DS_NOISE_KERNEL", forced)
+        for (device, dtype), want in table.items():
+            group = Group("direct", device, dtype, dtype, None, [], None, None)
+            assert backend(device, dtype) == group.backend == want, (forced, device, dtype)
+
+
+def test_philox_c_takes_the_row_layout_from_rows_py():
+    """philox.c names the row columns, the KIND packing and the element modes only through the -D flags that
+    cpu.build passes (rows.c_defines): every such name it uses is defined there, it indexes rows by no bare number,
+    and it refuses to compile without them."""
+    source = (ROOT / "curvzo_ds" / "noise" / "philox.c").read_text()
+    defined = {flag[2:].split("=")[0] for flag in rows.c_defines()}
+    used = set(re.findall(r"\b((?:ROW|KIND|MODE)_[A-Z0-9_]+)\b", source))
+    assert used and used <= defined, used - defined
+    assert not re.findall(r"row\[\d", source)
+    assert {f"ROW_{c}" for c in rows.COLUMNS if c != "ENTRY"} | {"ROW_WIDTH"} <= used
+    bare = subprocess.run(["gcc", "-fsyntax-only", "-x", "c", "-"], input=source, capture_output=True, text=True)
+    assert bare.returncode != 0 and "build through curvzo_ds/noise/cpu.py" in bare.stderr
 
 
 def test_values_depend_on_seed_step_name_and_direction():

@@ -11,6 +11,7 @@ import torch
 from curvzo_ds import ZOConfig, ZOEngine
 from curvzo_ds.noise import cpu as cpu_kernel
 from curvzo_ds.noise import reference
+from curvzo_ds.noise import rows as layout
 from curvzo_ds.shard import perturb
 from tests.helpers import ENV, ROOT
 
@@ -141,14 +142,16 @@ def test_threads_give_the_same_bits_and_cover_every_element_once():
     results = []
     for threads in (1, 2, 3, 7):
         outs = [t.clone() for t in targets]
-        kind = lambda o: perturb.MODES[o.dtype] | perturb.MODES[o.dtype] << 4  # noqa: E731 - in place
-        rows = np.array([[o.data_ptr(), o.data_ptr(), o.numel(), 3 + 1000 * i, 12345 + (i << 32), i, kind(o), i]
-                         for i, o in enumerate(outs)], dtype=np.int64)
+        rows = np.zeros((len(outs), layout.WIDTH), dtype=np.int64)
+        for i, o in enumerate(outs):  # in place: source = target
+            rows[i, [layout.DST, layout.SRC, layout.N]] = o.data_ptr(), o.data_ptr(), o.numel()
+            rows[i, [layout.START, layout.KEY, layout.STAT, layout.ENTRY]] = 3 + 1000 * i, 12345 + (i << 32), i, i
+            rows[i, layout.KIND] = layout.kind(layout.MODES[o.dtype], layout.MODES[o.dtype])
         coef = np.tile([[1.0, 0.5]], (len(outs), 1))
         sums = cpu_kernel.run_rows(rows, coef, len(outs), True, threads)
         results.append(([o.clone() for o in outs], sums.tolist()))
         parts = cpu_kernel.split_rows(rows, coef, threads)
-        assert sum(int(r[:, 2].sum()) for r, _ in parts) == sum(o.numel() for o in outs)
+        assert sum(int(r[:, layout.N].sum()) for r, _ in parts) == sum(o.numel() for o in outs)
     for outs, sums in results[1:]:
         assert sums == results[0][1] and all(torch.equal(a, b) for a, b in zip(outs, results[0][0]))
     assert torch.equal(results[0][0][1], 0.5 * reference.normals(12345, 1, 1003, 5))  # row 1: key (12345, 1)

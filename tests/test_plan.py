@@ -154,10 +154,9 @@ def test_fp32_copy_follows_the_rule():
 
 def test_table_row_is_the_perturbers():
     from curvzo_ds.commands import plan
-    from curvzo_ds.shard import perturb
+    from curvzo_ds.noise import rows
 
-    assert plan.TABLE_ROW == 8 * len(("DST", "SRC", "N", "START", "KEY", "STAT", "KIND", "ENTRY")) == \
-        8 * (perturb.ENTRY + 1)
+    assert plan.TABLE_ROW == rows.ROW_BYTES == 8 * len(rows.COLUMNS)
 
 
 def test_parse_memory():

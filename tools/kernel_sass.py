@@ -42,13 +42,15 @@ def sass_count(fn, signature: dict, constexprs: dict, capability: int) -> tuple[
 def new_kernel(capability: int) -> list[dict]:
     sys.path.insert(0, ".")
     from curvzo_ds.noise import gpu
+    from curvzo_ds.noise.rows import ElementMode
 
     out = []
     per_thread = 4 * gpu.BLOCK * gpu.SUB / (32 * WARPS)
-    for name, dst, src, ptr_d, ptr_s, stats in (("bf16 in place", 2, 2, "*i16", "*i16", False),
-                                                ("bf16 in place + stats", 2, 2, "*i16", "*i16", True),
-                                                ("fp32 master -> bf16", 2, 1, "*i16", "*fp32", False),
-                                                ("fp32 in place", 1, 1, "*fp32", "*fp32", False)):
+    bf16, fp32 = int(ElementMode.BFLOAT16), int(ElementMode.FLOAT32)
+    for name, dst, src, ptr_d, ptr_s, stats in (("bf16 in place", bf16, bf16, "*i16", "*i16", False),
+                                                ("bf16 in place + stats", bf16, bf16, "*i16", "*i16", True),
+                                                ("fp32 master -> bf16", bf16, fp32, "*i16", "*fp32", False),
+                                                ("fp32 in place", fp32, fp32, "*fp32", "*fp32", False)):
         sig = {"dst_base": ptr_d, "src_base": ptr_s, "rows": "*i64", "prefix": "*i64", "coef": "*fp32",
                "sums": "*i64", "n_rows": "i64", "DST": "constexpr", "SRC": "constexpr", "INPLACE": "constexpr",
                "COPY": "constexpr", "STATS": "constexpr", "RZ": "constexpr", "BLOCK": "constexpr", "SUB": "constexpr"}

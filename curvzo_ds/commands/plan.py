@@ -20,10 +20,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, OPTConfi
 from curvzo_ds.config.ds_config import load_ds_config, resolve_ds_config
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.hub import offline_unless_reachable
+from curvzo_ds.noise.rows import ROW_BYTES
 from curvzo_ds.tasks import demo_model_config
 
 GiB = 2**30
-TABLE_ROW = 64  # bytes of one row of the Perturber's piece table (perturb.py: 8 int64)
+TABLE_ROW = ROW_BYTES  # bytes of one row of the Perturber's piece table (noise/rows.py)
 # A CPU run only (--device cpu), both measured here (docs/plan.md): the process memory a run adds above the
 # imported libraries besides its tensors (DeepSpeed's engine and hooks, tokenizer, data, compiled noise kernel),
 # and glibc's largest mmap threshold: freed blocks below it stay in the heap for reuse, so the process keeps

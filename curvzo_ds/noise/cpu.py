@@ -8,14 +8,14 @@ no torch headers, so a build takes about a second.
 
 Flags: `-march=native` for the widest vectors; `-ffp-contract=off -fno-fast-math` keep every float
 operation separately rounded (no FMA contraction), which is what makes the values bit-identical to the
-torch reference and to the GPU kernel; `-fno-math-errno` only lets gcc vectorise sqrtf.
-Without a compiler, `available()` is False and noise.py falls back to the torch reference.
+torch reference and to the GPU kernel; `-fno-math-errno` only lets gcc vectorise sqrtf. Every build also gets the
+row layout and the element modes as -D flags (rows.c_defines()).
+Without a compiler, `available()` is False and the backend chooser (gaussian.backend) picks the torch reference.
 """
 
 from __future__ import annotations
 
 import ctypes
-import enum
 import hashlib
 import logging
 import os
@@ -27,25 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from curvzo_ds.noise import rows as R
+from curvzo_ds.noise.rows import ElementMode
+
 log = logging.getLogger("curvzo_ds")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "philox.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-shared", "-fPIC"]
-
-
-class ElementMode(enum.IntEnum):
-    """How a kernel reads and writes elements: philox.c's and the Triton kernel's codes (a row's kind packs a
-    target mode, a source mode << 4 and COPY, perturb.py). WRITE_Z, as a target: store z itself (float32); the
-    others name the stored dtype, for out <- out * scale + alpha * z."""
-
-    WRITE_Z = 0
-    FLOAT32 = 1
-    BFLOAT16 = 2
-    FLOAT16 = 3
-    FLOAT64 = 4
-
-
-MODES = {torch.float32: ElementMode.FLOAT32, torch.bfloat16: ElementMode.BFLOAT16, torch.float16: ElementMode.FLOAT16,
-         torch.float64: ElementMode.FLOAT64}
 
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
@@ -60,8 +47,8 @@ def _cpu_flags() -> str:
 
 
 def build(flags: list[str] | None = None) -> str:
-    """Path of the compiled library for `flags` (default FLAGS), building it if it is not cached."""
-    flags = list(FLAGS if flags is None else flags)
+    """Path of the compiled library for `flags` (default FLAGS) and the row layout, building it if it is not cached."""
+    flags = list(FLAGS if flags is None else flags) + R.c_defines()
     cc = os.environ.get("CC", "gcc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc}) to build the noise kernel")
@@ -129,7 +116,7 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def run_rows(rows: np.ndarray, coef: np.ndarray, num_blocks: int, want_sq: bool, threads: int = 1) -> np.ndarray:
-    """One pass over a row table (perturb.py's layout: int64 [R, 8], coef float64 [R, 2]); returns the int64 sums of
+    """One pass over a row table (rows.py's layout: int64 [R, WIDTH], coef float64 [R, 2]); returns the int64 sums of
     round(z^2 2^24) per block [num_blocks] (zeros without want_sq).
 
     With threads > 1 the rows are cut into `threads` parts of about equal element counts, each run by one thread:
@@ -141,7 +128,7 @@ def run_rows(rows: np.ndarray, coef: np.ndarray, num_blocks: int, want_sq: bool,
         return sums
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     coef = np.ascontiguousarray(coef, dtype=np.float64)
-    if threads <= 1 or len(rows) == 1 and rows[0, 2] < (1 << 16):
+    if threads <= 1 or len(rows) == 1 and rows[0, R.N] < (1 << 16):
         _lib.noise_rows(len(rows), rows.ctypes.data, coef.ctypes.data, sums.ctypes.data, int(want_sq))
         return sums
     parts = split_rows(rows, coef, threads)
@@ -159,21 +146,18 @@ def run_rows(rows: np.ndarray, coef: np.ndarray, num_blocks: int, want_sq: bool,
 
 def split_rows(rows: np.ndarray, coef: np.ndarray, parts: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """The table cut into `parts` tables of about equal element counts (a row may be cut in two)."""
-    element = {1: 4, 2: 2, 3: 2, 4: 8, 0: 4}
-    total = int(rows[:, 2].sum())
+    total = int(rows[:, R.N].sum())
     target = -(-total // parts)
     out, cur_r, cur_c, filled = [], [], [], 0
     for row, c in zip(rows, coef):
-        n, at = int(row[2]), 0
+        n, at = int(row[R.N]), 0
         while n - at > 0:
             take = min(n - at, target - filled)
             piece = row.copy()
-            size = element[int(row[6]) & 15]
-            src_size = element[(int(row[6]) >> 4) & 15] if row[1] else 0
-            piece[0] += at * size
-            if row[1]:
-                piece[1] += at * src_size
-            piece[2], piece[3] = take, row[3] + at
+            piece[R.DST] += at * R.ELEMENT_SIZE[R.dst_mode(int(row[R.KIND]))]
+            if row[R.SRC]:
+                piece[R.SRC] += at * R.ELEMENT_SIZE[R.src_mode(int(row[R.KIND]))]
+            piece[R.N], piece[R.START] = take, row[R.START] + at
             cur_r.append(piece)
             cur_c.append(c)
             filled += take

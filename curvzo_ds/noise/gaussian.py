@@ -3,16 +3,15 @@
 Element j of the noise of tensor `name` at step t (and direction d) is a pure function of
 (seed, t, name, d, j): a 64-bit Philox key from a stable hash of (seed, t, name, d), the element's
 global flat index as the counter, then a Box-Muller transform built from correctly rounded float32
-operations only (kernels/reference.py holds the definition). So:
+operations only (noise/reference.py holds the definition). So:
 - a rank generates exactly the range it owns, and the values do not depend on the world size;
 - the values do not depend on the GPU model or the launch grid (unlike CUDA's torch.randn);
 - the CPU kernel, the GPU kernel and the torch reference give the same bits (tests/test_noise.py checks
   CPU against the reference, and the Triton kernel's logic under Triton's interpreter).
 
-Backends, by the device of the tensor: on CPU the compiled kernel (kernels/cpu.py; the torch reference
-when no C compiler is found), on CUDA the Triton kernel (the torch reference on the device without
-Triton). `axpy_` updates a tensor in place without materialising z and can return the exact fixed-point
-sum of z^2 over the range (the score statistics) from the same pass.
+Backends: `backend()` chooses the kernel, for NoiseSource and the Perturber alike (shard/perturb.py). `axpy_`
+updates a tensor in place without materialising z and can return the exact fixed-point sum of z^2 over the range
+(the score statistics) from the same pass.
 
 Everything that draws noise goes through `NoiseSource`, whose `ident` goes into checkpoints: a resume
 with another generator is refused, and ranks compare `reference_digest` at start-up (ZOEngine), so a rank
@@ -22,6 +21,7 @@ with another kernel build fails at once.
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 
 import numpy as np
@@ -29,22 +29,38 @@ import torch
 
 from curvzo_ds.noise import cpu as cpu_kernel
 from curvzo_ds.noise import reference
-from curvzo_ds.noise.cpu import ElementMode
+from curvzo_ds.noise.rows import MODES, ElementMode
 
 # z^2 is summed as round(z^2 * 2^24) in int64: exact and order-free. The one source of the scale: philox.c,
-# kernels/gpu.py and kernels/reference.py state 2^24 as a literal, and tests/test_noise.py checks that they agree.
+# noise/gpu.py and noise/reference.py state 2^24 as a literal, and tests/test_noise.py checks that they agree.
 FIXED_POINT_BITS = 24
 MAX_ABS_Z = 6.7  # |z| <= 6.66 by construction (u1 >= 2^-32)
 
 
+def stable_seeds(head: tuple, tails: list[tuple]) -> list[int]:
+    """The key hash, the one definition: stable_seed(*head, *tail) for each tail, with `head` hashed once. A 63-bit
+    blake2b of each part's str as (uint32 little-endian length, utf-8 bytes), never Python's salted `hash`."""
+    prefix = hashlib.blake2b(digest_size=8)
+    prefix.update(_encode(head))
+    out = []
+    for tail in tails:
+        h = prefix.copy()
+        h.update(_encode(tail))
+        out.append(int.from_bytes(h.digest(), "little") & ((1 << 63) - 1))
+    return out
+
+
 def stable_seed(*parts: object) -> int:
-    """A 63-bit seed from a stable hash of `parts` (never Python's salted `hash`)."""
-    h = hashlib.blake2b(digest_size=8)
+    """A 63-bit seed from a stable hash of `parts` (stable_seeds)."""
+    return stable_seeds(parts, [()])[0]
+
+
+def _encode(parts: tuple) -> bytes:
+    out = b""
     for part in parts:
         data = str(part).encode()
-        h.update(struct.pack("<I", len(data)))
-        h.update(data)
-    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+        out += struct.pack("<I", len(data)) + data
+    return out
 
 
 def f32(x: float) -> float:
@@ -78,21 +94,10 @@ class NoiseSource:
         return key
 
     def keys(self, step: int, names: list[str], direction: int = 0) -> np.ndarray:
-        """The keys of tensors `names` at `step` as int64 (k0 | k1 << 32): `key()` for many names, with the hash of
-        (seed, step) computed once (the same bytes as stable_seed)."""
-        prefix = hashlib.blake2b(digest_size=8)
-        for part in (self.seed, step):
-            data = str(part).encode()
-            prefix.update(struct.pack("<I", len(data)) + data)
-        d = str(direction).encode()
-        tail = struct.pack("<I", len(d)) + d
-        out = np.empty(len(names), dtype=np.uint64)
-        for i, name in enumerate(names):
-            data = name.encode()
-            h = prefix.copy()
-            h.update(struct.pack("<I", len(data)) + data + tail)
-            out[i] = int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
-        return out.view(np.int64)
+        """The keys of tensors `names` at `step` as int64 (k0 | k1 << 32): `key()` for many names, through the same
+        hash (stable_seeds) with (seed, step) hashed once."""
+        seeds = stable_seeds((self.seed, step), [(name, direction) for name in names])
+        return np.array(seeds, dtype=np.int64)
 
     def slice(self, step: int, name: str, numel: int, start: int, length: int, device="cpu",
               direction: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,14 +131,16 @@ class NoiseSource:
         k0, k1 = key
         kind = out.device.type
         if mode is None:
-            mode = cpu_kernel.MODES.get(out.dtype)
-        if kind == "cpu" and mode is not None and cpu_kernel.available():
+            mode = MODES.get(out.dtype)
+        chosen = backend(out.device, out.dtype)
+        if chosen == "c":
             total = cpu_kernel.run(k0, k1, start, out, mode, scale, alpha, want_sq)
             return total if want_sq else None
-        if kind == "cuda" and mode is not None and mode != ElementMode.FLOAT64 and triton_available():
+        if chosen == "triton":
             from curvzo_ds.noise import gpu
 
-            return gpu.run(k0, k1, start, out, mode, scale, alpha, want_sq)
+            total = gpu.run(k0, k1, start, out, mode, scale, alpha, want_sq)
+            return int(total) if want_sq and kind == "cpu" else total
         z = reference.normals(k0, k1, start, out.numel(), out.device)
         if mode == ElementMode.WRITE_Z:
             out.copy_(z)
@@ -158,6 +165,25 @@ class NoiseSource:
 
 
 TRITON_FOUND: bool | None = None
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def backend(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel for a tensor of `dtype` on `device`, for NoiseSource and the Perturber alike: "c" (cpu.py),
+    "triton" (gpu.py) or "torch" (reference.py).
+
+    CURVZO_DS_NOISE_KERNEL=triton runs the Triton kernel on any device for the dtypes it has (tests run it on CPU
+    tensors under TRITON_INTERPRET=1); =torch turns the C kernel off (cpu.available). Otherwise: the C kernel on
+    CPU for the dtypes it has (float32, bfloat16, float16, float64), the Triton kernel on CUDA for float32,
+    bfloat16 and float16 when Triton imports; the torch reference for the rest. This is the rule the Perturber
+    followed; NoiseSource's own rule had no CURVZO_DS_NOISE_KERNEL=triton case."""
+    if os.environ.get("CURVZO_DS_NOISE_KERNEL", "auto") == "triton" and dtype in TRITON_DTYPES:
+        return "triton"
+    if device.type == "cpu" and dtype in MODES and cpu_kernel.available():
+        return "c"
+    if device.type == "cuda" and dtype in TRITON_DTYPES and triton_available():
+        return "triton"
+    return "torch"
 
 
 def triton_available() -> bool:

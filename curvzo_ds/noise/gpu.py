@@ -1,8 +1,8 @@
 """The GPU noise kernel (Triton): the same definition as reference.py and philox.c, one launch per pass.
 
-A pass is a table of rows (perturb.py builds it once per step): row r reads n elements from a source, writes them
-to a target, both given as element offsets from one base pointer per dtype (any tensor of that dtype: the
-addresses of every row are then plain offsets from it), with
+A pass is a table of rows (rows.py's layout; perturb.py builds it once per step): row r reads n elements from a
+source, writes them to a target, both given as element offsets from one base pointer per dtype (any tensor of that
+dtype: the addresses of every row are then plain offsets from it), with
     target[i] = source[i] * scale_r + alpha_r * z[start_r + i]     (a copy row: target[i] = source[i])
 where z is the stream of key_r. One launch covers every row of one (target dtype, source dtype) pair: program p
 finds its row by a binary search in the prefix sum of programs per row, then handles SUB x BLOCK Philox groups
@@ -28,20 +28,25 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from curvzo_ds.noise import reference as R
+from curvzo_ds.noise import rows
 
 SIN1, SIN3, SIN5, SIN7 = (tl.constexpr(v) for v in (R.SIN1, R.SIN3, R.SIN5, R.SIN7))
 COS2, COS4, COS6, COS8 = (tl.constexpr(v) for v in (R.COS2, R.COS4, R.COS6, R.COS8))
 LOG3, LOG5, LOG7 = (tl.constexpr(v) for v in (R.LOG3, R.LOG5, R.LOG7))
 LN2_HI, LN2_LO = tl.constexpr(R.LN2_HI), tl.constexpr(R.LN2_LO)
-FIXED_POINT_SCALE = tl.constexpr(16777216.0)  # 2^24: noise.FIXED_POINT_BITS (tests/test_noise.py checks they agree)
+FIXED_POINT_SCALE = tl.constexpr(16777216.0)  # 2^24: gaussian.FIXED_POINT_BITS (tests/test_noise.py checks they agree)
 # The launch shape, from a sweep on an H100 (tools/kernel_profile.py --sweep; benchmarks/RESULTS.md): 512 groups x 4
 # sub-blocks x 4 warps needs 46 registers a thread and ran a pass 1.49x faster than 1024 x 4 x 4 (80 registers).
 BLOCK = 512  # Philox groups per sub-block: 2048 elements
 SUB = 4  # sub-blocks per program: 8192 elements
 WARPS = 4  # warps per program
-ROW_COLUMNS = 8  # perturb.py's row layout
-# Element codes (the CPU kernel's modes): 0 write z itself (float32), 1 float32, 2 bfloat16, 3 float16.
-CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+# rows.py's layout, as constants the kernel can read
+ROW_WIDTH, ROW_DST, ROW_SRC, ROW_N, ROW_START, ROW_KEY, ROW_STAT = (
+    tl.constexpr(v) for v in (rows.WIDTH, rows.DST, rows.SRC, rows.N, rows.START, rows.KEY, rows.STAT))
+# Element codes (rows.ElementMode): WRITE_Z (as a target), FLOAT32, BFLOAT16, FLOAT16; no FLOAT64 here.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CODES = {dtype: int(rows.MODES[dtype]) for dtype in DTYPES}
+WRITE_Z, BFLOAT16 = tl.constexpr(int(rows.ElementMode.WRITE_Z)), tl.constexpr(int(rows.ElementMode.BFLOAT16))
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter has no libdevice: the portable exponent
 
 
@@ -89,11 +94,11 @@ def _apply(dst, src, e, n, z, scale, alpha, DST: tl.constexpr, SRC: tl.constexpr
            COPY: tl.constexpr, STATS: tl.constexpr):
     """Element e (local to the row) of one row: load, update, store; returns the fixed-point z^2 sum (or 0)."""
     inside = e.to(tl.uint32) < n.to(tl.uint32)  # 0 <= e < n in one unsigned compare
-    if DST == 0:
+    if DST == WRITE_Z:
         y = z
     else:
         where = dst + e if INPLACE else src + e
-        if SRC == 2:  # bfloat16 as its int16 bits: widen exactly
+        if SRC == BFLOAT16:  # bfloat16 as its int16 bits: widen exactly
             bits = tl.load(where, mask=inside, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
             x = (bits << 16).to(tl.float32, bitcast=True)
         else:
@@ -102,7 +107,7 @@ def _apply(dst, src, e, n, z, scale, alpha, DST: tl.constexpr, SRC: tl.constexpr
             y = x
         else:
             y = x * scale + alpha * z
-    if DST == 2:
+    if DST == BFLOAT16:
         # bfloat16 rounded to nearest even in integers (as philox.c does; NaN -> 0x7fc0), so the result does not
         # depend on how a backend converts fp32 -> bf16
         u = y.to(tl.uint32, bitcast=True)
@@ -133,13 +138,13 @@ def _rows_kernel(dst_base, src_base, rows, prefix, coef, sums, n_rows, DST: tl.c
         below = tl.load(prefix + mid) <= pid
         lo = tl.where(below, mid, lo)
         hi = tl.where(below, hi, mid)
-    row = rows + lo * 8
-    dst = dst_base + tl.load(row)
-    src = src_base + tl.load(row + 1)
-    n = tl.load(row + 2).to(tl.int32)  # rows are cut at 2^30 elements (perturb.py)
-    start = tl.load(row + 3)
-    key = tl.load(row + 4)
-    stat = tl.load(row + 5)
+    row = rows + lo * ROW_WIDTH
+    dst = dst_base + tl.load(row + ROW_DST)
+    src = src_base + tl.load(row + ROW_SRC)
+    n = tl.load(row + ROW_N).to(tl.int32)  # rows are cut at 2^30 elements (perturb.py)
+    start = tl.load(row + ROW_START)
+    key = tl.load(row + ROW_KEY)
+    stat = tl.load(row + ROW_STAT)
     scale = tl.load(coef + lo * 2)
     alpha = tl.load(coef + lo * 2 + 1)
     first = pid - tl.load(prefix + lo)  # this program's index within the row
@@ -192,20 +197,21 @@ def programs_per_row(n: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     return (groups + SUB * BLOCK - 1) // (SUB * BLOCK)
 
 
-def launch(dst_base: torch.Tensor, src_base: torch.Tensor | None, rows: torch.Tensor, prefix: torch.Tensor,
+def launch(dst_base: torch.Tensor, src_base: torch.Tensor | None, table: torch.Tensor, prefix: torch.Tensor,
            programs: int, coef: torch.Tensor, sums: torch.Tensor | None, copy: bool = False,
            write_z: bool = False) -> None:
     """One launch over every row of a (target dtype, source dtype) pair; all tensors on the same CUDA device.
 
-    rows: int64 [R, 8] with element offsets from dst_base (column 0) and src_base (column 1; src_base None: each row
-    updates its target in place), perturb.py's layout; prefix: int64 [R + 1], the running total of
+    table: int64 [R, rows.WIDTH] (rows.py's layout) with element offsets from dst_base (DST) and src_base (SRC;
+    src_base None: each row updates its target in place); prefix: int64 [R + 1], the running total of
     programs_per_row; coef: float32 [R, 2] (scale, alpha); sums: int64 [G] to add the rows' statistics to (None:
     no statistics work at all); copy: target = source, no noise; write_z: target (float32) = z."""
     src = dst_base if src_base is None else src_base
     as_bits = lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # noqa: E731
-    _rows_kernel[(programs,)](as_bits(dst_base), as_bits(src), rows, prefix, coef,
-                              sums if sums is not None else rows, rows.shape[0],
-                              DST=0 if write_z else CODES[dst_base.dtype], SRC=CODES[src.dtype],
+    _rows_kernel[(programs,)](as_bits(dst_base), as_bits(src), table, prefix, coef,
+                              sums if sums is not None else table, table.shape[0],
+                              DST=int(rows.ElementMode.WRITE_Z) if write_z else CODES[dst_base.dtype],
+                              SRC=CODES[src.dtype],
                               INPLACE=src_base is None, COPY=copy, STATS=sums is not None, RZ=not INTERPRETED,
                               BLOCK=BLOCK, SUB=SUB, num_warps=WARPS, enable_fp_fusion=False)
 
@@ -220,9 +226,11 @@ def run(k0: int, k1: int, start: int, out: torch.Tensor, mode: int, scale: float
     if n == 0:
         return sums[0] if want_sq else None
     key = (k1 << 32 | k0) - (1 << 64 if k1 >= 1 << 31 else 0)  # the two words as one int64
-    rows = torch.tensor([[0, 0, n, start, key, 0, 0, 0]], dtype=torch.int64)
-    per = programs_per_row(rows[:, 2], rows[:, 3])
+    table = torch.zeros(1, rows.WIDTH, dtype=torch.int64)
+    table[0, rows.N], table[0, rows.START], table[0, rows.KEY] = n, start, key
+    per = programs_per_row(table[:, rows.N], table[:, rows.START])
     prefix = torch.cat([torch.zeros(1, dtype=torch.int64), per.cumsum(0)])
     coef = torch.tensor([[scale, alpha]], dtype=torch.float32)
-    launch(out, None, rows.to(device), prefix.to(device), int(prefix[-1]), coef.to(device), sums, write_z=mode == 0)
+    launch(out, None, table.to(device), prefix.to(device), int(prefix[-1]), coef.to(device), sums,
+           write_z=mode == rows.ElementMode.WRITE_Z)
     return sums[0] if want_sq else None

@@ -1,6 +1,6 @@
 /* curvzo_ds noise kernel (CPU): Philox4x32-10 + integer-reduced Box-Muller.
- * The definition is shared with kernels/reference.py (torch eager) and kernels/triton.py (GPU):
- * change all three together, and the generator's ident in noise.py.
+ * The definition is shared with noise/reference.py (torch eager) and noise/gpu.py (Triton):
+ * change all three together, and the generator's ident in noise/gaussian.py.
  *
  *
  * Element j of the stream for key (k0, k1) is a pure function of (key, j):
@@ -8,17 +8,22 @@
  *   -> r0..r3;  pair (r0, r1) -> z[4c], z[4c+1];  pair (r2, r3) -> z[4c+2], z[4c+3].
  * The transform uses only integer ops and IEEE float32 + - * / sqrt, each rounded
  * separately (build with -ffp-contract=off, no fast-math), so that torch eager ops
- * (noise_ref.py) on any IEEE device give the same bits.  See box_muller() below.
+ * (noise/reference.py) on any IEEE device give the same bits.  See box_muller() below.
  *
  * Work is done per block of BLK groups in three passes over L1-resident buffers:
  * Philox (hand-vectorised, below) -> Box-Muller (branch-free, auto-vectorised by gcc)
  * -> store / axpy / sum of squares (auto-vectorised).
  * Build: gcc -O3 -march=native -ffp-contract=off -fno-fast-math -fno-math-errno
- *   -shared -fPIC.  -fno-math-errno is needed for gcc to vectorise sqrtf (else a
+ *   -shared -fPIC, and the row layout and element modes as -D flags (noise/rows.py's c_defines(), which
+ *   noise/cpu.py's build() passes).  -fno-math-errno is needed for gcc to vectorise sqrtf (else a
  *   scalar errno check, ~8x slower transform); it does not change any result.
  */
 #include <stdint.h>
 #include <string.h>
+
+#ifndef ROW_WIDTH
+#error "build through curvzo_ds/noise/cpu.py: it passes the row layout and the element modes (noise/rows.py)"
+#endif
 
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u
@@ -161,11 +166,12 @@ static inline int64_t fixsq(float zf) {
     return i - 0x4338000000000000LL;
 }
 
-/* Element modes (kernels/cpu.py MODES): 1 float32, 2 bfloat16, 3 float16, 4 float64; 0 as a target mode: write z
- * itself (float32). Loads widen exactly to float (double for mode 4); stores round to nearest even. */
+/* Element modes (noise/rows.py ElementMode): MODE_FLOAT32, MODE_BFLOAT16, MODE_FLOAT16, MODE_FLOAT64; MODE_WRITE_Z
+ * as a target mode: write z itself (float32). Loads widen exactly to float (double for MODE_FLOAT64); stores round
+ * to nearest even. */
 static inline float ld(int mode, const void *p, int64_t i) {
-    if (mode == 1) return ((const float *)p)[i];
-    if (mode == 2) return as_float((uint32_t)((const uint16_t *)p)[i] << 16);
+    if (mode == MODE_FLOAT32) return ((const float *)p)[i];
+    if (mode == MODE_BFLOAT16) return as_float((uint32_t)((const uint16_t *)p)[i] << 16);
     return (float)((const _Float16 *)p)[i];
 }
 
@@ -186,20 +192,20 @@ static inline uint16_t bf16_bits(float x) {
 
 static void axpy_block(int dmode, void *dst, int smode, const void *src, int64_t done, int64_t cnt,
                        const float *zs, float scale, float alpha, double scale64, double alpha64) {
-    if (dmode == 0) {
+    if (dmode == MODE_WRITE_Z) {
         float *o = (float *)dst + done;
         for (int64_t i = 0; i < cnt; i++) o[i] = zs[i];
-    } else if (dmode == 4) {
+    } else if (dmode == MODE_FLOAT64) {
         double *o = (double *)dst + done;
         const double *x = (const double *)src + done;
         for (int64_t i = 0; i < cnt; i++) o[i] = x[i] * scale64 + alpha64 * (double)zs[i];
-    } else if (dmode == 1) {
+    } else if (dmode == MODE_FLOAT32) {
         AXPY(float, float, x[i], v);
-    } else if (dmode == 2 && smode == 2) {
+    } else if (dmode == MODE_BFLOAT16 && smode == MODE_BFLOAT16) {
         AXPY(uint16_t, uint16_t, as_float((uint32_t)x[i] << 16), bf16_bits(v));
-    } else if (dmode == 2) {
+    } else if (dmode == MODE_BFLOAT16) {
         AXPY(uint16_t, float, x[i], bf16_bits(v));
-    } else if (smode == 3) {
+    } else if (smode == MODE_FLOAT16) {
         AXPY(_Float16, _Float16, (float)x[i], (_Float16)v);
     } else {
         AXPY(_Float16, float, x[i], (_Float16)v);
@@ -238,13 +244,13 @@ static int64_t run(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, void *ds
 /* dst[i] = src[i] rounded to dst's mode: the master copy written back to a stored copy, no noise drawn. */
 static void copy_cast(int dmode, void *dst, int smode, const void *src, int64_t n) {
     if (dmode == smode) {
-        memcpy(dst, src, (size_t)n * (dmode == 4 ? 8 : dmode == 1 ? 4 : 2));
+        memcpy(dst, src, (size_t)n * (dmode == MODE_FLOAT64 ? 8 : dmode == MODE_FLOAT32 ? 4 : 2));
         return;
     }
     for (int64_t i = 0; i < n; i++) {
         float v = ld(smode, src, i);
-        if (dmode == 1) ((float *)dst)[i] = v;
-        else if (dmode == 2) ((uint16_t *)dst)[i] = bf16_bits(v);
+        if (dmode == MODE_FLOAT32) ((float *)dst)[i] = v;
+        else if (dmode == MODE_BFLOAT16) ((uint16_t *)dst)[i] = bf16_bits(v);
         else ((_Float16 *)dst)[i] = (_Float16)v;
     }
 }
@@ -254,34 +260,36 @@ int64_t noise_run(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, void *out
     return run(k0, k1, start, n, out, mode, out, mode, scale, alpha, 0.0, 0.0, want_sq);
 }
 
-/* float64 targets (mode 4): the scalars stay double. */
+/* float64 targets (MODE_FLOAT64): the scalars stay double. */
 int64_t noise_run64(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, double *out,
                     double scale, double alpha, int want_sq) {
-    return run(k0, k1, start, n, out, 4, out, 4, 0.0f, 0.0f, scale, alpha, want_sq);
+    return run(k0, k1, start, n, out, MODE_FLOAT64, out, MODE_FLOAT64, 0.0f, 0.0f, scale, alpha, want_sq);
 }
 
-/* One pass of the Perturber over a table of rows (kernels/cpu.py builds it; several threads may each take a
- * part of the table, with their own `sums`):
- *   rows: int64 [nrows][8] = dst address, src address, n, start, key (k0 | k1 << 32), stat block (-1: none),
- *         kind (dst mode | src mode << 4 | copy << 8), unused;
+/* One pass of the Perturber over a table of rows (shard/perturb.py builds it, noise/cpu.py calls it; several
+ * threads may each take a part of the table, with their own `sums`):
+ *   rows: int64 [nrows][ROW_WIDTH], noise/rows.py's layout: ROW_DST and ROW_SRC addresses, ROW_N, ROW_START,
+ *         ROW_KEY (k0 | k1 << 32), ROW_STAT block (-1: none), ROW_KIND (dst mode | src mode << KIND_SRC_SHIFT |
+ *         KIND_COPY);
  *   coef: double [nrows][2] = scale, alpha (rounded to float32 here, except for float64 rows).
  * A row does dst[i] = src[i] * scale + alpha * z[start + i] (a copy row: dst[i] = src[i]); with want_sq, a
  * row with a stat block adds its sum round(z^2 2^24) to sums[block]. */
 void noise_rows(int64_t nrows, const int64_t *rows, const double *coef, int64_t *sums, int want_sq) {
     for (int64_t r = 0; r < nrows; r++) {
-        const int64_t *row = rows + 8 * r;
-        void *dst = (void *)(intptr_t)row[0];
-        const void *src = (const void *)(intptr_t)row[1];
-        int64_t n = row[2];
-        uint64_t key = (uint64_t)row[4];
-        int dmode = (int)(row[6] & 15), smode = (int)((row[6] >> 4) & 15);
-        if (row[6] & 256) {
+        const int64_t *row = rows + ROW_WIDTH * r;
+        void *dst = (void *)(intptr_t)row[ROW_DST];
+        const void *src = (const void *)(intptr_t)row[ROW_SRC];
+        int64_t n = row[ROW_N];
+        uint64_t key = (uint64_t)row[ROW_KEY];
+        int dmode = (int)(row[ROW_KIND] & KIND_MODE_MASK);
+        int smode = (int)((row[ROW_KIND] >> KIND_SRC_SHIFT) & KIND_MODE_MASK);
+        if (row[ROW_KIND] & KIND_COPY) {
             copy_cast(dmode, dst, smode, src, n);
             continue;
         }
-        int stat = want_sq && row[5] >= 0;
-        int64_t total = run((uint32_t)key, (uint32_t)(key >> 32), (uint64_t)row[3], n, dst, dmode, src, smode,
+        int stat = want_sq && row[ROW_STAT] >= 0;
+        int64_t total = run((uint32_t)key, (uint32_t)(key >> 32), (uint64_t)row[ROW_START], n, dst, dmode, src, smode,
                             (float)coef[2 * r], (float)coef[2 * r + 1], coef[2 * r], coef[2 * r + 1], stat);
-        if (stat) sums[row[5]] += total;
+        if (stat) sums[row[ROW_STAT]] += total;
     }
 }

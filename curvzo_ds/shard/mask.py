@@ -11,10 +11,11 @@ gradient. The squared batch gradients are summed over the probe batches, and the
 elements) largest sums are kept: the k-th largest is found by bisection over float32 bit patterns, with one
 all-reduce of a count per round over the shard group (31 rounds), so no rank sees more than its own slice.
 
-`MaskedPerturber` stands in for the engine's `Perturber` (method mezo: every block is drawn, pi = 1, no 1/pi
-weights): z is drawn only for the selected elements, from the same counter-based noise (one stream per tensor,
-keyed by its canonical name, counter = the element's rank among the tensor's selected elements, so that the values
-do not depend on the world size), and the selected elements are written from an fp32 copy of their values.
+`MaskedPerturber` stands in for the engine's `Perturber` (both are perturb.StepPasses; method mezo: every block is
+drawn, pi = 1, no 1/pi weights): z is drawn only for the selected elements, from the same counter-based noise (one
+stream per tensor, keyed by its canonical name, counter = the element's rank among the tensor's selected elements,
+so that the values do not depend on the world size), and the selected elements are written from an fp32 copy of
+their values.
 Memory per rank: 8 bytes (index) + 4 (fp32 value) + 4 per direction (z, kept for the step) per selected element
 of its region; the probe adds 8 bytes per element of its region (two fp32 accumulators), once, before training.
 On a GPU each pass is a few launches per tensor (index_copy), not one per dtype as for the dense passes.
@@ -29,6 +30,7 @@ from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.noise.gaussian import NoiseSource
 from curvzo_ds.shard import ds_compat
 from curvzo_ds.shard.params import ParamEntry
+from curvzo_ds.shard.perturb import StepPasses
 
 
 class StaticMask:
@@ -141,15 +143,14 @@ def _kth_largest(engine, entries: list[ParamEntry], squared: list[torch.Tensor],
     return lo
 
 
-class MaskedPerturber:
-    """The passes of a step over the selected elements only (the engine's Perturber interface)."""
+class MaskedPerturber(StepPasses):
+    """The passes of a step over the selected elements only."""
 
     def __init__(self, mask: StaticMask, noise: NoiseSource):
         self.mask, self.noise = mask, noise
         self.entries = mask.entries
         self.used = [i for i, idx in enumerate(mask.index) if len(idx)]
         self.values = [self._read(i) for i in self.used]  # fp32 w at the selected elements
-        self.launches = 0
         self._step = -1
         self._z: dict[int, list[torch.Tensor]] = {}
 
@@ -191,7 +192,6 @@ class MaskedPerturber:
         for view, local, at in self._targets(self.used[j]):
             part = values if at is None else values.index_select(0, at.to(values.device))
             view.index_copy_(0, local, part.to(view.device, view.dtype))
-            self.launches += 1
 
     def _noise(self, direction: int) -> list[torch.Tensor]:
         if direction not in self._z:

@@ -66,12 +66,6 @@ class ParamEntry:
             if hi > lo:
                 yield view, slice(lo - off, hi - off), slice(lo - a, hi - a)
 
-    def copies(self, a: int, n: int):
-        """(1-D view, global index of its first element) of every stored copy of region elements [a, a+n):
-        the ZeRO-3 shard first, then a gathered replica that must follow (persistent parameters)."""
-        for view, vs, zs in self._pieces(a, n):
-            yield view[vs], self.region[0] + a + zs.start
-
     def write(self, a: int, values: torch.Tensor) -> None:
         """region[a: a + len(values)] <- values, in every copy."""
         for view, vs, zs in self._pieces(a, values.numel()):

@@ -2,43 +2,37 @@
 
 The Perturber owns the piece table (docs/architecture.md). A row is one contiguous range of one stored copy of a
 selected block (the ZeRO-3 shard, a gathered replica that must follow, the plain tensor, or the fp32 master copy),
-with its noise key and global start:
-
-    columns: 0 target, 1 source (CPU: addresses; GPU: element offsets from the group's base tensor), 2 n,
-             3 global start, 4 key (k0 | k1 << 32), 5 stat block (-1: none), 6 kind (target mode | source mode << 4
-             | copy << 8, the CPU kernel's), 7 entry index
+with its noise key and global start; noise/rows.py defines the columns.
 
 Rows come in groups, one per (device, kind, target dtype, source dtype): "direct" rows edit a stored copy in place;
 "master" rows write a stored copy from the fp32 master copy (w + c z while perturbed, w itself when restored);
 "master_self" rows update the master copy in place. The full table of every block is built when the storage
 changes (at the first step, or when ZeRO-3 gathers a persistent parameter for good); a step selects its rows with
 one vectorised mask and writes the keys. A pass is then a constant number of kernel launches, whatever the number
-of tensors: on a GPU one Triton launch per group (kernels/gpu.py), on the CPU one C call per thread (kernels/cpu.py:
+of tensors: on a GPU one Triton launch per group (noise/gpu.py), on the CPU one C call per thread (noise/cpu.py:
 threads over rows, which releases the GIL, so offloaded parameters use every core). The fixed-point sums of z^2
 are added per block in the same launch (integer atomics: exact, order-free), and no pass synchronises with the
 host: the tables go to the device from pinned memory without blocking.
 
-`launches`, `step_launches` and `last_pass_launches` count kernel launches and C calls (tests check that a pass
-costs the same for 10 and 1,000 tensors).
+`step_launches` counts the kernel launches and C calls of each pass of the current step (tests and
+benchmarks/gpu.py check that a pass costs the same for 10 and 1,000 tensors).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-import os
-from collections import Counter
 
 import numpy as np
 import torch
 
 from curvzo_ds.noise import cpu as cpu_kernel
 from curvzo_ds.noise import reference
-from curvzo_ds.noise.cpu import MODES
-from curvzo_ds.noise.gaussian import NoiseSource, f32, triton_available
+from curvzo_ds.noise import rows as layout
+from curvzo_ds.noise.gaussian import NoiseSource, backend, f32
+from curvzo_ds.noise.rows import COPY, DST, ENTRY, KEY, KIND, MODES, SRC, START, STAT, N
 from curvzo_ds.shard.params import Block, ParamEntry, intersect
 
-DST, SRC, N, START, KEY, STAT, KIND, ENTRY = range(8)
-COPY = 256
 ROW_LIMIT = 1 << 30  # elements per row: the GPU kernel indexes within a row in int32
 
 
@@ -50,7 +44,7 @@ class Group:
     device: torch.device
     dst_dtype: torch.dtype
     src_dtype: torch.dtype
-    rows: np.ndarray  # int64 [R, 8], every block's rows
+    rows: np.ndarray  # int64 [R, layout.WIDTH], every block's rows
     views: list  # per row: (target, offset, source, offset, n): for snapshots and the fallback
     block: np.ndarray  # [R] the block of each row
     decay: np.ndarray  # [R] bool: weight decay applies to the row's tensor
@@ -59,16 +53,7 @@ class Group:
 
     @property
     def backend(self) -> str:
-        # CURVZO_DS_NOISE_KERNEL=triton runs the Triton kernel on CPU tensors too: for tests, under TRITON_INTERPRET=1
-        forced = os.environ.get("CURVZO_DS_NOISE_KERNEL", "auto")
-        if forced == "triton" and self.dst_dtype in (torch.float32, torch.bfloat16, torch.float16):
-            return "triton"
-        if self.device.type == "cpu" and cpu_kernel.available():
-            return "c"
-        if self.device.type == "cuda" and self.dst_dtype in (torch.float32, torch.bfloat16, torch.float16) \
-                and triton_available():
-            return "triton"
-        return "torch"
+        return backend(self.device, self.dst_dtype)
 
 
 @dataclasses.dataclass
@@ -84,7 +69,41 @@ class StepRows:
     keys_for: int = -1  # the direction whose keys the device rows hold
 
 
-class Perturber:
+class StepPasses(abc.ABC):
+    """The passes of a step over the weights, as ZOEngine calls them: begin once per step, then perturb, snapshot
+    and restore, and one update. Perturber: the drawn blocks' rows; mask.MaskedPerturber: a static mask's elements."""
+
+    @abc.abstractmethod
+    def begin(self, step: int, mask: torch.Tensor, directions: int = 1) -> None:
+        """Select the work of step `step` (`mask`: the drawn blocks) for the passes that follow."""
+
+    @abc.abstractmethod
+    def perturb(self, at: float, to: float, stats: bool = False, direction: int = 0) -> torch.Tensor | None:
+        """Move the selected weights from w + at z to w + to z (z of `direction`); with `stats`, the per-block
+        fixed-point sums of z^2."""
+
+    @abc.abstractmethod
+    def update(self, steps: torch.Tensor, keeps: torch.Tensor, eps: float, weight_decay: float) -> None:
+        """From w - eps z: w <- keep_i w - step_i z (one direction)."""
+
+    @abc.abstractmethod
+    def update_directions(self, steps: list[torch.Tensor], keeps: torch.Tensor, weight_decay: float) -> None:
+        """From w: w <- keep_i w - sum_d step_d,i z_d (q directions)."""
+
+    @abc.abstractmethod
+    def snapshot(self) -> list | None:
+        """What restore() needs to put w back."""
+
+    @abc.abstractmethod
+    def restore(self, saved: list | None) -> None:
+        """Put back w from a snapshot()."""
+
+    @abc.abstractmethod
+    def owned_low_precision(self) -> list[tuple[int, torch.Tensor]]:
+        """(block, view) of the owned bf16/fp16 copies edited without an fp32 copy (the visibility check's)."""
+
+
+class Perturber(StepPasses):
     """Every pass over the weights a step edits (ZOEngine keeps the step's sequence)."""
 
     def __init__(self, entries: list[ParamEntry], blocks: list[Block], noise: NoiseSource, device: torch.device,
@@ -92,8 +111,6 @@ class Perturber:
         self.entries, self.blocks, self.noise = entries, blocks, noise
         self.device = device  # where the block statistics are gathered (the reduction's device)
         self.threads = threads
-        self.launches: Counter = Counter()  # "total": kernel launches and C calls of every pass so far
-        self.last_pass_launches = 0
         self.step_launches: list[int] = []  # per pass of the current step
         self._signature: list | None = None
         self._groups: list[Group] = []
@@ -114,15 +131,17 @@ class Perturber:
         """Rows of every block, grouped by launch (built again only when the storage changes)."""
         acc: dict[tuple, tuple[list, list, list, list]] = {}
 
-        def add(kind, dst, dst_off, src, src_off, n, start, block, stat, ei, copy=False):
+        def add(kind, dst, dst_off, src, src_off, n, start, block, stat, ei):
             for at in range(0, n, ROW_LIMIT):
                 m = min(ROW_LIMIT, n - at)
                 key = (kind, dst.device, dst.dtype, src.dtype)
                 rows, views, blocks, decays = acc.setdefault(key, ([], [], [], []))
-                kind_code = MODES[dst.dtype] | MODES[src.dtype] << 4 | (COPY if copy else 0)
-                rows.append([dst.data_ptr() + (dst_off + at) * dst.element_size(),
-                             src.data_ptr() + (src_off + at) * src.element_size(), m, start + at, 0,
-                             block if stat else -1, kind_code, ei])
+                row = [0] * layout.WIDTH
+                row[DST] = dst.data_ptr() + (dst_off + at) * dst.element_size()
+                row[SRC] = src.data_ptr() + (src_off + at) * src.element_size()
+                row[N], row[START], row[STAT], row[ENTRY] = m, start + at, block if stat else -1, ei
+                row[KIND] = layout.kind(MODES[dst.dtype], MODES[src.dtype])
+                rows.append(row)
                 views.append((dst, dst_off + at, src, src_off + at, m))
                 blocks.append(block)
                 decays.append(self.entries[ei].decay)
@@ -289,7 +308,10 @@ class Perturber:
                 coef = np.empty((len(s.rows), 2), dtype=np.float64)
                 coef[:, 0], coef[:, 1] = scale, alpha
                 if backend == "c":
-                    rows = s.rows if not copy else s.rows | np.array([0, 0, 0, 0, 0, 0, COPY, 0])
+                    rows = s.rows
+                    if copy:
+                        rows = rows.copy()
+                        rows[:, KIND] |= COPY
                     cpu_rows.append(rows)
                     cpu_coef.append(coef)
                 elif backend == "triton":
@@ -312,9 +334,7 @@ class Perturber:
                 cpu_sums = total if cpu_sums is None else cpu_sums + total
         if stats and cpu_sums is not None:
             sums += _to_device(torch.from_numpy(cpu_sums), self.device)
-        self.last_pass_launches = launches
         self.step_launches.append(launches)
-        self.launches["total"] += launches
         return sums
 
     def _launch(self, s: StepRows, coef: np.ndarray, sums: torch.Tensor | None, copy: bool) -> None:
