@@ -116,12 +116,12 @@ def load_config(config_file: str | None, sets: list[str], deepspeed: str | None)
 def eval_config(values: dict, resume) -> tuple[TrainConfig, str]:
     """`eval --resume [CKPT]`: the checkpoint's run config, with the given keys that do not change what is
     evaluated (batch size, num_eval, output path, ...). eval.json goes into the checkpoint unless output_dir is set."""
-    from curvzo_ds.checkpoint.manager import latest_checkpoint
+    from curvzo_ds.checkpoint.manager import CheckpointManager
 
     path = resume
     if resume is True:
         out = values.get("output_dir", TrainConfig.output_dir)
-        path = latest_checkpoint(out)
+        path = CheckpointManager(out).resume_path(True)
         if path is None:
             raise ConfigError(f"--resume: no complete checkpoint in output_dir={out}; pass --resume CHECKPOINT")
     run_config = os.path.join(str(path), "run_config.json")

@@ -1,6 +1,6 @@
 """`curvzo-ds export` of checkpoints from every front end (docs/integrations.md, docs/outputs.md).
 
-Every checkpoint carries the same model record and files (checkpoint.write_model_files), whoever wrote it:
+Every checkpoint carries the same model record and files (checkpoint.format.write_model_files), whoever wrote it:
 - end to end, as a user runs it: a LoRA model trained by `ZOTrainer` (one process) and by `from_accelerator`
   (2 ranks under DeepSpeed ZeRO-3, accelerate launch), then `curvzo-ds export CKPT --out DIR` in its own process;
   the adapter loads with peft onto its base model with exactly the trained values (the digest of the loaded
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from curvzo_ds.checkpoint import manager as ckpt
+from curvzo_ds.checkpoint.format import write_model_files
 from curvzo_ds.cli import main
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.shard.digest import hash_tensor
@@ -151,7 +152,7 @@ def test_the_model_record_names_the_adapters_base_and_the_frozen_parameters(tmp_
         model.name_or_path = model.config._name_or_path = source  # as from_pretrained(source) sets them
         target = tmp_path / f"files-{len(source)}"
         target.mkdir()
-        record = ckpt.write_model_files(str(target), lora(model))
+        record = write_model_files(str(target), lora(model))
         assert record["kind"] == "peft" and record["adapters"] == ["default"] and record["peft_type"] == "LORA"
         assert record["base_model"] == recorded
         assert (target / "adapter_config.json").exists() and (target / "config.json").exists()
@@ -159,7 +160,7 @@ def test_the_model_record_names_the_adapters_base_and_the_frozen_parameters(tmp_
     model = tiny_llama()
     model.lm_head.weight.requires_grad_(False)
     model.model.norm.weight.requires_grad_(False)
-    record = ckpt.write_model_files(str(tmp_path), model)
+    record = write_model_files(str(tmp_path), model)
     assert record == {"kind": "full", "hf_config": True, "frozen": ["lm_head.weight", "model.norm.weight"]}
 
 

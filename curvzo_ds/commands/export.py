@@ -1,7 +1,7 @@
 """`curvzo-ds export CKPT --out DIR [--merge-lora]`: a checkpoint to a Hugging Face directory that loads offline.
 
 Every front end (the CLI, `from_accelerator`, `ZOTrainer`) writes the same model record and files into its
-checkpoints (checkpoint.write_model_files); export reads only those, so it works the same for all of them:
+checkpoints (checkpoint.format.write_model_files); export reads only those, so it works the same for all of them:
 - Full fine-tuning: safetensors shards of the trained tensors under their `save_pretrained` names,
   config.json and the tokenizer: `AutoModelForCausalLM.from_pretrained(DIR)`.
 - LoRA (peft): the adapter (adapter_model.safetensors, adapter_config.json naming its base model) in DIR:
@@ -27,7 +27,7 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from curvzo_ds.checkpoint.manager import consolidated_state_dict, read_manifest
+from curvzo_ds.checkpoint.format import consolidated_state_dict, publish_dir, read_manifest
 from curvzo_ds.config.schema import DEMO_MODELS, TrainConfig, field_names, resolve_presets
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.hub import offline_unless_reachable
@@ -67,7 +67,7 @@ def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False, overw
         for root, _, files in os.walk(staging):  # safetensors files are created 0600 whatever the umask
             for name in files:
                 honour_umask(os.path.join(root, name))
-        replace_dir(staging, out)
+        publish_dir(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return lines
@@ -79,10 +79,10 @@ def _export_full(checkpoint: str, model: dict, staging: str, out: str) -> list[s
     if frozen:
         raise ConfigError(f"{checkpoint} holds the trained parameters only, and {len(frozen)} of the model's were "
                           f"frozen (e.g. {frozen[0]}): a model written from it would miss them; load your base model "
-                          "and copy the checkpoint's tensors into it (checkpoint.consolidated_state_dict)")
+                          "and copy the checkpoint's tensors into it (checkpoint.format.consolidated_state_dict)")
     if not model["hf_config"]:
         raise ConfigError(f"{checkpoint} has no config.json: the model was not a Hugging Face model, and export "
-                          "writes from_pretrained directories only (checkpoint.consolidated_state_dict gives the "
+                          "writes from_pretrained directories only (checkpoint.format.consolidated_state_dict gives "
                           "tensors)")
     _save_sharded(consolidated_state_dict(checkpoint), staging)
     _copy(checkpoint, staging, ("config.json", *TOKENIZER_FILES))
@@ -166,19 +166,6 @@ def _base_model(recorded: str | None, cfg: TrainConfig | None, staging: str, out
     if recorded is not None and os.path.isdir(recorded):
         return os.path.relpath(os.path.abspath(recorded), os.path.abspath(adapter_dir)), None, recorded
     return recorded, None, None
-
-
-def replace_dir(new: str, target: str) -> None:
-    """Put the complete directory `new` at `target`: an old `target` is moved aside first and removed once the new
-    one is in place, so `target` is always one export or the other, never a mix."""
-    old = None
-    if os.path.isdir(target):
-        old = f"{new}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(target, old)
-    os.rename(new, target)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _copy(src: str, dst: str, names) -> None:

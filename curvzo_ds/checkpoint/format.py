@@ -1,0 +1,336 @@
+"""The checkpoint format: what each rank writes, how a directory is published, and how it is read and verified.
+
+`checkpoint-<step>/` holds one safetensors file per rank with the rank's owned slice of every trainable tensor
+(1-D, with its global [lo, hi) in the manifest), `manifest.json` (format, step, world size, the SHA-256 of every
+rank file, the tensors' shapes and dtypes, the engine's ZO state, the model record, the trainer's state) and what
+an export needs beside the weights (write_model_files). A checkpoint is written under `<final>.tmp` and published
+by `publish_dir`, which export uses too. `engine.save_checkpoint` of DeepSpeed is not used: it needs an optimizer
+(docs/deepspeed.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from curvzo_ds.engine import ZOEngine
+from curvzo_ds.errors import CheckpointWriteError
+from curvzo_ds.jsonio import honour_umask
+from curvzo_ds.shard.mask import StaticMask
+from curvzo_ds.shard.params import canonical_name, intersect
+
+FORMAT = "curvzo_ds-checkpoint-v1"
+MASK_PREFIX = "static_mask:"  # rank files: the owned selected elements of a static_mask run, per tensor
+_RANK_FILE = re.compile(r"^rank-\d{5}-of-\d{5}\.safetensors$")
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checked_file(path: str, name: str, sha: str, verified: set | None = None) -> str:
+    """The path of rank file `name` of checkpoint `path`, after checking that `name` is a rank file name (no pickle,
+    no path out of the directory), that the file exists and that its SHA-256 is `sha`; a name already in `verified`
+    is not hashed again, and a checked one is added to it. Raises ValueError naming the problem."""
+    if not _RANK_FILE.match(str(name)):
+        raise ValueError(f"{path}/manifest.json names {name!r}: only rank-NNNNN-of-NNNNN.safetensors files in "
+                         "the checkpoint directory are loaded (no pickles, no paths)")
+    fpath = os.path.join(path, name)
+    if verified is not None and name in verified:
+        return fpath
+    if not os.path.isfile(fpath):
+        raise ValueError(f"{fpath} is missing: the checkpoint is partial")
+    if file_sha256(fpath) != sha:
+        raise ValueError(f"checksum mismatch for {fpath}: the checkpoint is corrupt")
+    if verified is not None:
+        verified.add(name)
+    return fpath
+
+
+def fsync(path: str) -> None:
+    """Flush a file, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_dir(tmp: str, final: str) -> None:
+    """Flush the complete directory `tmp` (its entries and itself) to the disk and rename it to `final`. An existing
+    `final` is moved to `tmp.old` first and removed only after the new one is in place: a crash at any point leaves
+    one complete directory at `final` or beside it, never a mix of the two."""
+    for name in os.listdir(tmp):
+        fsync(os.path.join(tmp, name))
+    fsync(tmp)
+    old = tmp + ".old"
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync(os.path.dirname(os.path.abspath(final)))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _jsonable_state(state: dict) -> dict:
+    return {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in state.items()}
+
+
+def write_checkpoint(engine: ZOEngine, final: str, trainer_state: dict | None = None,
+                     write_extra: Callable[[str], None] | None = None, tokenizer=None) -> str:
+    """Collective: the checkpoint at exactly `final` (written as `final.tmp`, published when complete).
+
+    Rank 0 adds the model files (write_model_files, with `tokenizer` when given) and then runs `write_extra(dir)`
+    for the caller's own files, before the rename. With replica groups (hybrid sharding) every group holds the
+    same shards: group 0 writes them, and the others learn from it whether that worked."""
+    topology = engine.topology
+    if topology.replicas == 1:
+        return _write_group(engine, final, trainer_state, write_extra, tokenizer)
+    error = None
+    if topology.replica == 0:
+        try:
+            _write_group(engine, final, trainer_state, write_extra, tokenizer)
+        except CheckpointWriteError as e:
+            error = str(e)
+    error = topology.job.broadcast_object(error)
+    if error:
+        raise CheckpointWriteError(error)
+    return final
+
+
+def write_model_files(directory: str, module, tokenizer=None) -> dict:
+    """What an export needs beside the weights, written the same way for every front end (rank 0): the model's
+    config.json (the base model's, under peft), a peft adapter's adapter_config.json, and the tokenizer when there
+    is one. Returns the manifest's "model" record, which export reads to refuse what it cannot write faithfully:
+    - full fine-tuning: {"kind": "full", "hf_config": whether config.json was written, "frozen": the canonical
+      names of parameters that were not trained (a full export from the checkpoint would lack them)};
+    - peft: {"kind": "peft", "peft_type", "adapters" (names), "base_model" (the adapter config's
+      base_model_name_or_path, absolute when it is a local directory; None when unknown), "adapter_keys" (the keys
+      of peft's adapter state dict, which the checkpoint's tensors must be)}.
+    """
+    peft = getattr(module, "peft_config", None)
+    base = module.get_base_model() if peft is not None else module
+    hf_config = getattr(base, "config", None)
+    if hasattr(hf_config, "to_json_file"):
+        hf_config.to_json_file(os.path.join(directory, "config.json"))
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+    if peft is None:
+        seen, frozen = set(), []
+        for name, p in module.named_parameters():
+            if id(p) not in seen and not p.requires_grad:
+                frozen.append(canonical_name(name, False))
+            seen.add(id(p))
+        return {"kind": "full", "hf_config": hasattr(hf_config, "to_json_file"), "frozen": sorted(frozen)}
+    from peft import get_peft_model_state_dict
+
+    adapters = sorted(peft)
+    record = {"kind": "peft", "adapters": adapters, "peft_type": None, "base_model": None, "adapter_keys": []}
+    if len(adapters) == 1:
+        adapter = peft[adapters[0]]
+        adapter.save_pretrained(directory)
+        source = adapter.base_model_name_or_path
+        record.update(peft_type=str(getattr(adapter.peft_type, "value", adapter.peft_type)),
+                      base_model=(os.path.abspath(source) if source and os.path.isdir(source) else source) or None,
+                      # the keys only; save_embedding_layers=False: no look-up of the base model's config (the hub)
+                      adapter_keys=sorted(get_peft_model_state_dict(module, adapter_name=adapters[0],
+                                                                    save_embedding_layers=False)))
+    return record
+
+
+def _rank_tensors(engine: ZOEngine) -> tuple[dict, dict]:
+    """(this rank's tensors to save, {name: its global [lo, hi)}): the owned slice of each trainable tensor, and the
+    owned selected elements of a static mask (global indices)."""
+    tensors, slices = {}, {}
+    for e in engine.entries:
+        lo, hi = e.owned
+        if hi > lo:
+            values = e.region_values()[lo - e.region[0]: hi - e.region[0]]
+            tensors[e.name] = values.contiguous() if e.master is not None else values.to(e.param.dtype).contiguous()
+            slices[e.name] = [lo, hi]
+    if engine.static_mask is not None:
+        for i, e in enumerate(engine.entries):
+            owned = engine.static_mask.owned(i)
+            if len(owned):
+                tensors[MASK_PREFIX + e.name] = owned.contiguous()
+    return tensors, slices
+
+
+def _write_group(engine: ZOEngine, final: str, trainer_state: dict | None,
+                 write_extra: Callable[[str], None] | None, tokenizer=None) -> str:
+    comm = engine.comm
+    tmp = final + ".tmp"
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    comm.barrier()
+    fname = f"rank-{comm.rank:05d}-of-{comm.world_size:05d}.safetensors"
+    mine = error = None
+    try:  # a failure on one rank is shared, so that no rank waits for it in a collective
+        tensors, slices = _rank_tensors(engine)
+        path = os.path.join(tmp, fname)
+        save_file(tensors, path)
+        honour_umask(path)
+        fsync(path)
+        mine = (fname, file_sha256(path), slices)
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+        error = f"rank {comm.rank}: {e.__class__.__name__}: {e}"
+    everyone = comm.all_gather_object((mine, error))
+    _raise_any(final, [err for _, err in everyone])
+    if comm.rank == 0:
+        try:
+            parts = [m for m, _ in everyone]
+            manifest = {
+                "format": FORMAT,
+                "step": engine.step_count,
+                "world_size": comm.world_size,
+                "files": {f: sha for f, sha, _ in parts},
+                "slices": {f: s for f, _, s in parts},
+                "tensors": {e.name: {"shape": list(e.shape), "dtype": str(e.param.dtype).removeprefix("torch."),
+                                     "numel": e.numel} for e in engine.entries},
+                "engine": _jsonable_state(engine.state_dict()),
+                "trainer": trainer_state or {},
+                "model": write_model_files(tmp, engine.module, tokenizer),
+            }
+            if engine.static_mask is not None:
+                manifest["static_mask"] = {"fraction": engine.static_mask.fraction,
+                                           "selected": engine.static_mask.selected}
+            if write_extra is not None:
+                write_extra(tmp)
+            with open(os.path.join(tmp, "manifest.json"), "w") as f:
+                json.dump(manifest, f, indent=1)
+            publish_dir(tmp, final)  # write_extra's files too: all on disk before the rename publishes them
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = f"rank 0: {e.__class__.__name__}: {e}"
+    _raise_any(final, [comm.broadcast_object(error if comm.rank == 0 else None)])
+    return final
+
+
+def _raise_any(final: str, errors: list) -> None:
+    errors = [e for e in errors if e]
+    if errors:
+        raise CheckpointWriteError(f"checkpoint {final} was not written ({'; '.join(errors)}); the previous "
+                                   f"checkpoints are intact, and {final}.tmp holds the partial files")
+
+
+def read_manifest(path: str) -> dict:
+    mpath = os.path.join(path, "manifest.json")
+    if not os.path.isfile(mpath):
+        raise ValueError(f"{path} is not a complete checkpoint (no manifest.json); "
+                         "pass a checkpoint-<step> directory or use --resume with no path")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{mpath} is not valid JSON ({e}): the checkpoint is corrupt") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{mpath} does not hold a manifest object: the checkpoint is corrupt")
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{mpath}: unknown checkpoint format {manifest.get('format')!r}")
+    return manifest
+
+
+def verify_checkpoint(path: str) -> dict:
+    """The manifest of checkpoint `path`, after checking that it is one: a readable manifest of this format, and
+    every rank file it lists checked (checked_file). Raises ValueError naming the first problem. Loading runs no
+    code."""
+    manifest = read_manifest(path)
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files or set(files) != set(manifest.get("slices", {})):
+        raise ValueError(f"{path}/manifest.json lists no rank files, or its files and slices disagree")
+    for name, sha in files.items():
+        checked_file(path, name, sha)
+    return manifest
+
+
+def read_range(path: str, manifest: dict, name: str, lo: int, hi: int, verified: set) -> torch.Tensor:
+    """Elements [lo, hi) of tensor `name`, assembled from every rank file that holds a part of them; each file is
+    checked (checked_file) before its first read."""
+    out = None
+    filled = 0
+    for fname, slices in manifest["slices"].items():
+        if name not in slices:
+            continue
+        s_lo, s_hi = slices[name]
+        a, b = intersect((lo, hi), (s_lo, s_hi))
+        if b <= a:
+            continue
+        with safe_open(checked_file(path, fname, manifest["files"][fname], verified), framework="pt") as f:
+            part = f.get_slice(name)[a - s_lo: b - s_lo]
+        if out is None:
+            out = torch.empty(hi - lo, dtype=part.dtype)
+        out[a - lo: b - lo] = part
+        filled += b - a
+    if filled != hi - lo:
+        raise ValueError(f"checkpoint {path} misses elements of {name} in [{lo}, {hi})")
+    return out if out is not None else torch.empty(0)
+
+
+def load_checkpoint(engine: ZOEngine, path: str) -> dict:
+    """Load weights and ZO state into `engine` (any world size). Returns the trainer state."""
+    manifest = read_manifest(path)
+    tensors = manifest["tensors"]
+    names = sorted(e.name for e in engine.entries)
+    if sorted(tensors) != names:
+        missing = sorted(set(names) - set(tensors))[:3]
+        extra = sorted(set(tensors) - set(names))[:3]
+        raise ValueError(f"checkpoint {path} does not match this model's trainable parameters "
+                         f"(missing {missing}, unexpected {extra}): same model, LoRA and block settings?")
+    verified: set = set()
+    with torch.no_grad():
+        for e in engine.entries:
+            if list(e.shape) != tensors[e.name]["shape"]:
+                raise ValueError(f"{e.name}: checkpoint shape {tensors[e.name]['shape']} != model {list(e.shape)}")
+            lo, hi = e.region
+            if hi <= lo:
+                continue
+            values = read_range(path, manifest, e.name, lo, hi, verified)
+            if e.master is not None:
+                e.master.copy_(values.float())
+                e.write(0, e.master)
+            else:
+                e.write(0, values)
+    if manifest.get("static_mask"):
+        engine.set_static_mask(StaticMask.from_full(engine.entries, read_static_mask(path, manifest, verified),
+                                                    manifest["static_mask"]["fraction"]))
+    engine.load_state_dict(manifest["engine"])
+    engine.topology.job.barrier()
+    return manifest.get("trainer", {})
+
+
+def read_static_mask(path: str, manifest: dict, verified: set) -> dict[str, torch.Tensor]:
+    """{tensor name: its selected elements' global indices, sorted}, from every rank file (each checked once)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for fname, sha in manifest["files"].items():
+        with safe_open(checked_file(path, fname, sha, verified), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(MASK_PREFIX):
+                    parts.setdefault(key[len(MASK_PREFIX):], []).append(f.get_tensor(key))
+    full = {name: torch.sort(torch.cat(p)).values for name, p in parts.items()}
+    if sum(len(v) for v in full.values()) != manifest["static_mask"]["selected"]:
+        raise ValueError(f"checkpoint {path}: its static mask misses elements: the checkpoint is corrupt")
+    return full
+
+
+def consolidated_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Full tensors in their stored dtype, one process (for export); each rank file is checked before its first
+    read."""
+    manifest = read_manifest(path)
+    verified: set = set()
+    out = {}
+    for name, info in sorted(manifest["tensors"].items()):
+        flat = read_range(path, manifest, name, 0, info["numel"], verified)
+        out[name] = flat.to(getattr(torch, info["dtype"])).view(info["shape"])
+    return out
