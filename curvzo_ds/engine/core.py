@@ -135,6 +135,7 @@ class ZOEngine:
         if not red.finite:
             return self._skip_non_finite(plan, red, info)
         self._update(plan, red, lr)
+        self._end_step(plan, red.deltas, red.block_sq)  # the scores
         return StepResult(plan.step + 1, red.loss, red.loss_plus, red.loss_minus, red.delta, **info)
 
     def _check_step(self, batch) -> None:
@@ -201,8 +202,7 @@ class ZOEngine:
                            stop_requested=stop_requested, device=self.device)
 
     def _skip_non_finite(self, plan: StepPlan, red: Reduced, info: dict[str, Any]) -> StepResult:
-        """Put the weights back (one direction leaves them at w - eps z), count the skip, and stop the run after
-        max_consecutive_skips in a row."""
+        """Put the weights back (one direction left w - eps z), count the skip, stop at max_consecutive_skips."""
         if self.cfg.num_directions == 1:
             self.perturber.perturb(-self.cfg.zo_eps, 0.0)
         self._end_step(plan, None, None)
@@ -218,7 +218,7 @@ class ZOEngine:
                           _finite_or_none(red.loss_minus), None, skipped="non_finite_loss", **info)
 
     def _update(self, plan: StepPlan, red: Reduced, lr: float) -> None:
-        """The update, which also undoes the perturbation (one direction), then the scores."""
+        """The update of the weights, which with one direction also undoes the perturbation."""
         cfg = self.cfg
         self.skips_in_row = 0
         with self._section("update"):
@@ -227,12 +227,12 @@ class ZOEngine:
                 self.perturber.update(steps[0], keep, cfg.zo_eps, cfg.weight_decay)
             else:
                 self.perturber.update_directions(steps, keep, cfg.weight_decay)
-        self._end_step(plan, red.deltas, red.block_sq)
 
     def _section(self, name: str):
         return self.timer.section(name) if self.timer is not None else contextlib.nullcontext()
 
     def _end_step(self, plan: StepPlan, delta: list[float] | None, block_sq: torch.Tensor | None) -> None:
+        """The sampler's scores learn from the step (or note a skipped one); the step is counted."""
         if delta is None:
             self.sampler.skip(plan)
         else:
