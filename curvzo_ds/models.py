@@ -44,6 +44,11 @@ def model_hidden_size(cfg: TrainConfig) -> int | None:
                                 f"({e.__class__.__name__}); pass a local path") from None
     except ValueError as e:
         raise refused("model", cfg.model, e) from None
+    return hidden_size_of(conf)
+
+
+def hidden_size_of(conf) -> int | None:
+    """A transformers config's hidden size (`d_model` in some architectures), or None if it names neither."""
     return getattr(conf, "hidden_size", None) or getattr(conf, "d_model", None)
 
 

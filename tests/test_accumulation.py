@@ -16,8 +16,8 @@ A control run on other examples must differ by far more than these bounds.
 
 import torch
 
+from curvzo_ds import MicroBatches, ZOEngine
 from curvzo_ds import data as D
-from curvzo_ds.engine import MicroBatches, ZOEngine
 from curvzo_ds.tasks import demo_model_config, get_task, load_splits
 from curvzo_ds.tasks.demo import load_tokenizer
 

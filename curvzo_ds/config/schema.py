@@ -8,9 +8,11 @@ YAML mapping and `--set KEY=VALUE` overrides. `None` means "resolved later from 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import enum
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -92,11 +94,18 @@ class ZOConfig:
     static_mask_batches: int = key(4, "training batches of the static_mask's backprop probe")
 
     def validate(self) -> None:
-        """Raise ConfigError naming the first bad value, its valid range and the fix."""
-        def need(ok: bool, key: str, rng: str) -> None:
-            if not ok:
-                raise ConfigError(f"{key}={getattr(self, key)!r} is invalid: it must be {rng}")
+        """Raise ConfigError naming the first bad value, its valid range and the fix. A config that passes is
+        `validated` until one of its values changes."""
+        self._check()
+        self._valid = dataclasses.astuple(self)
 
+    @property
+    def validated(self) -> bool:
+        """Whether validate() passed on exactly the current values (ZOEngine then does not check them again)."""
+        return getattr(self, "_valid", None) == dataclasses.astuple(self)
+
+    def _check(self) -> None:
+        need = functools.partial(_need, self)
         need(self.method in METHODS, "method", f"one of {', '.join(METHODS)}")
         need(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0, "seed",
              "an integer >= 0")
@@ -200,13 +209,9 @@ class TrainConfig(ZOConfig):
                                  "job (Hugging Face's name and default)")
     log_level: str = key("info", "debug, info, warning or error (rank 0; other ranks log warnings)")
 
-    def validate(self) -> None:
-        super().validate()
-
-        def need(ok: bool, key: str, rng: str) -> None:
-            if not ok:
-                raise ConfigError(f"{key}={getattr(self, key)!r} is invalid: it must be {rng}")
-
+    def _check(self) -> None:
+        super()._check()
+        need = functools.partial(_need, self)
         # `--set output_dir=` parses to None (an empty YAML scalar); without this it fails deep inside as a TypeError.
         if not isinstance(self.output_dir, str) or not self.output_dir.strip():
             raise ConfigError(f"output_dir={self.output_dir!r} is invalid: it must name a directory, for example "
@@ -250,6 +255,12 @@ class TrainConfig(ZOConfig):
         if self.lora_target_modules is not None:
             need(isinstance(self.lora_target_modules, list | str), "lora_target_modules",
                  "a list of module names or a comma-separated string")
+
+
+def _need(cfg, ok: bool, key: str, rng: str) -> None:
+    """The one refusal of a bad value: its key, the value and the valid range."""
+    if not ok:
+        raise ConfigError(f"{key}={getattr(cfg, key)!r} is invalid: it must be {rng}")
 
 
 def _finite(x: Any) -> bool:
@@ -364,9 +375,32 @@ def to_dict(cfg) -> dict[str, Any]:
 
 
 def zo_part(cfg: TrainConfig) -> ZOConfig:
+    """The engine's keys of `cfg`, validated if `cfg` is (TrainConfig's checks include ZOConfig's)."""
     names = set(field_names(ZOConfig))
-    return ZOConfig(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in names})
+    part = ZOConfig(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in names})
+    if cfg.validated:
+        part._valid = dataclasses.astuple(part)
+    return part
 
 
-__all__ = ["ZOConfig", "TrainConfig", "build", "resolve_presets", "zo_part", "key",
+def engine_config(config: ZOConfig | None, overrides: dict[str, Any]) -> ZOConfig:
+    """ZOEngine's own copy of `config` (default: ZOConfig()) with its keyword `overrides`. It is validated unless
+    validate() passed on these very values already (the CLI validates a run's config before building the engine);
+    a public `ZOEngine(model, loss_fn, ZOConfig(...))` with a bad value fails here, naming it."""
+    cfg = copy.deepcopy(config) if config is not None else ZOConfig()
+    names = set(field_names(type(cfg)))
+    for name, value in overrides.items():
+        if name not in names:
+            raise ValueError(f"unknown ZOEngine option {name!r}")
+        setattr(cfg, name, value)
+    missing = [k for k in ("learning_rate", "zo_eps", "max_steps") if getattr(cfg, k) is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} unset: a TrainConfig's presets are resolved by the CLI "
+                         "(config.resolve_presets); set them or pass a ZOConfig")
+    if not cfg.validated:
+        cfg.validate()
+    return cfg
+
+
+__all__ = ["ZOConfig", "TrainConfig", "build", "resolve_presets", "zo_part", "engine_config", "key",
            "key_docs", "set_sources", "sources_of"]

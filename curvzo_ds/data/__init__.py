@@ -13,6 +13,7 @@ from curvzo_ds.data.losses import (
     candidate_scores,
     classification_eval,
     classification_loss,
+    inner_module,
     lm_loss,
     loss_fn_for,
     mean_loss,
@@ -32,5 +33,5 @@ __all__ = [
     "encode", "collate", "to_device", "loss_fn_for", "classification_loss", "lm_loss", "candidate_scores",
     "predict_classification", "classification_eval", "mean_loss", "generate_answers", "accuracy", "f1", "exact_match",
     "normalize_answer", "newline_ids", "MicroBatches", "split_batch", "step_indices", "chunks", "micro_batch_indices",
-    "round_robin_slots",
+    "round_robin_slots", "inner_module",
 ]

@@ -4,6 +4,8 @@ import functools
 
 import torch
 
+from curvzo_ds.data.losses import inner_module
+
 
 @functools.lru_cache(maxsize=4)
 def newline_ids(tokenizer) -> tuple[int, ...]:
@@ -20,7 +22,7 @@ def generate_answers(model, tokenizer, prompts_ids: list[list[int]], max_new_tok
     Decoding stops at a newline or EOS and the text is cut at the first newline (MeZO).
     Under ZeRO-3 pass synced_gpus=True, and call it on every rank with as many prompts.
     """
-    module = getattr(model, "module", model)  # a DeepSpeed engine wraps the Hugging Face model
+    module = inner_module(model)  # a DeepSpeed engine wraps the Hugging Face model
     device = next(module.parameters()).device
     stop_ids = [*newline_ids(tokenizer), tokenizer.eos_token_id]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -21,6 +21,13 @@ def mean_loss(parts: Iterable[tuple[float, float]]) -> float:
     return num / den if den else math.nan
 
 
+def inner_module(model) -> torch.nn.Module:
+    """The model inside a DeepSpeed engine (or any wrapper that keeps it in `.module`), else `model` itself: where
+    `forward`'s signature and `generate` are read. shard.ds_compat.module_of, which recognises only a DeepSpeed
+    engine, is a layer above data."""
+    return getattr(model, "module", model)
+
+
 def _token_logprobs(model, batch: dict) -> torch.Tensor:
     """[rows, T-1] float32: log p(token t+1 | tokens <= t) at label tokens, 0 elsewhere.
 
@@ -46,7 +53,7 @@ _EXTRAS: dict[type, set[str]] = {}  # per model class: which of use_cache and lo
 
 def _forward(model, batch: dict, cols: torch.Tensor) -> torch.Tensor:
     """Logits at positions `cols` (the next-token predictions of those positions)."""
-    module = getattr(model, "module", model)  # a DeepSpeed engine passes keywords on to its module
+    module = inner_module(model)  # a DeepSpeed engine passes keywords on to its module
     kind = type(module)
     if kind not in _EXTRAS:
         params = inspect.signature(module.forward).parameters

@@ -21,7 +21,7 @@ import subprocess
 import torch
 import torch.distributed as dist
 
-from curvzo_ds.errors import ConfigError
+from curvzo_ds.errors import ConfigError, RanksDisagree
 from curvzo_ds.shard.comm import Comm
 from curvzo_ds.startup import extensions_dir, stdout_to_log
 
@@ -226,3 +226,27 @@ class GroupMPU:
 
     def get_model_parallel_rank(self) -> int:
         return 0
+
+
+def check_ranks_agree(job: Comm, mine: dict) -> None:
+    """Fail on every rank, at start-up, in one line, if the ranks of `job` disagree on what ZOEngine gives as `mine`:
+    the configuration ("config"), the trainable blocks ("blocks") or the noise: the generator's identity ("noise")
+    and a digest of a reference vector drawn by this rank's own kernel ("kernel"; another kernel build or definition
+    draws other bits, and the shards would get inconsistent noise). Collective."""
+    everyone = job.all_gather_object(mine)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        if theirs == first:
+            continue
+        diff = sorted(k for k in set(theirs["config"]) | set(first["config"])
+                      if theirs["config"].get(k) != first["config"].get(k))
+        if diff:
+            what = ", ".join(f"{k}: {first['config'].get(k)!r} vs {theirs['config'].get(k)!r}" for k in diff)
+        elif theirs["blocks"] != first["blocks"]:
+            what = "the trainable parameters (another model, LoRA setting or block_granularity)"
+        else:
+            what = (f"the noise kernel (reference digest {first['kernel']} vs {theirs['kernel']}, generator "
+                    f"{first['noise']['ident']} vs {theirs['noise']['ident']}: another build of curvzo_ds or of "
+                    "its kernel)")
+        raise RanksDisagree(f"rank {rank} disagrees with rank 0 on {what}. Every rank must start with the same "
+                            "seed, configuration, model and curvzo_ds build, or the noise would not match.")

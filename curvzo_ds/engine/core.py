@@ -1,0 +1,299 @@
+"""ZOEngine: the wiring of a step (the package's docstring describes the step); the forwards and their all-reduce
+are shard/forwards.py's, the passes over the weights the Perturber's, the decisions the sampler's."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import math
+from typing import Any
+
+import torch
+
+from curvzo_ds.algo.sampling import CurvZOSampler, StepPlan
+from curvzo_ds.config.schema import ZOConfig, engine_config
+from curvzo_ds.data.stream import MicroBatches
+from curvzo_ds.engine.result import LossFn, StepResult, StepTimer
+from curvzo_ds.errors import NonFiniteLossError
+from curvzo_ds.noise.gaussian import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
+from curvzo_ds.shard import ds_compat
+from curvzo_ds.shard.comm import Comm
+from curvzo_ds.shard.distributed import Topology, check_ranks_agree
+from curvzo_ds.shard.forwards import Reduced, check_batch, eval_mode, reduce_step, run_forwards, slot_count
+from curvzo_ds.shard.mask import MaskedPerturber, StaticMask
+from curvzo_ds.shard.mask import fit as fit_mask
+from curvzo_ds.shard.params import ParamEntry, collect_entries, make_blocks
+from curvzo_ds.shard.perturb import Perturber, StepPasses
+from curvzo_ds.shard.visibility import VisibilityMonitor
+
+log = logging.getLogger("curvzo_ds")
+
+
+class ZOEngine:
+    """Zeroth-order training of `model` (an nn.Module or a DeepSpeed engine) on `loss_fn`.
+
+    `loss_fn(model, micro_batch)` returns `(loss_sum, count)` (docs/contracts.md); a mean loss is `(mean, 1)`.
+    Only parameters with `requires_grad` are perturbed, so LoRA works as is.
+    For an Accelerate loop, `curvzo_ds.from_accelerator` prepares the model and builds the engine.
+
+    `topology` (distributed.Topology): which ranks share a ZeRO-3 partition; `group` is the short form for a
+    shard group made by the caller (hybrid sharding); neither: the whole job is one partition.
+    """
+
+    def __init__(self, model, loss_fn: LossFn, config: ZOConfig | None = None, *, group=None,
+                 topology: Topology | None = None, **overrides):
+        self.cfg = cfg = engine_config(config, overrides)
+        self.model = model
+        self.module = ds_compat.module_of(model)
+        if ds_compat.is_ds_engine(model):
+            ds_compat.check_engine_supported(model)
+        self.loss_fn = loss_fn
+        # The step's all-reduce spans the job; ZeRO-3's partition and the micro-batches are the shard group's.
+        self.topology = topology if topology is not None else Topology.of(group)
+        self.topology.check_directions(cfg.num_directions)
+        self.comm: Comm = self.topology.shard
+        self.entries: list[ParamEntry] = collect_entries(self.module, replicated_rank=self.comm.rank,
+                                                         fp32_master=cfg.fp32_master_weights)
+        if not self.entries:
+            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train. "
+                             "Unfreeze some parameters or enable LoRA.")
+        self.blocks = make_blocks(self.entries, cfg.block_granularity, cfg.block_chunk_size)
+        self.sizes = torch.tensor([b.size for b in self.blocks], dtype=torch.float64)
+        self.num_params = int(self.sizes.sum().item())
+        too_big = [b.name for b in self.blocks if b.size * MAX_ABS_Z**2 * 2**FIXED_POINT_BITS >= 2**62]
+        if too_big:
+            raise ValueError(f"block {too_big[0]} has too many elements for the int64 score statistics; "
+                             "set block_granularity=chunk")
+        self.noise = NoiseSource(cfg.seed)
+        # Where the step's statistics and losses are gathered: the collectives' device, or with one rank the
+        # device of the weights (a single GPU needs no process group).
+        self.device = self.comm.device if self.comm.world_size > 1 else ds_compat.storage_device(self.entries[0].param)
+        self.sampler = CurvZOSampler(cfg, self.sizes, self.noise.mask_uniforms)
+        self.perturber: StepPasses = Perturber(self.entries, self.blocks, self.noise, self.device)
+        self.static_mask: StaticMask | None = None  # static_mask: set by fit_static_mask or a checkpoint
+        self.visibility = VisibilityMonitor(self.entries, self.blocks, self.device, cfg.visibility_steps,
+                                            cfg.visibility_warn, cfg.zo_eps)
+        self.partitioned = any(e.partitioned for e in self.entries)
+        self.timer: StepTimer | None = None
+        self.last_mask: torch.Tensor | None = None
+        self.step_count = 0
+        self.skips_in_row = 0
+        self.skipped_total = 0
+        if self.topology.job.world_size > 1:  # RanksDisagree at once, not shards with inconsistent noise later
+            check_ranks_agree(self.topology.job, {
+                "config": dataclasses.asdict(cfg), "blocks": [(b.name, b.size) for b in self.blocks],
+                "noise": self.noise.describe(), "kernel": self.noise.reference_digest(self.device)})
+        log.info("ZOEngine: method %s, learning_rate %g (%s), zo_eps %g, weight_decay %g; %d blocks, %d trainable "
+                 "parameters; noise %s", cfg.method, cfg.learning_rate, cfg.lr_scheduler_type, cfg.zo_eps,
+                 cfg.weight_decay, self.num_blocks, self.num_params, self.noise.ident)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def fit_static_mask(self, batches) -> StaticMask:
+        """static_mask (docs/algorithm.md, "A static mask"): pick the top `cfg.static_mask` fraction of elements by
+        one backprop per batch of `batches` (the first `static_mask_batches` training batches), and perturb only
+        those from now on. Collective; call it once before the first step (the CLI does)."""
+        self.set_static_mask(fit_mask(self, batches, self.cfg.static_mask))
+        log.info("static_mask: %d of %d trainable elements (%.4g%%) chosen by backprop on %d batches",
+                 self.static_mask.selected, self.num_params, 100 * self.static_mask.selected / self.num_params,
+                 len(batches))
+        return self.static_mask
+
+    def set_static_mask(self, mask: StaticMask) -> None:
+        """Perturb and update only the elements of `mask` (a checkpoint's, or fit_static_mask's)."""
+        if self.cfg.method != "mezo":
+            raise ValueError(f"static_mask needs method=mezo (a fixed set of elements, perturbed at every step with no "
+                             f"1/pi weights), not method={self.cfg.method}")
+        if self.partitioned:  # a persistent tensor's region is all of it: gathered, as after a first forward
+            ds_compat.gather_persistent([e.param for e in self.entries])
+        self.static_mask = mask
+        self.perturber = MaskedPerturber(mask, self.noise)
+
+    # ----------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self, batch, stop_requested: bool | None = None) -> StepResult:
+        """One update on `batch` (a MicroBatches of the global batch, or this rank's own batch).
+
+        `stop_requested` (the CLI's pre-emption flag): summed over the ranks in the step's own all-reduce, so that
+        every rank learns at the same step that one of them was asked to stop (`StepResult.stop`).
+        """
+        self._check_step(batch)
+        lr, plan = self.sampler.learning_rate(self.step_count), self.sampler.plan(self.step_count)
+        info = self._describe(plan, lr)
+        if plan.n_selected == 0:  # no block drawn: no forwards, no score update; the step is counted
+            self._end_step(plan, None, None)
+            return StepResult(plan.step + 1, None, None, None, None, skipped="empty_mask",
+                              stop=self._agree(stop_requested), **info)
+        evals, moved = self._perturb_and_forward(plan, batch)
+        with self._section("reduce"):
+            red = self._reduce(evals, batch, moved, stop_requested)
+        info.update(stop=red.stop, **(self.visibility.report(red.moved, plan.mask) if red.moved is not None else {}))
+        if not red.finite:
+            return self._skip_non_finite(plan, red, info)
+        self._update(plan, red, lr)
+        self._end_step(plan, red.deltas, red.block_sq)  # the scores
+        return StepResult(plan.step + 1, red.loss, red.loss_plus, red.loss_minus, red.delta, **info)
+
+    def _check_step(self, batch) -> None:
+        check_batch(batch)
+        if self.cfg.static_mask and self.static_mask is None:
+            raise ValueError(f"static_mask={self.cfg.static_mask} needs its mask: call engine.fit_static_mask(batches) "
+                             "before the first step (curvzo-ds train does)")
+
+    def _describe(self, plan: StepPlan, lr: float) -> dict[str, Any]:
+        """The StepResult fields that the plan decides; records the step's mask (state_hash reads it)."""
+        self.last_mask = plan.mask
+        fraction = (self.static_mask.selected / self.num_params if self.static_mask is not None
+                    else plan.param_fraction(self.sizes))
+        return dict(budget=plan.budget, n_selected=plan.n_selected, param_fraction=fraction,
+                    max_inv_pi=plan.max_inv_pi, learning_rate=lr, d_eff=plan.d_eff, score_entropy=plan.entropy,
+                    pi=plan.pi)
+
+    def _perturb_and_forward(self, plan: StepPlan, batch) -> tuple[list, torch.Tensor | None]:
+        """For each direction this replica group evaluates: +eps z (with the block sums of z^2), forwards, -2 eps z,
+        forwards. Returns [(direction, block sums, L+ rows, L- rows)] and the visibility counts (None off
+        visibility steps); the weights are left at w - eps z with one direction, at w (put back) with several."""
+        replicas, replica = self.topology.replicas, self.topology.replica
+        if replicas > 1 and not isinstance(batch, MicroBatches):
+            raise ValueError("with replica groups, step() takes the global batch as MicroBatches (every group "
+                             "evaluates the same data)")
+        eps, q, perturber = self.cfg.zo_eps, self.cfg.num_directions, self.perturber
+        # With q > 1 every direction starts from the same w: the edited values are kept and put back exactly,
+        # in every copy (so persistent parameters are gathered first, as the first forward would do).
+        if q > 1 and self.partitioned:
+            ds_compat.gather_persistent([e.param for e in self.entries])
+        perturber.begin(plan.step, plan.mask, q)
+        saved = perturber.snapshot() if q > 1 else None
+        evals = []
+        with eval_mode(self.module):
+            # The visibility counts come from direction 0 (replica group 0); the other groups send zeros.
+            # A static mask writes its elements from fp32 values: no block to watch.
+            watch = (self.visibility.watch(plan.step, perturber if replica == 0 else None)
+                     if self.static_mask is None else None)
+            moved = None if replica == 0 else self.visibility.moved(watch)
+            for d in range(replica, q, replicas):
+                with self._section("perturb_stats"):
+                    block_fixed = perturber.perturb(0.0, eps, stats=self.sampler.scored, direction=d)
+                if d == 0:
+                    moved = self.visibility.moved(watch)
+                with self._section("forwards"):
+                    plus = self._forwards(batch)
+                with self._section("perturb"):
+                    perturber.perturb(eps, -eps, direction=d)
+                with self._section("forwards"):
+                    minus = self._forwards(batch)
+                if saved is not None:
+                    perturber.restore(saved)
+                evals.append((d, block_fixed, plus, minus))
+        return evals, moved
+
+    def _forwards(self, batch) -> list[tuple[int, torch.Tensor]]:
+        return run_forwards(self.model, self.loss_fn, batch, self.comm, self.device, self.partitioned)
+
+    def _reduce(self, evals, batch, moved=None, stop_requested=None) -> Reduced:
+        """The step's one all-reduce over every rank (all replica groups): reduce_step (forwards.py)."""
+        return reduce_step(self.topology.job, evals, slot_count(batch, self.comm.world_size),
+                           directions=self.cfg.num_directions, eps=self.cfg.zo_eps,
+                           sums=self.num_blocks if self.sampler.scored else 0, blocks=self.num_blocks, moved=moved,
+                           stop_requested=stop_requested, device=self.device)
+
+    def _skip_non_finite(self, plan: StepPlan, red: Reduced, info: dict[str, Any]) -> StepResult:
+        """Put the weights back (one direction left w - eps z), count the skip, stop at max_consecutive_skips."""
+        if self.cfg.num_directions == 1:
+            self.perturber.perturb(-self.cfg.zo_eps, 0.0)
+        self._end_step(plan, None, None)
+        self.skips_in_row += 1
+        self.skipped_total += 1
+        log.warning("step %d: non-finite loss (L+=%s, L-=%s); weights restored, step skipped (%d in a row)",
+                    plan.step + 1, red.loss_plus, red.loss_minus, self.skips_in_row)
+        if self.skips_in_row >= self.cfg.max_consecutive_skips:
+            raise NonFiniteLossError(
+                f"{self.skips_in_row} consecutive steps had a non-finite loss (last at step {plan.step + 1}); "
+                "lower learning_rate or zo_eps, or check the data and the model's dtype")
+        return StepResult(plan.step + 1, _finite_or_none(red.loss), _finite_or_none(red.loss_plus),
+                          _finite_or_none(red.loss_minus), None, skipped="non_finite_loss", **info)
+
+    def _update(self, plan: StepPlan, red: Reduced, lr: float) -> None:
+        """The update of the weights, which with one direction also undoes the perturbation."""
+        cfg = self.cfg
+        self.skips_in_row = 0
+        with self._section("update"):
+            steps, keep = self.sampler.direction_updates(plan, red.deltas, lr, cfg.weight_decay)
+            if cfg.num_directions == 1:
+                self.perturber.update(steps[0], keep, cfg.zo_eps, cfg.weight_decay)
+            else:
+                self.perturber.update_directions(steps, keep, cfg.weight_decay)
+
+    def _section(self, name: str):
+        return self.timer.section(name) if self.timer is not None else contextlib.nullcontext()
+
+    def _end_step(self, plan: StepPlan, delta: list[float] | None, block_sq: torch.Tensor | None) -> None:
+        """The sampler's scores learn from the step (or note a skipped one); the step is counted."""
+        if delta is None:
+            self.sampler.skip(plan)
+        else:
+            self.sampler.observe(plan, delta, block_sq)
+        self.step_count = plan.step + 1
+
+    def _agree(self, flag: bool | None) -> bool:
+        """True on every rank if `flag` is set on any (a step without forwards has no all-reduce to carry it)."""
+        job = self.topology.job
+        return flag is not None and bool(job.all_reduce_sum_int64(torch.tensor([int(flag)], dtype=torch.int64)).item())
+
+    @torch.no_grad()
+    def loss(self, batch) -> float:
+        """The loss of the current weights on `batch` (the step's reduction over the shard group, no perturbation)."""
+        check_batch(batch)
+        with eval_mode(self.module):
+            local = self._forwards(batch)
+        return reduce_step(self.comm, [(0, None, local, local)], slot_count(batch, self.comm.world_size),
+                           directions=1, eps=self.cfg.zo_eps, device=self.device).loss_plus
+
+    # ----------------------------------------------------------------- state
+    def state_hash(self) -> str:
+        """A hash of what every rank must agree on: the step, the scores, the warm-up sums, the last step's mask
+        and the noise generator (the CLI compares it across ranks every `consistency_steps` steps)."""
+        h = hashlib.sha256(f"{self.step_count} {self.noise.ident}".encode())
+        for t in (self.sampler.scores, self.sampler.warmup_sum, self.last_mask):
+            if t is not None:
+                h.update(t.cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step_count,
+            "seed": self.cfg.seed,
+            **self.sampler.state_dict(),
+            "skipped_total": self.skipped_total,
+            "skips_in_row": self.skips_in_row,
+            "noise": self.noise.describe(),
+            "blocks": [b.name for b in self.blocks],
+            "method": self.cfg.method,
+        }
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise ValueError if a checkpoint's engine state cannot continue this engine (noise, blocks, seed)."""
+        if state["noise"] != self.noise.describe():
+            raise ValueError(f"checkpoint noise {state['noise']} differs from this engine's "
+                             f"{self.noise.describe()}: it was written by another noise generator; resume it with the "
+                             "curvzo_ds version that wrote it")
+        if list(state["blocks"]) != [b.name for b in self.blocks]:
+            raise ValueError("checkpoint blocks differ from this model's trainable parameters "
+                             "(another model, LoRA setting or block_granularity?)")
+        if state["seed"] != self.cfg.seed:
+            raise ValueError(f"checkpoint seed {state['seed']} differs from seed={self.cfg.seed}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
+        self.step_count = int(state["step"])
+        self.sampler.load_state_dict(state)
+        self.skipped_total = int(state["skipped_total"])
+        self.skips_in_row = int(state["skips_in_row"])
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
