@@ -112,26 +112,27 @@ def abort_process_group() -> None:
 
 def entry() -> None:
     """The console script and `python -m curvzo_ds.cli`: a crash in native code (a segfault or an abort in a
-    communication library) prints every thread's Python stack to stderr, so a cluster job's log shows where.
-
-    The process group is torn down on every path out of the command:
-    - a return from `main` (done, a bad input, a RunEnded): every rank is at the same point, because what ends a
-      run is agreed between the ranks (a RunEnded is raised on each rank after the collective that decides it, a
-      bad configuration is the same on every rank and is found before the first collective), so the collective
-      `destroy_process_group` is safe;
-    - an unexpected exception: this rank may be alone, with the others inside a collective that waits for it.
-      A collective teardown then deadlocks (NCCL's communicator destruction waits for them: torchtitan#1342,
-      pytorch/pytorch#119215), the traceback never printed and the launcher never told. So the traceback is printed
-      first, the group is aborted (local, never a collective: `abort_process_group`), and the rank exits with 1 as
-      an uncaught exception does; the launcher (torchrun, srun --kill-on-bad-exit, deepspeed) then ends the others.
-    - KeyboardInterrupt and a SystemExit raised by a command: aborted likewise, then re-raised as they were (a usage
-      error or --help exits in argparse, before any group exists).
-    """
+    communication library) prints every thread's Python stack to stderr, so a cluster job's log shows where. The
+    process group is torn down on every way out of the command (below)."""
     faulthandler.enable()
+    # Teardown. A collective teardown (destroy_process_group) is safe only where every rank gets to it; a rank that
+    # destroys while the others sit in a collective waiting for it can deadlock there (NCCL's communicator
+    # destruction: torchtitan#1342, pytorch/pytorch#119215), its traceback unprinted and the launcher never told.
+    # - main returned (done, a bad input, a RunEnded): every rank is at the same point. A RunEnded is raised on
+    #   each rank after the collective that decides it (the loss check, the agreement check, the checkpoint
+    #   write, the pre-emption barrier), and a bad input comes from the configuration and files that every rank
+    #   reads alike. So: destroy.
+    # - an unexpected exception: this rank may be alone, the others in a collective that waits for it. So: the
+    #   traceback first (nothing after it can hide it), then abort, which is local (no rank waits for another),
+    #   and exit 1 as an uncaught exception does. The others then fail their collective (gloo: the connection
+    #   closed; NCCL: the watchdog's timeout) or the launcher ends them on this rank's exit (torchrun,
+    #   srun --kill-on-bad-exit, deepspeed).
+    # - KeyboardInterrupt, or a SystemExit from a command: aborted likewise, and re-raised unchanged. argparse's
+    #   --help and usage errors exit before any group exists: nothing to do.
     try:
         code = main()
     except Exception:
-        sys.excepthook(*sys.exc_info())  # as the interpreter prints it, before anything that could block
+        sys.excepthook(*sys.exc_info())  # as the interpreter prints it
         abort_process_group()
         sys.exit(EXIT_FAILED)
     except BaseException:
@@ -145,7 +146,6 @@ def entry() -> None:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
-
 
 if __name__ == "__main__":
     entry()
