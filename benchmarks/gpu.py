@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from curvzo_ds import ZOConfig, ZOEngine
-from curvzo_ds.commands.bench import noise_threads, token_loss  # noqa: E402
+from curvzo_ds.commands.bench_timing import noise_threads, token_loss  # noqa: E402
 from curvzo_ds.engine import StepTimer  # noqa: E402
 from curvzo_ds.noise import cpu as cpu_kernel  # noqa: E402
 from curvzo_ds.noise import reference  # noqa: E402

@@ -9,7 +9,7 @@ Per world size: the bytes each rank owns (against 1/W of the model); the peak me
 the runtime baseline (libraries imported, process group up) against the plan's steady peak (`curvzo-ds plan
 --device cpu`); the step time split (the engine's StepTimer sections, as `curvzo-ds bench` reports them); the
 params_digest after the steps. Then whether the digests agree across world sizes, and the per-step Python
-overhead with 723 blocks (Llama-2-70B's tensor count; `curvzo_ds.commands.bench.python_overhead`).
+overhead with 723 blocks (Llama-2-70B's tensor count; `curvzo_ds.commands.bench_timing.python_overhead`).
 """
 
 import argparse
@@ -29,7 +29,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from curvzo_ds import ZOConfig, ZOEngine
-from curvzo_ds.commands.bench import METHODS, SECTIONS, ZO_COMMON, PeakMemory, python_overhead, token_loss, with_other  # noqa: E402
+from curvzo_ds.commands.bench_timing import (  # noqa: E402
+    METHODS,
+    SECTIONS,
+    ZO_COMMON,
+    PeakMemory,
+    python_overhead,
+    token_loss,
+    with_other,
+)
 from curvzo_ds.data.stream import MicroBatches  # noqa: E402
 from curvzo_ds.engine import StepTimer  # noqa: E402
 
@@ -56,9 +64,9 @@ def worker(width: str, batch: int, seq: int, steps: int, out: str) -> None:
     from transformers import LlamaForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from curvzo_ds.commands.plan import plan_memory
     from curvzo_ds.shard.digest import params_digest
     from curvzo_ds.shard.distributed import init_distributed
+    from curvzo_ds.shard.memory import plan_memory
     from curvzo_ds.sysinfo import peak_rss_bytes, rss_bytes
 
     rank, world, _ = init_distributed()

@@ -52,6 +52,42 @@ def test_generated_doc_tables_are_current():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_importing_the_cli_imports_neither_deepspeed_nor_transformers():
+    """cli imports every command module to build its parser; a command imports DeepSpeed and transformers in its
+    handler, so that --help stays quick and DeepSpeed's first log line never reaches `eval`'s stdout."""
+    code = "import sys, curvzo_ds.cli; print(sorted({'deepspeed', 'transformers'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+
+@pytest.mark.parametrize("outcome", [0, 2, 1, RuntimeError("unexpected")], ids=["done", "bad-input", "run-ended",
+                                                                              "unexpected"])
+def test_entry_leaves_the_process_group_on_every_path(outcome, monkeypatch, tmp_path, capfd):
+    """A return from main (done, a bad input, a RunEnded) destroys the process group; an unexpected exception prints
+    its traceback, aborts the group (no collective) and exits 1, as an uncaught exception does."""
+    import torch.distributed as dist
+
+    from curvzo_ds import cli
+
+    def main():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(cli, "main", main)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.entry()
+        assert exit_info.value.code == (1 if isinstance(outcome, Exception) else outcome)
+        assert not dist.is_initialized()
+        if isinstance(outcome, Exception):
+            assert "Traceback" in capfd.readouterr().err
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
 def eval_checkpoint(out: pathlib.Path, step: int) -> dict:
     """`curvzo-ds eval --resume out/checkpoint-<step>` with the run's settings; its eval.json."""
     ev_dir = pathlib.Path(f"{out}-eval-{step}")

@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 from curvzo_ds.cli import main
-from curvzo_ds.commands.plan import GiB, parse_memory, plan_memory, published_key, shard_elements
+from curvzo_ds.shard.memory import GiB, parse_memory, plan_memory, published_key, shard_elements
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -130,7 +130,7 @@ def test_gather_peak_replays_deepspeeds_prefetcher():
     lives (one tensor of it still unfetched). With gloo, the second gather's own temporary too."""
     from types import SimpleNamespace
 
-    from curvzo_ds.commands.plan import gather_peak
+    from curvzo_ds.shard.prefetch import gather_peak
 
     zero = SimpleNamespace(max_live_parameters=10**9, prefetch_bucket_size=150, max_reuse_distance=0)
     calls = [[], [0], [1], [2], [3]]
@@ -153,10 +153,10 @@ def test_fp32_copy_follows_the_rule():
 
 
 def test_table_row_is_the_perturbers():
-    from curvzo_ds.commands import plan
     from curvzo_ds.noise import rows
+    from curvzo_ds.shard import memory
 
-    assert plan.TABLE_ROW == rows.ROW_BYTES == 8 * len(rows.COLUMNS)
+    assert memory.TABLE_ROW == rows.ROW_BYTES == 8 * len(rows.COLUMNS)
 
 
 def test_parse_memory():
@@ -178,7 +178,7 @@ def _measure(args: list[str], out_path: str) -> dict:
     import gc
 
     import curvzo_ds.train.run as run_module
-    from curvzo_ds.cli import load_config
+    from curvzo_ds.config.load import load_config
     from curvzo_ds.shard.distributed import init_distributed
     from curvzo_ds.sysinfo import peak_rss_bytes, rss_bytes
 

@@ -27,10 +27,8 @@ from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.jsonio import write_json_atomic
-from curvzo_ds.models import build_model
 from curvzo_ds.shard.comm import Comm
 from curvzo_ds.train.evaluate import evaluate
-from curvzo_ds.train.run import load_data, step_batch
 
 log = logging.getLogger("curvzo_ds")
 
@@ -113,6 +111,10 @@ class PlainRun:
     """
 
     def __init__(self, cfg: TrainConfig):
+        # Imported here: the CLI imports this module to build its parser, and these bring transformers and DeepSpeed.
+        from curvzo_ds.models import build_model
+        from curvzo_ds.train.run import load_data
+
         cfg = resolve_presets(copy.deepcopy(cfg))
         cfg.validate()
         self.cfg = cfg
@@ -124,6 +126,8 @@ class PlainRun:
             self.engine.fit_static_mask([self.batch(t) for t in range(cfg.static_mask_batches)])
 
     def batch(self, step: int) -> MicroBatches:
+        from curvzo_ds.train.run import step_batch
+
         return step_batch(self.cfg, self.train_data, self.tokenizer.pad_token_id, step)
 
     def block_energy(self, batch: MicroBatches) -> torch.Tensor:
@@ -259,3 +263,31 @@ def plot_trace(rec: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+# The command: its parser and its handler (cli.py builds the parser from every command's `register`).
+
+
+def register(sub) -> None:
+    p = sub.add_parser("diagnose", help="do the scores track curvature? CurvZO steps next to the backprop gradient",
+                       description="One process, plain model (no DeepSpeed): for each estimator, --steps CurvZO steps "
+                                   "of the configured run; every --probe-every steps, the backprop gradient on the "
+                                   "same batch. Prints the correlations of pi and S with the block energies and "
+                                   "writes diagnose.json and one PNG per estimator to --out (docs/algorithm.md).")
+    p.add_argument("--config", help="a YAML file of key: value")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config key")
+    p.add_argument("--estimators", default="normalized,unbiased_element",
+                   help="score_estimator values, comma-separated")
+    p.add_argument("--steps", type=int, default=200, help="steps per estimator")
+    p.add_argument("--probe-every", type=int, default=10, help="steps between two backprop probes")
+    p.add_argument("--out", required=True, help="directory for diagnose.json and the PNGs")
+    p.set_defaults(handler=handle)
+
+
+def handle(args) -> None:
+    from curvzo_ds.config.load import load_config
+
+    cfg = load_config(args.config, args.set, None)
+    for line in diagnose(cfg, [x.strip() for x in args.estimators.split(",") if x.strip()], args.steps,
+                         args.probe_every, args.out):
+        print(line)

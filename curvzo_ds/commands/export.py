@@ -205,3 +205,22 @@ def _save_sharded(tensors: dict, out: str) -> None:
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+
+
+# The command: its parser and its handler (cli.py builds the parser from every command's `register`).
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
+    p.add_argument("checkpoint", help="a checkpoint directory (output_dir/checkpoint-N)")
+    p.add_argument("--out", required=True, help="the directory to write (from_pretrained loads it)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="LoRA runs: write the merged model to --out itself and the adapter to --out/adapter")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty --out (the new export is renamed into place when complete)")
+    p.set_defaults(handler=handle)
+
+
+def handle(args) -> None:
+    for line in export_checkpoint(args.checkpoint, args.out, args.merge_lora, args.overwrite):
+        print(line)

@@ -1,508 +1,56 @@
 """`curvzo-ds plan`: per-rank memory of CurvZO training under ZeRO-3, from the model's config alone (no weights).
 
-The model is built on the meta device, so a 70B model plans in seconds on a laptop. Every figure is bytes per
-rank; docs/plan.md states each formula, shows the plans of OPT-2.7B to Llama-2-70B, and checks the planned peak
-against measured ones. Names below: N parameters, K ranks sharing one ZeRO-3 partition (the shard group, K = W by
-default), w bytes per element of the weights' dtype, B sequences per forward on one rank, T tokens per sequence.
+The memory model is curvzo_ds/shard/memory.py (`plan_memory`, `Plan`); docs/plan.md states each formula. This
+module is the command: its options, and the plan printed.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import glob
-import os
-import re
+import argparse
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, OPTConfig
-
-from curvzo_ds.config.ds_config import load_ds_config, resolve_ds_config
-from curvzo_ds.errors import ConfigError
-from curvzo_ds.hub import offline_unless_reachable
-from curvzo_ds.noise.rows import ROW_BYTES
-from curvzo_ds.tasks import demo_model_config
-
-GiB = 2**30
-TABLE_ROW = ROW_BYTES  # bytes of one row of the Perturber's piece table (noise/rows.py)
-# A CPU run only (--device cpu), both measured here (docs/plan.md): the process memory a run adds above the
-# imported libraries besides its tensors (DeepSpeed's engine and hooks, tokenizer, data, compiled noise kernel),
-# and glibc's largest mmap threshold: freed blocks below it stay in the heap for reuse, so the process keeps
-# its high-water mark of them.
-RUNTIME_CPU = 35 * 2**20
-SMALL_BLOCK = 32 * 2**20
-WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-_OPT = dict(vocab_size=50272, max_position_embeddings=2048, do_layer_norm_before=True)
-_LLAMA = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
-# The published config.json of each model (its shape; the weights are never read). The checkpoints are float16.
-PUBLISHED = {
-    "opt-125m": (OPTConfig, dict(hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12,
-                                 word_embed_proj_dim=768, **_OPT)),
-    "opt-2.7b": (OPTConfig, dict(hidden_size=2560, ffn_dim=10240, num_hidden_layers=32, num_attention_heads=32,
-                                 word_embed_proj_dim=2560, **_OPT)),
-    "opt-6.7b": (OPTConfig, dict(hidden_size=4096, ffn_dim=16384, num_hidden_layers=32, num_attention_heads=32,
-                                 word_embed_proj_dim=4096, **_OPT)),
-    "opt-13b": (OPTConfig, dict(hidden_size=5120, ffn_dim=20480, num_hidden_layers=40, num_attention_heads=40,
-                                word_embed_proj_dim=5120, **_OPT)),
-    "llama2-7b": (LlamaConfig, dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                    num_attention_heads=32, num_key_value_heads=32, **_LLAMA)),
-    "llama2-13b": (LlamaConfig, dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                                     num_attention_heads=40, num_key_value_heads=40, **_LLAMA)),
-    "llama2-70b": (LlamaConfig, dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                     num_attention_heads=64, num_key_value_heads=8, **_LLAMA)),
-}
+if TYPE_CHECKING:
+    from curvzo_ds.shard.memory import Plan
 
 
-def published_key(name: str) -> str:
-    """`facebook/opt-13b`, `OPT-13B` -> `opt-13b`; `meta-llama/Llama-2-7b-hf`, `llama-2-7b` -> `llama2-7b`."""
-    key = name.lower().split("/")[-1].removesuffix("-hf")
-    return re.sub(r"^llama-2", "llama2", key)
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="per-rank memory of a model under ZeRO-3 with CurvZO, from its config",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Per-rank memory of CurvZO under ZeRO-3 from the model's config on the meta device "
+                                   "(no weights), next to first-order AdamW; the last line says fits or does not "
+                                   "fit. Formulas: docs/plan.md.")
+    p.add_argument("--model", default="demo", help="a model directory, a built-in name (opt-2.7b, llama2-7b, ...), "
+                                                   "demo, or a hub id whose config is in the local cache (plan "
+                                                   "downloads nothing)")
+    p.add_argument("--world-size", type=int, required=True, help="ranks W")
+    p.add_argument("--shard-group-size", type=int, help="ranks K that share one ZeRO-3 partition (default W)")
+    p.add_argument("--dtype", default="auto", help="bf16, fp16 or fp32 (or bfloat16, float16, float32); auto: the "
+                                                   "model config's torch_dtype, else bf16")
+    p.add_argument("--offload", default="none", choices=["none", "cpu"], help="offload_param")
+    p.add_argument("--batch", type=int, default=4, help="sequences per forward on one rank")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    p.add_argument("--gpu-memory", default="80GiB", help="memory per rank to fit in (80GiB, 80GB, 40G)")
+    p.add_argument("--fp32-master-weights", nargs="?", const="true", default="auto", help="auto, true or false")
+    p.add_argument("--deepspeed", help="a DeepSpeed config (JSON) for the bucket, live and persistence sizes")
+    p.add_argument("--device", default="gpu", choices=["gpu", "cpu"],
+                   help="cpu: plan a CPU run, where --gpu-memory means the process's memory")
+    p.add_argument("--label-positions", type=int, default=1, help="logit positions per sequence (the loss's)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model directory's own Python code to read its config (off by default)")
+    p.set_defaults(handler=handle)
 
 
-def model_config(model: str, trust_remote_code: bool = False):
-    """(transformers config, bytes of its checkpoint files or None if unknown, "demo" | "dir" | "hub").
-
-    `model` is "demo"/"demo-opt", a local model directory (with config.json), a name of `PUBLISHED`, or a hub id
-    whose config is in the local cache.
-    """
-    if model in ("demo", "demo-opt"):
-        return demo_model_config("opt" if model == "demo-opt" else "llama"), None, "demo"
-    names = ", ".join(PUBLISHED)
-    if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise ConfigError(f"--model {model}: the directory has no config.json; pass a Hugging Face model "
-                              f"directory, or one of {names}")
-        files = glob.glob(os.path.join(model, "*.safetensors")) or glob.glob(os.path.join(model, "*.bin"))
-        try:
-            conf = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-        except ValueError as e:  # e.g. a model that ships its own code, without --trust-remote-code
-            raise ConfigError(f"--model {model}: {' '.join(str(e).split())}") from None
-        return conf, sum(os.path.getsize(f) for f in files) or None, "dir"
-    if published_key(model) in PUBLISHED:
-        cls, fields = PUBLISHED[published_key(model)]
-        conf = cls(**fields)
-        return conf, 2 * n_params(conf), "hub"  # float16 files
-    offline_unless_reachable()
-    try:
-        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code), None, "hub"
-    except (OSError, ValueError):
-        raise ConfigError(f"--model {model}: not a local model directory, not a built-in name ({names}, demo), and "
-                          "its config is not in the hub cache (or the hub cannot be reached): pass a directory "
-                          "holding its config.json") from None
-
-
-def meta_model(conf) -> torch.nn.Module:
-    """The causal LM of `conf` on the meta device: shapes and tying, no memory."""
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(conf)
-
-
-def n_params(conf) -> int:
-    return sum(p.numel() for p in meta_model(conf).parameters())
-
-
-def shard_elements(numel: int, group: int) -> int:
-    """Elements of one tensor's ZeRO-3 partition on each rank: ceil(numel / K) (`p.ds_tensor`; the last rank's
-    is padded). Python integers: exact for tensors beyond 2^31 elements."""
-    return -(-numel // group)
-
-
-def parse_memory(text: str) -> int:
-    """"80GiB", "80 GiB", "80G" (binary), "80GB" (decimal), "1.5TiB", "512MiB" or bytes -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*", text.lower())
-    if not m or (m.group(3) == "i"):
-        raise ConfigError(f"--gpu-memory {text}: use a size such as 80GiB, 80GB or 40G")
-    power = " kmgt".index(m.group(2) or " ")
-    base = 1000 if m.group(3) == "b" and m.group(2) else 1024
-    size = int(float(m.group(1)) * base**power)
-    if size <= 0:
-        # Nothing fits in no memory; a plan that says so with rc 0 hides a typo.
-        raise ConfigError(f"--gpu-memory {text}: must be more than 0; use a size such as 80GiB, 80GB or 40G")
-    return size
-
-
-def zero_settings(deepspeed: str | None, dtype: str, offload: str, world_size: int, hidden: int | None):
-    """(ZeRO config as DeepSpeed reads it, dtype, offload): the DeepSpeed config mapped as `curvzo-ds train` maps it
-    (its bf16/fp16 and offload_param win; "auto" sizes resolved from the hidden size), DeepSpeed's defaults for
-    every key it leaves out (stage3_prefetch_bucket_size 5e7, stage3_max_live_parameters 1e9,
-    stage3_param_persistence_threshold 1e5 elements)."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    user = load_ds_config(deepspeed) if deepspeed else {"zero_optimization": {"stage": 3}}
-    ds, mapped, _ = resolve_ds_config(user, world_size, hidden, dtype=dtype, offload_param=offload)
-    zero = dict(ds["zero_optimization"])
-    if zero.pop("stage") != 3:
-        raise ConfigError(f"--deepspeed {deepspeed}: curvzo-ds plan plans ZeRO stage 3; set zero_optimization.stage "
-                          "to 3")
-    return DeepSpeedZeroConfig(**zero), mapped["dtype"], mapped["offload_param"]
-
-
-@dataclasses.dataclass
-class Plan:
-    """One rank's memory, in bytes. `device` is GPU memory (on a CPU run, --device cpu: the process's memory);
-    `host` is CPU memory beside a GPU. Each field's formula is in its comment (names: module docstring)."""
-
-    model: str
-    params: int  # N, every tensor once (tied ones once)
-    tensors: int  # trainable tensors: CurvZO's blocks at block_granularity=tensor
-    world_size: int
-    group: int  # K
-    dtype: str
-    offload: str
-    device: str  # "gpu" or "cpu"
-    batch: int
-    seq_len: int
-    memory: int  # the memory to fit in, per rank
-    bucket: int  # stage3_prefetch_bucket_size (elements)
-    live: int  # stage3_max_live_parameters (elements)
-    persistence: int  # stage3_param_persistence_threshold (elements)
-    persistent_elements: int  # elements of the tensors at or under the persistence threshold
-    largest_module: int  # elements of the largest module's own parameters (what ZeRO-3 gathers at once)
-    shard: int  # w * sum over tensors of ceil(numel / K)
-    persistent: int  # w * persistent_elements: whole on every rank from the second forward on (0 at K = 1)
-    master: int  # 4 * region of each bf16/fp16 tensor with an fp32 copy (region: its shard, or all if persistent)
-    master_rule: str
-    gathered: int  # the peak of gathered parameters over one forward at K > 1 (`gather_peak`)
-    allocator: int  # CPU: the high-water mark of gathered blocks under SMALL_BLOCK, kept by the allocator
-    tied: int  # w * shard of each tied duplicate: from_pretrained partitions it, then ties it away; its shard
-    #            stays in a reference cycle until Python's next full collection
-    runtime: int  # CPU: RUNTIME_CPU; 0 on a GPU
-    per_row: int  # activation bytes of one sequence of T tokens (`activation_bytes`)
-    table: int  # TABLE_ROW per stored copy of a tensor (its shard, and a persistent one's replica): the Perturber's
-    #            piece table, on the device and pinned on the host
-    zo_state: int  # 16 float64 per block: scores, sizes, warm-up sums, and the step's pi, mask and all-reduce
-    checkpoint: int  # rank 0 while loading: the checkpoint's bytes (from_pretrained maps every file on rank 0)
-    load: int  # rank 0's peak while loading: checkpoint + shard + w * largest module (twice at K > 1: gathered
-    #            and copied) + runtime
-    adamw_states: int  # DeepSpeed's ZeRO-3 model-state estimate for AdamW (GPU bytes)
-    adamw_per_row: int  # activations of one sequence kept for backward (`training_activation_bytes`)
-    dtype_from: str = ""  # where dtype came from when --dtype was not given
-
-    @property
-    def activations(self) -> int:
-        return self.batch * self.per_row
-
-    @property
-    def adamw(self) -> int:
-        """First-order AdamW under the same ZeRO-3 config: DeepSpeed's estimate + B x activations for backward."""
-        return self.adamw_states + self.batch * self.adamw_per_row
-
-    @property
-    def host(self) -> int:
-        """CPU memory beside the GPU after loading: the shard and its fp32 copy when offloaded (the fp32 copy lives
-        where the weights do), and the pinned piece table."""
-        return (self.shard + self.master if self.offload == "cpu" else 0) + self.table
-
-    def _fixed(self) -> int:
-        """What does not grow with B, in the memory the verdict is about."""
-        fixed = self.persistent + self.gathered + self.allocator + self.tied + self.zo_state + self.runtime
-        if self.device == "cpu":
-            return fixed + self.shard + self.master + self.table
-        return fixed + (self.shard + self.master if self.offload == "none" else 0) + self.table
-
-    @property
-    def steady(self) -> int:
-        """The peak after loading: what the steps need."""
-        return self._fixed() + self.activations
-
-    @property
-    def total(self) -> int:
-        """The peak to fit: GPU memory after loading; on a CPU run (--device cpu) all the process holds after
-        loading, or rank 0's loading peak when that is larger."""
-        return max(self.steady, self.load) if self.device == "cpu" else self.steady
-
-    @property
-    def fits(self) -> bool:
-        return self.total <= self.memory
-
-    @property
-    def max_batch(self) -> int:
-        """The largest B with total <= memory at T tokens (0: none)."""
-        if self._fixed() >= self.memory or (self.device == "cpu" and self.load > self.memory):
-            return 0
-        return (self.memory - self._fixed()) // max(self.per_row, 1)
-
-    def format(self) -> str:
-        where = "process memory (a CPU run)" if self.device == "cpu" else "GPU memory"
-        host = " [host]" if self.device == "gpu" else ""
-        rows = [
-            (f"weight shard (1/{self.group} of every tensor)" + (host if self.offload == "cpu" else ""), self.shard),
-            (f"persistent parameters, whole ({self.persistent_elements / 1e6:.2f} M elements, each <= "
-             f"{self.persistence:.0e})", self.persistent),
-            (f"fp32 copy ({self.master_rule}, beside the weights)" + (host if self.offload == "cpu" else ""),
-             self.master),
-            (f"gathered parameters (peak over a forward; prefetch bucket {self.bucket:.0e}, live limit "
-             f"{self.live:.0e})", self.gathered),
-            ("tied duplicate left by loading (until Python's next full collection)", self.tied),
-            (f"forward activations ({self.batch} x {self.seq_len} tokens)", self.activations),
-            (f"piece table ({TABLE_ROW} bytes per stored copy of a tensor)", self.table),
-            ("ZO state (16 float64 per block)", self.zo_state),
-        ]
-        if self.device == "gpu":
-            rows += [("host memory beside the GPU (offloaded shard and fp32 copy, piece table)", self.host),
-                     ("host memory on rank 0 while loading (the checkpoint)", self.checkpoint)]
-        else:
-            rows += [("allocator: freed gathered blocks under 32 MiB kept in the heap", self.allocator),
-                     ("runtime: the run's objects besides tensors (measured)", self.runtime),
-                     ("peak while loading, rank 0 (checkpoint + shard + largest module)", self.load)]
-        rows += [("total CurvZO per rank", self.total),
-                 (f"first-order AdamW, same ZeRO-3 (DeepSpeed {self.adamw_states / GiB:.2f} GiB + activations "
-                  f"for backward; {self.adamw / max(self.total, 1):.1f}x)", self.adamw)]
-        width = max(len(label) for label, _ in rows)
-        lines = [f"curvzo-ds plan: {self.model}, {self.params / 1e9:.3f} B parameters in {self.tensors} tensors; "
-                 f"world size {self.world_size}, shard group {self.group}, {self.dtype}"
-                 f"{f' ({self.dtype_from})' if self.dtype_from else ''}, offload_param "
-                 f"{self.offload}; {where} per rank {self.memory / GiB:.1f} GiB"]
-        lines += [f"  {label:<{width}} {value / GiB:9.3f} GiB" for label, value in rows]
-        lines.append(f"  largest batch that fits at {self.seq_len} tokens: {self.max_batch}")
-        lines.append(f"{'fits' if self.fits else 'does not fit'}: {self.total / GiB:.2f} GiB of "
-                     f"{self.memory / GiB:.1f} GiB per rank")
-        return "\n".join(lines)
-
-
-def gather_peak(calls: list[list[int]], numels: list[int], persistent: set[int], group: int, zero,
-                width: int, gloo: bool = False) -> tuple[int, int]:
-    """(peak bytes of gathered parameters, peak bytes of them in blocks under SMALL_BLOCK) during one forward.
-
-    DeepSpeed's parameter coordinator (partitioned_param_coordinator.py) replayed over `calls`, the own parameters
-    of each module in call order, with a complete trace: fetch the module's parameters; wait for them; prefetch
-    from the trace while under the live limit, up to one bucket (stopping after the tensor that passes it);
-    after the module, release its parameters unless they are used again within max_reuse_distance elements.
-    What is held: each all-gather's flat output (K * ceil(numel / K) per tensor) until its last tensor is
-    fetched; a gather of several tensors is copied out of its buffer at the first wait (one tensor is used in
-    place, its buffer freed at release); with gloo (CPU) also the all-gather's own output-sized temporary
-    until the wait. Python integers throughout: exact beyond 2^31 elements.
-    """
-    status = ["held" if i in persistent else "out" for i in range(len(numels))]
-    queue = collections.deque((i, s) for s, own in enumerate(calls) for i in own)
-    last_use = collections.defaultdict(lambda: -1)  # DeepSpeed's most recent step each parameter was fetched for
-    flat, unwaited, copies, handle_of = {}, set(), {}, {}  # handle -> bytes; waited copies; param -> handle
-    members: dict[int, set[int]] = {}
-    live = [0]
-    peak = small = 0
-
-    def gather(params):
-        params = [i for i in params if status[i] == "out"]
-        if params:
-            h = len(members) + 1
-            members[h] = set(params)
-            flat[h] = width * group * sum(shard_elements(numels[i], group) for i in params)
-            unwaited.add(h)
-            for i in params:
-                status[i], handle_of[i] = "flight", h
-                live[0] += numels[i]
-
-    def note():
-        nonlocal peak, small
-        held = list(flat.values()) + list(copies.values())
-        peak = max(peak, sum(held) + (sum(flat[h] for h in unwaited) if gloo else 0))
-        small = max(small, sum(b for b in held if b < SMALL_BLOCK))
-
-    for step, own in enumerate(calls):
-        gather(own)
-        note()
-        for i in own:
-            h = handle_of.pop(i, None)
-            if h is None:
-                continue
-            if h in unwaited:
-                unwaited.discard(h)
-                for j in members[h]:
-                    status[j] = "held"
-                    if len(members[h]) > 1:
-                        copies[j] = width * numels[j]
-                note()
-            if len(members[h]) > 1 and not any(handle_of.get(j) == h for j in members[h]):
-                del flat[h]
-        ahead = sum(1 for i in own if last_use[i] < step)
-        for _ in range(min(ahead, len(queue))):
-            i, at = queue.popleft()
-            last_use[i] = at
-        room, picked, count = min(zero.max_live_parameters - live[0], zero.prefetch_bucket_size), [], 0
-        while queue and count < room:
-            i, at = queue.popleft()
-            last_use[i] = max(last_use[i], at)
-            if status[i] == "out" and i not in picked:
-                picked.append(i)
-                count += numels[i]
-        gather(picked)
-        note()
-        release = {i for i in own if i not in persistent and last_use[i] <= step + 1}
-        seen = 0
-        for later in calls[step + 1:]:
-            if seen >= zero.max_reuse_distance:
-                break
-            release -= set(later)
-            seen += sum(numels[i] for i in later)
-        for i in release:
-            if status[i] == "held":
-                status[i] = "out"
-                live[0] -= numels[i]
-                if copies.pop(i, None) is None:  # used in place: its buffer goes
-                    flat.pop(next(h for h, m in members.items() if m == {i} and h in flat), None)
-    return peak, small
-
-
-def activation_bytes(conf, names: list[str], seq_len: int, width: int, label_positions: int = 1) -> int:
-    """Bytes of forward activations for one sequence of T tokens, inference style (torch.no_grad, no KV cache):
-    one layer's live set at a time, plus the attention mask and the logits at label positions.
-
-    w * T * (2H + max(4H + 3H_kv, c * I))  + T^2 (boolean mask)  + P * V * (w + 8)
-    residual stream and normed input (2H); attention: q, rotated q, output and its contiguous copy (4H) with k, v
-    and rotated k (3 H_kv), SDPA never holding T x T scores; MLP: c = 3 for a gated MLP (act(gate), up, product),
-    2 otherwise (fc1, act); P label positions of logits (`logits_to_keep`), upcast to float32 and log-softmaxed.
-    """
-    hidden = getattr(conf, "hidden_size", None) or conf.d_model
-    heads = conf.num_attention_heads
-    kv = (getattr(conf, "num_key_value_heads", None) or heads) * (hidden // heads)
-    inter = getattr(conf, "intermediate_size", None) or getattr(conf, "ffn_dim", None) or 4 * hidden
-    gated = any("gate_proj" in n or "gate_up_proj" in n for n in names)
-    per_token = 2 * hidden + max(4 * hidden + 3 * kv, (3 if gated else 2) * inter)
-    return width * seq_len * per_token + seq_len * seq_len + label_positions * conf.vocab_size * (width + 8)
-
-
-def training_activation_bytes(conf, seq_len: int, width: int, label_positions: int = 1) -> int:
-    """One sequence's activations kept for a backward pass (for the AdamW figure): Korthikanti et al. (2022), Eq. 1
-    without the attention-score term (SDPA keeps no T x T scores): 34 * T * H bytes per layer at 16 bits (scaled
-    by w / 2), plus the same logits as the forward."""
-    hidden = getattr(conf, "hidden_size", None) or conf.d_model
-    per_layer = 34 * seq_len * hidden * width // 2
-    return conf.num_hidden_layers * per_layer + label_positions * conf.vocab_size * (width + 8)
-
-
-def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int | None = None,
-                dtype: str = "bfloat16", offload: str = "none", batch: int = 4, seq_len: int = 512,
-                gpu_memory: int | str = 80 * GiB, fp32_master: bool | str = "auto", deepspeed: str | None = None,
-                device: str = "gpu", label_positions: int = 1, trust_remote_code: bool = False) -> Plan:
-    """The plan of one rank (rank 0, the largest). Raises ConfigError for what cannot be planned. `dtype="auto"`: the
-    model config's torch_dtype when it names one of fp32, bf16, fp16, else bf16."""
-    dtype = DTYPE_NAMES.get(dtype, dtype)
-    if dtype not in WIDTH and dtype != "auto":
-        raise ConfigError(f"--dtype {dtype}: use auto, bf16, fp16 or fp32")
-    if isinstance(fp32_master, str) and fp32_master != "auto":
-        fp32_master = {"true": True, "false": False}.get(fp32_master.lower(), fp32_master)
-    if fp32_master not in ("auto", True, False):
-        raise ConfigError(f"--fp32-master-weights {fp32_master}: use auto, true or false")
-    if world_size < 1:
-        raise ConfigError(f"--world-size {world_size}: use an integer >= 1")
-    group = world_size if shard_group_size is None else shard_group_size
-    if not 1 <= group <= world_size or world_size % group:
-        raise ConfigError(f"--shard-group-size {shard_group_size}: use a divisor of --world-size {world_size} "
-                          "(ranks that share one ZeRO-3 partition)")
-    for flag, value in (("--batch", batch), ("--seq-len", seq_len), ("--label-positions", label_positions)):
-        if value < 1:
-            raise ConfigError(f"{flag} {value}: use an integer >= 1")
-    if offload not in ("none", "cpu") or device not in ("gpu", "cpu"):
-        raise ConfigError(f"--offload {offload} / --device {device}: use none or cpu / gpu or cpu")
-    memory = parse_memory(gpu_memory) if isinstance(gpu_memory, str) else int(gpu_memory)
-
-    conf, checkpoint, source = model_config(model, trust_remote_code)
-    dtype_from = ""
-    if dtype == "auto":
-        dtype = config_dtype(conf)
-        dtype_from = "the model config's torch_dtype" if dtype else "--dtype auto: no torch_dtype in the model config"
-        dtype = dtype or "bfloat16"
-    asked = dtype
-    zero, dtype, offload = zero_settings(deepspeed, dtype, offload, world_size,
-                                         getattr(conf, "hidden_size", None) or getattr(conf, "d_model", None))
-    if dtype != asked:
-        dtype_from = f"the deepspeed config {deepspeed}"
-    width = WIDTH[dtype]
-    net = meta_model(conf)
-    named = list(net.named_parameters())  # tied tensors once
-    numels = [p.numel() for _, p in named]
-    n = sum(numels)
-
-    # DeepSpeed's persistence rule (parameter_offload.mark_persistent_parameters): small tensors, in order, up to
-    # stage3_model_persistence_threshold elements in all.
-    persistent, kept = set(), 0
-    for i, k in enumerate(numels):
-        if k + kept <= zero.model_persistence_threshold and k <= zero.param_persistence_threshold:
-            persistent.add(i)
-            kept += k
-    ids = {id(p): i for i, (_, p) in enumerate(named)}
-    module_sizes = [[ids[id(p)] for p in m.parameters(recurse=False)] for m in net.modules()]
-    largest_module = max((sum(numels[i] for i in m) for m in module_sizes), default=0)
-
-    shard = width * sum(shard_elements(k, group) for k in numels)
-    whole = width * sum(numels[i] for i in persistent) if group > 1 else 0
-
-    masters = []
-    if dtype != "float32" and fp32_master:
-        masters = [k if i in persistent else shard_elements(k, group) for i, (k, (_, p)) in
-                   enumerate(zip(numels, named)) if fp32_master is True or p.dim() == 1]
-    rule = {True: "every tensor", False: "none", "auto": "auto: 1-D tensors"}[fp32_master]
-    if dtype == "float32":
-        rule = "none: float32 is edited exactly"
-
-    gathered = allocator = 0
-    if group > 1:
-        calls = [[ids[id(p)] for p in m.parameters(recurse=False)] for m in net.modules()]
-        gathered, small = gather_peak(calls, numels, persistent, group, zero, width, gloo=device == "cpu")
-        allocator = small if device == "cpu" else 0
-    tied = 0
-    if source != "demo":
-        every = [p for _, p in net.named_parameters(remove_duplicate=False)]
-        tied = width * sum(shard_elements(numels[ids[id(p)]], group) for p in every) - shard
-    runtime = RUNTIME_CPU if device == "cpu" else 0
-
-    per_row = activation_bytes(conf, [nm for nm, _ in named], seq_len, width, label_positions)
-    if source == "demo" or checkpoint is None:  # a demo model is built whole on every rank, then partitioned
-        checkpoint = width * n
-    load = checkpoint + shard + (2 if group > 1 else 1) * width * largest_module + runtime
-
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-    # DeepSpeed's own estimate, the figure estimate_zero3_model_states_mem_needs_all_live prints (that one counts
-    # parameters by data_ptr(), 0 for every meta tensor): 18 bytes per parameter over the ranks + 4 x the largest
-    # layer; with offload_param cpu, DeepSpeed's offload case (4 x the largest layer).
-    _, adamw_states, _ = estimate_zero3_model_states_mem_needs(
-        n, largest_module, num_gpus_per_node=world_size, num_nodes=1, cpu_offload=offload == "cpu",
-        cpu_offload_params=offload == "cpu", zero_init=True)
-
-    return Plan(
-        model=model, params=n, tensors=len(numels), world_size=world_size, group=group, dtype=dtype, offload=offload,
-        device=device, batch=batch, seq_len=seq_len, memory=memory, bucket=zero.prefetch_bucket_size,
-        live=zero.max_live_parameters, persistence=zero.param_persistence_threshold,
-        persistent_elements=sum(numels[i] for i in persistent), largest_module=largest_module, shard=shard,
-        persistent=whole, master=4 * sum(masters), master_rule=rule, gathered=gathered, allocator=allocator,
-        tied=tied, runtime=runtime, per_row=per_row,
-        table=TABLE_ROW * (len(numels) + len(persistent)), zo_state=16 * 8 * len(numels),
-        checkpoint=checkpoint, load=load, adamw_states=adamw_states,
-        adamw_per_row=training_activation_bytes(conf, seq_len, width, label_positions), dtype_from=dtype_from)
-
-
-def config_dtype(conf) -> str | None:
-    """The dtype a model config names, if it is one plan knows (transformers reads a config.json's `torch_dtype`,
-    the older key, into `dtype` too)."""
-    named = getattr(conf, "dtype", None)
-    name = str(named).removeprefix("torch.") if named is not None else None
-    return name if name in WIDTH else None
+def handle(args) -> None:
+    plan(model=args.model, world_size=args.world_size, shard_group_size=args.shard_group_size, dtype=args.dtype,
+         offload=args.offload, batch=args.batch, seq_len=args.seq_len, gpu_memory=args.gpu_memory,
+         fp32_master=args.fp32_master_weights, deepspeed=args.deepspeed, device=args.device,
+         label_positions=args.label_positions, trust_remote_code=args.trust_remote_code)
 
 
 def plan(**kwargs) -> Plan:
     """`curvzo-ds plan`: print the plan (its last line says `fits` or `does not fit`) and return it."""
+    from curvzo_ds.shard.memory import plan_memory  # transformers comes with it: imported when a plan is made
+
     result = plan_memory(**kwargs)
     print(result.format())
     return result
-
-
-def summary_table(models: list[str], world_sizes: list[int], **kwargs) -> str:
-    """A Markdown table of plans: per model and world size, the per-rank figures in GiB and the verdict."""
-    rows = ["| model | W | shard | gathered | tied dup. | activations | fp32 copy | CurvZO total | "
-            "AdamW (DeepSpeed + act.) | verdict | largest batch |", "|" + "---|" * 11]
-    for name in models:
-        for w in world_sizes:
-            p = plan_memory(name, w, **kwargs)
-            g = lambda b: f"{b / GiB:.2f}"  # noqa: E731
-            rows.append(f"| {name} | {w} | {g(p.shard)} | {g(p.gathered)} | {g(p.tied)} | {g(p.activations)} | "
-                        f"{g(p.master)} | {g(p.total)} | {g(p.adamw)} | {'fits' if p.fits else 'does not fit'} | "
-                        f"{p.max_batch} |")
-    return "\n".join(rows)
-
-
-__all__ = ["Plan", "plan", "plan_memory", "summary_table", "PUBLISHED", "shard_elements", "parse_memory",
-           "activation_bytes", "gather_peak"]
-

@@ -352,4 +352,18 @@ def _moving_average(values: list[float], window: int) -> list[float]:
     return averages
 
 
-__all__ = ["figure", "load_run", "plot_runs", "short_name", "widest_blocks"]
+# The command: its parser and its handler (cli.py builds the parser from every command's `register`).
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plot", help="draw loss and evaluation curves of runs to a PNG")
+    p.add_argument("run_dirs", nargs="+", help="one or more run directories (output_dir), compared by colour")
+    p.add_argument("--out", help="the PNG to write (default: metrics.png in the first run directory)")
+    p.set_defaults(handler=handle)
+
+
+def handle(args) -> None:
+    print(plot_runs(args.run_dirs, args.out))
+
+
+__all__ = ["figure", "handle", "load_run", "plot_runs", "register", "short_name", "widest_blocks"]

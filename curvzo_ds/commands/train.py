@@ -1,0 +1,44 @@
+"""`curvzo-ds train`: train a model, as one rank of a launcher's job or alone (the loop is the train wing's,
+curvzo_ds/train/run.py). Its options and the key list of its --help are eval's too."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from curvzo_ds.config.load import load_config
+from curvzo_ds.config.schema import TrainConfig, key_docs
+
+
+def keys_help() -> str:
+    """The epilog of `train --help` and `eval --help`: every configuration key with its default and doc."""
+    docs = key_docs()
+    lines = ["configuration keys (--set KEY=VALUE or a YAML file; default in brackets):"]
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        lines.append(f"  {f.name:<26} [{default}] {docs.get(f.name, '')}".rstrip())
+    lines.append("None means: taken from a preset (demo model, full or LoRA; see docs/config.md).")
+    return "\n".join(lines)
+
+
+def run_options(p: argparse.ArgumentParser) -> None:
+    """The options of a run's configuration, shared by train and eval."""
+    p.add_argument("--config", help="a YAML file of key: value")
+    p.add_argument("--deepspeed", help="your DeepSpeed config (JSON); each key honoured, mapped or refused")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                   help="resume from CHECKPOINT, or from the newest complete one in output_dir")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a model (one rank of a launcher's job, or alone)", epilog=keys_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    run_options(p)
+    p.set_defaults(handler=handle)
+
+
+def handle(args) -> None:
+    cfg = load_config(args.config, args.set, args.deepspeed)
+    from curvzo_ds.train.run import run_train  # DeepSpeed is imported with it: only when a run starts
+
+    run_train(cfg, args.resume)
