@@ -31,13 +31,13 @@ from curvzo_ds.shard.distributed import init_distributed
 from curvzo_ds.sysinfo import peak_rss_bytes, rss_bytes
 from curvzo_ds.tasks import demo_model_config, get_task, load_splits
 from curvzo_ds.tasks.demo import load_tokenizer
-from curvzo_ds.train.run import Run
+from curvzo_ds.train.build import build
 
 
 def run_bench(cfg, steps: int) -> None:
     """Time `steps` engine steps of the configured run (one rank or under a launcher)."""
     cfg.disable_tqdm = True
-    run = Run(cfg)
+    run = build(cfg)
     gc.collect()
     rss_setup, peak_setup = rss_bytes(trim=True), peak_rss_bytes()
     times = []
