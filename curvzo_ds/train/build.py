@@ -2,8 +2,10 @@
 alike; `build_plain(cfg)` makes the one-process, DeepSpeed-free Job of `diagnose` (PlainRun) and experiments/.
 
 Both share the data (`load_data`, `step_batch`), the task's loss and `integrations.engine_for`, the step that
-`from_accelerator` and `ZOTrainer` take too once they have the user's model. Nothing here trains or writes files;
-`build` starts the process group, logging to stderr and the thread pinning, and downloads into the caches.
+`from_accelerator` and `ZOTrainer` take too once they have the user's model. Nothing here trains or writes to
+output_dir (the Job's CheckpointManager, created by `Job.checkpoints`, writes run_config.json into each checkpoint);
+`build` starts the process group, the logging to stderr and the thread pinning, and the model, tokenizer and data
+loaders fill their download caches.
 """
 
 from __future__ import annotations
