@@ -136,7 +136,7 @@ def test_the_manager_saves_when_due_once_per_step_and_restores_its_components(tm
 def test_a_checkpoint_from_before_the_components_resumes_its_best_and_its_seconds(tmp_path):
     """Before issue 27 the CLI kept the trainer state flat ({"best_dev", "seconds", ...}): a resume still gets the best
     evaluation (which rotation must keep) and the seconds trained."""
-    from curvzo_ds.train.run import Clock
+    from curvzo_ds.train.loop import Clock
 
     e, x = engine()
     e.step(x)

@@ -174,13 +174,14 @@ STEPS = 3  # the first records ZeRO-3's trace; prefetching starts with the secon
 
 def _measure(args: list[str], out_path: str) -> dict:
     """One rank: the runtime baseline (torch, deepspeed, transformers imported; the process group up), then the
-    CLI's Run with its defaults and STEPS steps; per-rank bytes and the shapes the forwards saw (rank 0 writes)."""
+    CLI's Job (build) at its defaults and STEPS steps; per-rank bytes and the shapes the forwards saw
+    (rank 0 writes)."""
     import gc
 
-    import curvzo_ds.train.run as run_module
     from curvzo_ds.config.load import load_config
     from curvzo_ds.shard.distributed import init_distributed
     from curvzo_ds.sysinfo import peak_rss_bytes, rss_bytes
+    from curvzo_ds.train.build import build
 
     model, tokenizer = args[0], args[1] or None
     rank, world, _ = init_distributed()
@@ -189,7 +190,7 @@ def _measure(args: list[str], out_path: str) -> dict:
     sets = [f"model={model}", "max_steps=3", "disable_tqdm=true", "report_to=none", "output_dir=unused"]
     if tokenizer:
         sets.append(f"tokenizer={tokenizer}")
-    run = run_module.Run(load_config(None, sets, str(ROOT / "ds_configs" / "zero3.json")))
+    run = build(load_config(None, sets, str(ROOT / "ds_configs" / "zero3.json")))
     loaded = peak_rss_bytes()
     rows = seq = positions = 0
     for t in range(STEPS):

@@ -62,10 +62,10 @@ def _ints(text: str, option: str) -> list[int]:
 
 def run_bench(cfg, steps: int) -> None:
     """Time `steps` engine steps of the configured run (one rank or under a launcher)."""
-    from curvzo_ds.train.run import Run  # DeepSpeed is imported with it: only when a run starts
+    from curvzo_ds.train.build import build  # DeepSpeed is imported with it: only when a run starts
 
     cfg.disable_tqdm = True
-    run = Run(cfg)
+    run = build(cfg)
     gc.collect()
     rss_setup, peak_setup = rss_bytes(trim=True), peak_rss_bytes()
     times = []

@@ -20,15 +20,11 @@ import os
 import numpy as np
 import torch
 
-from curvzo_ds import data as D
 from curvzo_ds.algo.sampling import ESTIMATORS, CurvZOSampler, adaptive_budget, expected_scores
-from curvzo_ds.config.schema import TrainConfig, resolve_presets, zo_part
+from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.data.stream import MicroBatches
-from curvzo_ds.engine import ZOEngine
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.jsonio import write_json_atomic
-from curvzo_ds.shard.comm import Comm
-from curvzo_ds.train.evaluate import evaluate
 
 log = logging.getLogger("curvzo_ds")
 
@@ -105,30 +101,24 @@ def simulate(sizes: torch.Tensor, energy: torch.Tensor, cfg, steps: int, seed: i
 class PlainRun:
     """A one-process run on a plain model (no DeepSpeed): the task, the data stream, the engine, evaluation.
 
-    It builds the model, data and batches exactly as `curvzo-ds train` does for one rank (the same presets,
-    splits, micro-batches and loss), so its steps are the training run's; it adds `block_energy`, the
-    first-order ground truth of a batch. The diagnostic and experiments/ use it.
+    Its Job comes from train/build.py's `build_plain`, which builds the model, data and batches exactly as
+    `curvzo-ds train` does for one rank (the same presets, splits, micro-batches and loss), so its steps are the
+    training run's; it adds `block_energy`, the first-order ground truth of a batch. The diagnostic and experiments/
+    use it.
     """
 
     def __init__(self, cfg: TrainConfig):
-        # Imported here: the CLI imports this module to build its parser, and these bring transformers and DeepSpeed.
-        from curvzo_ds.models import build_model
-        from curvzo_ds.train.run import load_data
+        # Imported here: the CLI imports this module to build its parser, and the build brings transformers and
+        # DeepSpeed.
+        from curvzo_ds.train.build import build_plain
 
-        cfg = resolve_presets(copy.deepcopy(cfg))
-        cfg.validate()
-        self.cfg = cfg
-        self.task, self.tokenizer, self.train_data, self.eval_data = load_data(cfg)
-        self.model, _ = build_model(cfg, {})
-        self.loss = D.loss_fn_for(self.task, cfg.train_as_classification)
-        self.engine = ZOEngine(self.model, self.loss, zo_part(cfg))
-        if cfg.static_mask:
-            self.engine.fit_static_mask([self.batch(t) for t in range(cfg.static_mask_batches)])
+        self.job = job = build_plain(cfg)
+        self.cfg, self.task, self.tokenizer = job.cfg, job.task, job.tokenizer
+        self.train_data, self.eval_data = job.train_data, job.eval_data
+        self.model, self.loss, self.engine = job.model, job.loss, job.engine
 
     def batch(self, step: int) -> MicroBatches:
-        from curvzo_ds.train.run import step_batch
-
-        return step_batch(self.cfg, self.train_data, self.tokenizer.pad_token_id, step)
+        return self.job.batch(step)
 
     def block_energy(self, batch: MicroBatches) -> torch.Tensor:
         """||g_i||^2 per block of the gradient of the batch's mean loss (the loss the step's Delta differentiates),
@@ -155,9 +145,7 @@ class PlainRun:
         return out
 
     def evaluate(self, split: str) -> dict:
-        cfg = self.cfg
-        return evaluate(self.model, self.task, self.tokenizer, self.eval_data[split], cfg.micro_batch_size, Comm(None),
-                        torch.device("cpu"), cfg.max_new_tokens, self.loss)
+        return self.job.evaluate(split)
 
 
 def probe_steps(steps: int, every: int) -> list[int]:

@@ -22,13 +22,7 @@ from transformers.trainer_utils import TrainOutput, set_seed
 from curvzo_ds.checkpoint.manager import CheckpointManager
 from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.engine import StepResult, ZOEngine
-from curvzo_ds.train.integrations import (
-    align_accelerate_state,
-    clean_deepspeed_config,
-    hidden_size,
-    install_checkpoint_hooks,
-    refuse_optimizer,
-)
+from curvzo_ds.train.integrations import align_accelerate_state, clean_deepspeed_config, engine_for, hidden_size
 
 log = logging.getLogger("curvzo_ds")
 
@@ -101,14 +95,11 @@ class ZOTrainer(Trainer):
             hf.trainer_config_finalize(self.args, self.model, max_steps)
             clean_deepspeed_config(hf.config, self.args.world_size, self.args.per_device_train_batch_size,
                                    hidden_size(self.model))
-            model = self.accelerator.prepare(self.model)
-            refuse_optimizer(model)
-            self.model_wrapped = self.deepspeed = model
+            model = self.model_wrapped = self.deepspeed = self.accelerator.prepare(self.model)
         else:
             model = self.model.to(self.args.device)
-        self.zo_engine = ZOEngine(model, self.zo_loss_fn or self._zo_loss, self.zo_config, **overrides)
-        if self.is_deepspeed_enabled:
-            install_checkpoint_hooks(model, self.zo_engine)
+        # the optimizer check, the engine and (under DeepSpeed) its checkpoint hooks, as every front end
+        self.zo_engine = engine_for(model, self.zo_loss_fn or self._zo_loss, self.zo_config, **overrides)
         return self.zo_engine
 
     def _zo_max_steps(self, per_epoch: int | None = None) -> int:

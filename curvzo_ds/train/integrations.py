@@ -9,6 +9,9 @@
   the other ranks never enter (docs/deepspeed.md). `install_checkpoint_hooks` replaces the engine's
   `save_checkpoint` / `load_checkpoint` with this project's shard-local checkpoint, so Accelerate,
   the Trainer and users' own calls all work, at any world size.
+- `engine_for(model, loss_fn, config)` is the step that every front end shares once it has a model
+  (the CLI's train/build.py, `from_accelerator`, `ZOTrainer`, `diagnose`'s PlainRun): the optimizer
+  check, the ZOEngine, and a DeepSpeed engine's checkpoint hooks.
 - `split_batch` (data/stream.py) cuts one global batch into `MicroBatches` (micro-batch j on rank
   j mod W), which makes a loop with an unsharded data loader independent of the number of ranks.
 """
@@ -115,13 +118,23 @@ def from_accelerator(accelerator, model, loss_fn, config: ZOConfig | None = None
     elif plugin is None:
         # No DDP wrapper: every rank applies the same update, so replicas stay equal without one.
         model = model.to(accelerator.device)
-    if ds_compat.is_ds_engine(model):
-        refuse_optimizer(model)
-    engine = ZOEngine(model, loss_fn, config, **overrides)
-    if ds_compat.is_ds_engine(model):
-        install_checkpoint_hooks(model, engine)
-    else:
+    engine = engine_for(model, loss_fn, config, **overrides)
+    if not ds_compat.is_ds_engine(model):
         _register_accelerate_hooks(accelerator, engine)
+    return engine
+
+
+def engine_for(model, loss_fn, config: ZOConfig | None = None, **options) -> ZOEngine:
+    """The ZOEngine on a model its caller built and prepared, the step every front end shares (train/build.py,
+    `from_accelerator`, `ZOTrainer`, `diagnose`'s PlainRun). A DeepSpeed engine that holds an optimizer is refused,
+    and a DeepSpeed engine's `save_checkpoint` / `load_checkpoint` are routed to this project's checkpoint
+    (`install_checkpoint_hooks`). `options` are ZOEngine's keyword arguments (`topology`, `group`, ZOConfig keys)."""
+    is_ds = ds_compat.is_ds_engine(model)
+    if is_ds:
+        refuse_optimizer(model)
+    engine = ZOEngine(model, loss_fn, config, **options)
+    if is_ds:
+        install_checkpoint_hooks(model, engine)
     return engine
 
 

@@ -9,11 +9,13 @@ at once.
 `Fault`: CURVZO_DS_FAULT="kind@step[:rank]" makes one rank misbehave at a step, so that the tests can show
 the run's reaction with real processes: `nan` (that rank's losses are NaN), `hang` (it sleeps in the loop,
 so the others wait in a collective until ddp_timeout), `desync` (its ZO scores change, which the
-consistency check must catch). Unset (always, outside tests), it does nothing.
+consistency check must catch). The training loop runs each update inside `Fault.around_step`; the engine is
+built without it. Unset (always, outside tests), it does nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -73,18 +75,26 @@ class Fault:
     def at(self, kind: str, step: int) -> bool:
         return self.kind == kind and self.step == step
 
-    def wrap_loss(self, loss_fn, engine):
-        """The loss function, returning NaN on this rank during the step that `nan@step` names."""
-        if self.kind != "nan":
-            return loss_fn
+    @contextlib.contextmanager
+    def around_step(self, engine, step: int):
+        """The body of a `with` is update `step` (1-based): the loop's only hook. `hang` sleeps and `desync` changes
+        this rank's scores before it; `nan` makes this rank's losses NaN during it (the engine's loss function is
+        swapped for the body and restored after). Without a fault for this step it does nothing."""
+        self.before_step(engine, step)
+        if not self.at("nan", step):
+            yield
+            return
+        loss_fn = engine.loss_fn
 
         def faulty(model, batch):
             loss_sum, count = loss_fn(model, batch)
-            if engine.step_count + 1 == self.step:
-                loss_sum = loss_sum * float("nan")
-            return loss_sum, count
+            return loss_sum * float("nan"), count
 
-        return faulty
+        engine.loss_fn = faulty
+        try:
+            yield
+        finally:
+            engine.loss_fn = loss_fn
 
     def before_step(self, engine, step: int) -> None:
         if self.at("hang", step):

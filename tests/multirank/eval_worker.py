@@ -6,8 +6,8 @@
   so transformers' generate() would not sync ranks by itself), evaluated on SQuAD. Its newline
   logit is scaled up so that greedy answers end after a prompt-dependent number of tokens: ranks
   stop at different lengths. Every generate() call records its length and its synced_gpus.
-- "sst2", "squad": `Run` (the CLI's set-up: demo model from a fixed seed, partitioned by
-  deepspeed.initialize) evaluated on dev and test; the Run's data loading is timed on each rank.
+- "sst2", "squad": `build` (the CLI's set-up: demo model from a fixed seed, partitioned by
+  deepspeed.initialize) evaluated on dev and test; the Job's data loading is timed on each rank.
 - "first", "first_subgroup": `main_process_first` on the world group and on the group of ranks
   1..W-1 (whose rank 0 is global rank 1); each rank records when its body ran.
 """
@@ -82,11 +82,11 @@ def zero_init_scenario(world: int) -> dict:
 
 
 def run_scenario(task: str, rank: int) -> dict:
-    import curvzo_ds.train.run
-    from curvzo_ds.train.run import Run
+    import curvzo_ds.train.build
+    from curvzo_ds.train.build import build
 
     times = []
-    real_tok, real_splits = curvzo_ds.train.run.load_tokenizer, curvzo_ds.train.run.load_splits
+    real_tok, real_splits = curvzo_ds.train.build.load_tokenizer, curvzo_ds.train.build.load_splits
 
     def timed(fn, delay):
         def wrapper(*args, **kwargs):
@@ -98,20 +98,20 @@ def run_scenario(task: str, rank: int) -> dict:
             return out
         return wrapper
 
-    curvzo_ds.train.run.load_tokenizer = timed(real_tok, 0.3)  # the names Run looks up
-    curvzo_ds.train.run.load_splits = timed(real_splits, 0.3)
+    curvzo_ds.train.build.load_tokenizer = timed(real_tok, 0.3)  # the names build() looks up
+    curvzo_ds.train.build.load_splits = timed(real_splits, 0.3)
     try:
         num_train, num_dev = {"sst2": (4, 7), "squad": (2, 5)}[task]  # test: the whole validation file
         cfg = TrainConfig(model="demo", task=task, data_dir="samples", num_train=num_train, num_dev=num_dev,
                           global_batch_size=2, micro_batch_size=2, max_new_tokens=MAX_NEW_TOKENS,
                           disable_tqdm=True, report_to="none", log_level="warning")
-        run = Run(cfg)
+        run = build(cfg)
     finally:
-        curvzo_ds.train.run.load_tokenizer, curvzo_ds.train.run.load_splits = real_tok, real_splits
+        curvzo_ds.train.build.load_tokenizer, curvzo_ds.train.build.load_splits = real_tok, real_splits
     calls = []
     if task == "squad":
-        boost_newline(run.ds_engine.module, run.tokenizer, 3.0)
-        record_generate(run.ds_engine.module, calls)
+        boost_newline(run.model.module, run.tokenizer, 3.0)
+        record_generate(run.model.module, calls)
     out = {s: run.evaluate(s) for s in ("dev", "test")}
     out["sizes"] = {s: len(run.eval_data[s]) for s in ("dev", "test")}
     out["load_times"] = run.engine.comm.all_gather_object(times)

@@ -1,0 +1,224 @@
+"""The composition root: `build(cfg)` makes the `Job` that `curvzo-ds train`, `eval` and `bench` run, on every rank
+alike; `build_plain(cfg)` makes the one-process, DeepSpeed-free Job of `diagnose` (PlainRun) and experiments/.
+
+Both share the data (`load_data`, `step_batch`), the task's loss and `integrations.engine_for`, the step that
+`from_accelerator` and `ZOTrainer` take too once they have the user's model. Nothing here trains or writes to
+output_dir (the Job's CheckpointManager, created by `Job.checkpoints`, writes run_config.json into each checkpoint);
+`build` starts the process group, the logging to stderr and the thread pinning, and the model, tokenizer and data
+loaders fill their download caches.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from curvzo_ds import data as D
+from curvzo_ds.checkpoint.manager import CheckpointManager
+from curvzo_ds.config.ds_config import load_ds_config, resolve_ds_config
+from curvzo_ds.config.ds_policy import MAPPED_FIELDS
+from curvzo_ds.config.schema import TrainConfig, resolve_presets, sources_of, zo_part
+from curvzo_ds.data.stream import MicroBatches, micro_batch_indices
+from curvzo_ds.engine import ZOEngine
+from curvzo_ds.errors import ConfigError, RanksDisagree
+from curvzo_ds.models import build_model, load_tokenizer, model_hidden_size
+from curvzo_ds.shard import ds_compat
+from curvzo_ds.shard.comm import Comm, main_process_first
+from curvzo_ds.shard.distributed import GroupMPU, Topology, init_distributed, pin_threads
+from curvzo_ds.tasks import get_task, load_splits
+from curvzo_ds.tasks.splits import data_source
+from curvzo_ds.train.evaluate import Evaluator
+from curvzo_ds.train.integrations import accelerate_ds_config, engine_for
+from curvzo_ds.train.logs import setup_logging
+from curvzo_ds.train.outputs import write_run_config
+
+log = logging.getLogger("curvzo_ds")
+
+
+@dataclasses.dataclass
+class Job:
+    """What a run needs, built once: the resolved config, the ranks' topology, the task and its encoded data, the
+    model (a DeepSpeed engine, or the module of a plain Job), the ZOEngine and the evaluator."""
+
+    cfg: TrainConfig
+    topology: Topology | None  # None in a plain Job (one process, no process group)
+    threads: int | None
+    task: Any
+    tokenizer: Any
+    train_data: list[dict]
+    eval_data: dict[str, list[dict]]
+    model: Any
+    loss: Callable  # the task's loss on a micro-batch, (model, micro_batch) -> (loss_sum, count)
+    engine: ZOEngine
+    evaluator: Evaluator
+    device: torch.device
+    keep_alive: Any = None  # what build_model returned to be held for the run's length
+
+    @property
+    def rank(self) -> int:
+        return self.topology.job.rank if self.topology is not None else 0
+
+    def batch(self, step: int) -> MicroBatches:
+        return step_batch(self.cfg, self.train_data, self.tokenizer.pad_token_id, step)
+
+    def evaluate(self, split: str) -> dict:
+        return self.evaluator.evaluate(split)
+
+    def checkpoints(self, states: dict | None = None) -> CheckpointManager:
+        """The run's checkpoint manager: the model files and the tokenizer go into every checkpoint, and
+        run_config.json, which `--resume`, `eval --resume` and export read."""
+        cfg = self.cfg
+        return CheckpointManager(cfg.output_dir, save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
+                                 metric=self.task.metrics[0], tokenizer=self.tokenizer, states=states,
+                                 write_extra=lambda directory: write_run_config(cfg, directory))
+
+
+def build(cfg: TrainConfig) -> Job:
+    """The Job of `curvzo-ds train` / `eval` on this rank: the process group and topology, the config resolved (the
+    presets, the DeepSpeed config mapped), the data checked, the model under DeepSpeed ZeRO-3, the engine, the
+    evaluator. Every user error is a ConfigError, raised on every rank."""
+    rank, _, _ = init_distributed(cfg.ddp_timeout)
+    setup_logging(rank, cfg.log_level)
+    threads = pin_threads(cfg.threads)
+    topology = Topology.create(cfg.shard_group_size)  # the shard and replica groups, once
+    topology.check_directions(cfg.num_directions)
+    cfg, ds_config = resolve_config(cfg, topology)
+    if topology.job.rank == 0:
+        warn_idle_ranks(cfg, topology.shard.world_size)
+    try:  # the task and its data are the user's: their errors are one line (exit 2), on every rank
+        with main_process_first(topology.job):  # rank 0 fills the download and tokenizer caches first
+            task, tokenizer, train_data, eval_data = load_data(cfg)
+        warn_cut(cfg, train_data, eval_data)
+        check_batch_fits(cfg, task, train_data)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    shard_group = topology.shard.group
+    mpu = GroupMPU(shard_group) if shard_group is not None else None
+    model, keep_alive = build_model(cfg, ds_config, shard_group, mpu)
+    if topology.replica_group is not None:
+        ds_compat.sync_replicas(model, topology.replica_group)
+    ds_engine, *_ = deepspeed.initialize(model=model, config=ds_config, mpu=mpu)
+    device = ds_engine.device
+    loss = D.loss_fn_for(task, cfg.train_as_classification)
+    engine = engine_for(ds_engine, lambda m, mb: loss(m, D.to_device(mb, device)), zo_part(cfg), topology=topology)
+    check_data_agrees(topology.job, train_data, eval_data)
+    evaluator = Evaluator(ds_engine, task, tokenizer, eval_data, cfg.micro_batch_size, topology.job, device,
+                          cfg.max_new_tokens, loss, cfg.eval_steps)
+    log.info("model %s: %d trainable tensors (%d blocks, %d parameters), world size %d, %d threads per rank",
+             cfg.model, len(engine.entries), engine.num_blocks, engine.num_params, topology.job.world_size, threads)
+    return Job(cfg, topology, threads, task, tokenizer, train_data, eval_data, ds_engine, loss, engine, evaluator,
+               device, keep_alive)
+
+
+def build_plain(cfg: TrainConfig) -> Job:
+    """A one-process Job on a plain model (no DeepSpeed, no process group, on the CPU), built from the same presets,
+    splits, micro-batches and loss as `build`, so that its steps are those of a one-rank training run. A static
+    mask (static_mask=true) is fitted here, as `curvzo-ds train` fits it before step 1."""
+    cfg = resolve_presets(copy.deepcopy(cfg))
+    cfg.validate()
+    task, tokenizer, train_data, eval_data = load_data(cfg)
+    model, keep_alive = build_model(cfg, {})
+    loss = D.loss_fn_for(task, cfg.train_as_classification)
+    engine = engine_for(model, loss, zo_part(cfg))
+    device = torch.device("cpu")
+    evaluator = Evaluator(model, task, tokenizer, eval_data, cfg.micro_batch_size, Comm(None), device,
+                          cfg.max_new_tokens, loss, cfg.eval_steps)
+    job = Job(cfg, None, None, task, tokenizer, train_data, eval_data, model, loss, engine, evaluator, device,
+              keep_alive)
+    if cfg.static_mask:
+        engine.fit_static_mask([job.batch(t) for t in range(cfg.static_mask_batches)])
+    return job
+
+
+def resolve_config(cfg: TrainConfig, topology: Topology) -> tuple[TrainConfig, dict]:
+    """(the config with its presets and the DeepSpeed-mapped keys applied and validated, the DeepSpeed config)."""
+    cfg = resolve_presets(cfg)
+    user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()
+    # Each replica group processes the whole global batch: DeepSpeed's data-parallel world is the shard group.
+    # A mapped key given explicitly (--set or the YAML) that the DeepSpeed config sets otherwise is refused.
+    ds_config, mapped, notes = resolve_ds_config(
+        user_ds, topology.shard.world_size, model_hidden_size(cfg), explicit=sources_of(cfg),
+        where=f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config",
+        **{k: getattr(cfg, k) for k in MAPPED_FIELDS})
+    for note in notes:
+        log.warning("deepspeed config: %s", note)
+    cfg = dataclasses.replace(cfg, **mapped)
+    cfg.validate()
+    accelerator = get_accelerator()
+    if cfg.dtype == "float16" and not accelerator.is_fp16_supported():  # else DeepSpeed's ValueError, later
+        raise ConfigError(f"dtype=float16: DeepSpeed's {accelerator.device_name()} accelerator has no float16 "
+                          "on this machine; use dtype=bfloat16 or dtype=float32")
+    return cfg, ds_config
+
+
+def load_data(cfg: TrainConfig) -> tuple:
+    """(task, tokenizer, encoded train examples, {"dev"/"test": encoded examples}) as `curvzo-ds train` uses them."""
+    task = get_task(cfg.task)
+    tokenizer = load_tokenizer(cfg)
+    splits = load_splits(task, cfg.seed, cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.data_dir)
+    enc = lambda ex, cls: D.encode(task, tokenizer, ex, cfg.max_length, cls, cfg.max_new_tokens)  # noqa: E731
+    return (task, tokenizer, [enc(ex, cfg.train_as_classification) for ex in splits["train"]],
+            {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]})
+
+
+def step_batch(cfg: TrainConfig, train_data: list[dict], pad_token_id: int, step: int) -> MicroBatches:
+    """The global batch of update `step` (0-based): the same examples and micro-batches at any world size."""
+    parts = micro_batch_indices(step, len(train_data), cfg.global_batch_size, cfg.micro_batch_size, cfg.seed)
+    return MicroBatches([D.collate([train_data[i] for i in part], pad_token_id) for part in parts])
+
+
+def warn_idle_ranks(cfg: TrainConfig, group_size: int) -> None:
+    """A global batch of fewer micro-batches than the ranks that share it leaves ranks with no examples: they run
+    zero-weight forwards only (ZeRO-3's gathers are collective), so the job is as slow as one with more data."""
+    parts = -(-cfg.global_batch_size // cfg.micro_batch_size)
+    if parts < group_size:
+        log.warning("global_batch_size=%d in micro-batches of %d is %d micro-batch%s per step for %d ranks: %d of "
+                    "them get no examples and only keep ZeRO-3's gathers in step: give each rank a micro-batch "
+                    "(global_batch_size >= %d x micro_batch_size), or start fewer ranks", cfg.global_batch_size,
+                    cfg.micro_batch_size, parts, "" if parts == 1 else "es", group_size, group_size - parts,
+                    group_size)
+
+
+def warn_cut(cfg: TrainConfig, train_data: list[dict], eval_data: dict) -> None:
+    """One warning when examples were cut to max_length."""
+    cut = sum(ex["cut"] for data in (train_data, *eval_data.values()) for ex in data)
+    if cut:
+        total = len(train_data) + sum(len(d) for d in eval_data.values())
+        log.warning("%d of %d examples are longer than max_length=%d tokens and were cut from the left "
+                    "(their label tokens kept); raise max_length to keep them whole", cut, total, cfg.max_length)
+
+
+def check_batch_fits(cfg: TrainConfig, task, train_data: list[dict]) -> None:
+    """A global batch larger than the training pool: one line naming the pool's size and what sets it."""
+    n = len(train_data)
+    if n >= cfg.global_batch_size:
+        return
+    source = data_source(task, cfg.data_dir)
+    where = {"hub": "the hub dataset", "files": "the bundled samples" if cfg.data_dir == "samples" else
+             f"the files of task {task.name}", "dir": f"data_dir={cfg.data_dir}"}[source]
+    if n >= cfg.num_train:
+        fix = "lower global_batch_size or raise num_train"
+    else:
+        fix = (f"only {n} are left after dev and test are drawn: lower global_batch_size, or give more "
+               "training data" + (" (leave data_dir unset for the hub dataset)" if cfg.data_dir == "samples"
+                                  else ""))
+    raise ConfigError(f"global_batch_size={cfg.global_batch_size} is larger than the {n} training examples "
+                      f"(num_train={cfg.num_train}, from {where}): {fix}")
+
+
+def check_data_agrees(job, train_data: list[dict], eval_data: dict) -> None:
+    """Every rank must have tokenized the same data: a hash of it is compared across the job."""
+    h = hashlib.sha256(json.dumps([train_data, eval_data], sort_keys=True).encode()).hexdigest()
+    hashes = job.all_gather_object(h)
+    if len(set(hashes)) != 1:
+        raise RanksDisagree(f"ranks tokenized different data (hashes {sorted(set(hashes))}): check that every rank "
+                            "reads the same files with the same tokenizer")

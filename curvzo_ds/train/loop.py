@@ -1,0 +1,138 @@
+"""The training loop of `curvzo-ds train` and the evaluations at its end.
+
+`train_loop` steps a built Job until max_steps: one update per pass, then the step's record, the consistency check,
+pre-emption, dev evaluation and checkpoints, each one call into its component (the engine, logs.RunLog, the
+Evaluator, the CheckpointManager). `final_evaluations` and `with_digest` give what summary.json reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from curvzo_ds.checkpoint.manager import CheckpointManager, load_checkpoint
+from curvzo_ds.engine import ZOEngine
+from curvzo_ds.errors import Preempted, RanksDisagree
+from curvzo_ds.shard.digest import params_digest
+from curvzo_ds.train.build import Job
+from curvzo_ds.train.logs import RunLog
+from curvzo_ds.train.outputs import fmt_metrics
+from curvzo_ds.train.signals import Fault, StopRequest
+
+log = logging.getLogger("curvzo_ds")
+
+
+class Clock:
+    """The wall seconds a run has trained, over resumes: a stateful component of the checkpoints."""
+
+    def __init__(self):
+        self.before, self.start = 0.0, time.time()
+
+    def seconds(self) -> float:
+        return self.before + time.time() - self.start
+
+    def state_dict(self) -> dict:
+        return {"seconds": self.seconds()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.before, self.start = state.get("seconds", 0.0), time.time()
+
+
+def train_loop(job: Job, manager: CheckpointManager, record: RunLog, clock: Clock, stop: StopRequest) -> None:
+    """Step until max_steps. On a stop request (any rank's signal, agreed through the step's all-reduce) every rank
+    saves the same checkpoint and Preempted is raised."""
+    cfg, engine, evaluator, comm = job.cfg, job.engine, job.evaluator, job.topology.job
+    fault = Fault(job.rank)  # tests only (CURVZO_DS_FAULT); does nothing otherwise
+    flat = FlatLossWatch(cfg.flat_loss_steps)
+    while engine.step_count < cfg.max_steps:
+        # the update: +eps z, forwards, -2 eps z, forwards, one all-reduce (the step's one host sync, which also
+        # carries every rank's stop flag), the update
+        batch = job.batch(engine.step_count)
+        with fault.around_step(engine, engine.step_count + 1):
+            r = engine.step(batch, stop_requested=stop.requested)
+        step = r.step
+        # record the step; warn once if the loss never moves
+        record.step(r, clock.seconds())
+        flat.observe(r)
+        # every consistency_steps: the ranks compare a hash of their ZO state
+        if cfg.consistency_steps and step % cfg.consistency_steps == 0:
+            check_state_agrees(engine, step)
+        # pre-emption: save (unless this step is saved), leave together
+        if r.stop:
+            manager.maybe_save(engine, last=True)
+            comm.barrier()  # under srun --kill-on-bad-exit the first exit ends the rest
+            raise Preempted(f"stopped on a signal ({stop.signal_name or 'received by another rank'}) at step {step}, "
+                            f"after saving {manager.path_for(step)}: resume with --resume")
+        # evaluate on dev; a new best is saved at once, and protected from rotation
+        if evaluator.should_eval(step):
+            dev = evaluator.evaluate("dev", step)
+            record.evaluation(step, "dev", dev)
+            log.info("step %d: dev %s", step, fmt_metrics(dev))
+            if manager.track(step, dev):
+                manager.save(engine)
+        # checkpoint every save_steps and at the last step
+        manager.maybe_save(engine, last=step == cfg.max_steps)
+
+
+def check_state_agrees(engine: ZOEngine, step: int) -> None:
+    """The ranks compare a hash of their ZO state (engine.state_hash); a difference stops every rank."""
+    hashes = engine.topology.job.all_gather_object(engine.state_hash())
+    if len(set(hashes)) > 1:
+        raise RanksDisagree(f"ranks disagree on the ZO state at step {step} (hashes by rank: {hashes}): a rank has "
+                            "another build, data or configuration; the run stops")
+
+
+class FlatLossWatch:
+    """Warns once when the loss stays exactly the same, with a projected gradient of 0, for `steps` steps in a row:
+    the perturbation never reaches the loss."""
+
+    def __init__(self, steps: int):
+        self.steps, self.run, self.last, self.warned = steps, 0, None, False
+
+    def observe(self, r) -> None:
+        if not self.steps or self.warned or r.loss is None:
+            return
+        self.run = self.run + 1 if (r.projected_grad == 0.0 and r.loss == self.last) else 0
+        self.last = r.loss
+        if self.run >= self.steps:
+            self.warned = True
+            log.warning("the loss has been exactly %.6g with a projected gradient of 0 for %d steps: the perturbation "
+                        "does not reach the loss. Likely causes: zo_eps below the weights' dtype spacing (raise "
+                        "zo_eps or use fp32_master_weights=true), label words that the tokenizer maps to the same "
+                        "tokens, or the trained parameters (LoRA targets) not on the loss's path", r.loss, self.run)
+
+
+def final_evaluations(job: Job, manager: CheckpointManager, record: RunLog) -> tuple:
+    """(final, best, test): the end-of-run dev and test evaluations (marked "final": a resumed run drops them, a
+    longer run has none), the best dev evaluation, and the test metrics at the best-dev checkpoint (MeZO's rule:
+    its weights are loaded for that when an earlier step was better)."""
+    step, evaluator = job.engine.step_count, job.evaluator
+    final = {}
+    if "dev" in job.eval_data:
+        last = evaluator.last.get("dev")
+        if last and last[0] == step:
+            final["dev"] = last[1]
+        else:
+            final["dev"] = evaluator.evaluate("dev", step)
+            record.evaluation(step, "dev", final["dev"], final=True)
+    if "test" in job.eval_data:
+        final["test"] = evaluator.evaluate("test", step)
+        record.evaluation(step, "test", final["test"], final=True)
+    test = final.get("test")
+    best = manager.best
+    if "dev" in final and (best is None or best["step"] == step or manager.is_better(final["dev"])):
+        best = {"step": step, "metrics": final["dev"], "checkpoint": manager.path_for(step)}
+    elif best and "test" in job.eval_data:
+        load_checkpoint(job.engine, best["checkpoint"])
+        test = evaluator.evaluate("test")
+    return final, best, test
+
+
+def with_digest(job: Job, best: dict | None, step: int, digest: str) -> dict | None:
+    """The best-dev result with its parameters' digest: the final one, or that of its checkpoint (loaded here unless
+    final_evaluations already loaded it to evaluate test)."""
+    if best is None or best["step"] == step:
+        return best and {**best, "digest": digest}
+    if job.engine.step_count != best["step"]:
+        load_checkpoint(job.engine, best["checkpoint"])
+    return {**best, "digest": params_digest(job.engine.entries, job.topology.job)}
