@@ -1,13 +1,16 @@
 """The package's import graph, read with `ast`: layered one way, no cycles, no private names across modules.
 
-Layers, bottom to top; a module imports from its own layer or below, never from above:
-0. foundations: config, the DeepSpeed policy table, the algorithm (sampling), noise, params, the passes over the
-   weights (perturb, and mask for a static mask), the bf16 visibility check, comm,
-   ds_compat, digest, JSON and system info, distributed start-up, tasks and data, the hub probe;
-1. the engine;
-2. checkpoints;
-3. front ends and tools: the CLI run, Accelerate, the Trainer, evaluation, models, logs, export, ...;
-4. the CLI and the package's public face (`curvzo_ds/__init__.py`).
+Layers, bottom to top (docs/architecture.md draws them); a unit (a top-level module or a sub-package) imports from
+its own layer or below, never from above:
+0. foundations: errors, the algorithm (algo/), noise/, config/, data/, tasks/, JSON, system info, versions, the
+   hub probe, start-up;
+1. shard/: the weights one rank holds, the passes over them, the collectives, the DeepSpeed wing, the planner's
+   memory model;
+2. engine/;
+3. checkpoint/ and models;
+4. train/: the one build, the loop, outputs, and the Accelerate and Trainer front ends;
+5. commands/;
+6. the CLI and the package's public face (`curvzo_ds/__init__.py`).
 Imports inside functions count as much as those at the top: they hide the graph, they do not change it.
 """
 
