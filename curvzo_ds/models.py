@@ -21,6 +21,7 @@ from curvzo_ds.config.schema import DEMO_MODELS, TrainConfig
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.hub import offline_unless_reachable
 from curvzo_ds.shard import ds_compat
+from curvzo_ds.shard.shapes import hidden_size_of
 from curvzo_ds.tasks import demo_model_config
 from curvzo_ds.tasks import load_tokenizer as load_demo_tokenizer
 
@@ -45,11 +46,6 @@ def model_hidden_size(cfg: TrainConfig) -> int | None:
     except ValueError as e:
         raise refused("model", cfg.model, e) from None
     return hidden_size_of(conf)
-
-
-def hidden_size_of(conf) -> int | None:
-    """A transformers config's hidden size (`d_model` in some architectures), or None if it names neither."""
-    return getattr(conf, "hidden_size", None) or getattr(conf, "d_model", None)
 
 
 def refused(key: str, value: str, e: ValueError) -> ConfigError:

@@ -16,7 +16,7 @@ from curvzo_ds.config.ds_config import load_ds_config, resolve_ds_config
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.noise.rows import ROW_BYTES
 from curvzo_ds.shard.prefetch import SMALL_BLOCK, gather_peak, shard_elements
-from curvzo_ds.shard.shapes import PUBLISHED, meta_model, model_config, published_key
+from curvzo_ds.shard.shapes import PUBLISHED, hidden_size_of, meta_model, model_config, published_key
 
 GiB = 2**30
 TABLE_ROW = ROW_BYTES  # bytes of one row of the Perturber's piece table (noise/rows.py)
@@ -189,7 +189,7 @@ def activation_bytes(conf, names: list[str], seq_len: int, width: int, label_pos
     and rotated k (3 H_kv), SDPA never holding T x T scores; MLP: c = 3 for a gated MLP (act(gate), up, product),
     2 otherwise (fc1, act); P label positions of logits (`logits_to_keep`), upcast to float32 and log-softmaxed.
     """
-    hidden = getattr(conf, "hidden_size", None) or conf.d_model
+    hidden = hidden_size_of(conf)
     heads = conf.num_attention_heads
     kv = (getattr(conf, "num_key_value_heads", None) or heads) * (hidden // heads)
     inter = getattr(conf, "intermediate_size", None) or getattr(conf, "ffn_dim", None) or 4 * hidden
@@ -202,7 +202,7 @@ def training_activation_bytes(conf, seq_len: int, width: int, label_positions: i
     """One sequence's activations kept for a backward pass (for the AdamW figure): Korthikanti et al. (2022), Eq. 1
     without the attention-score term (SDPA keeps no T x T scores): 34 * T * H bytes per layer at 16 bits (scaled
     by w / 2), plus the same logits as the forward."""
-    hidden = getattr(conf, "hidden_size", None) or conf.d_model
+    hidden = hidden_size_of(conf)
     per_layer = 34 * seq_len * hidden * width // 2
     return conf.num_hidden_layers * per_layer + label_positions * conf.vocab_size * (width + 8)
 
@@ -241,7 +241,7 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
         dtype = dtype or "bfloat16"
     asked = dtype
     zero, dtype, offload = zero_settings(deepspeed, dtype, offload, world_size,
-                                         getattr(conf, "hidden_size", None) or getattr(conf, "d_model", None))
+                                         hidden_size_of(conf))
     if dtype != asked:
         dtype_from = f"the deepspeed config {deepspeed}"
     width = WIDTH[dtype]

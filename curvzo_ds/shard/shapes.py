@@ -35,6 +35,11 @@ PUBLISHED = {
 }
 
 
+def hidden_size_of(conf) -> int | None:
+    """A transformers config's hidden size (`d_model` in some architectures), or None if it names neither."""
+    return getattr(conf, "hidden_size", None) or getattr(conf, "d_model", None)
+
+
 def published_key(name: str) -> str:
     """`facebook/opt-13b`, `OPT-13B` -> `opt-13b`; `meta-llama/Llama-2-7b-hf`, `llama-2-7b` -> `llama2-7b`."""
     key = name.lower().split("/")[-1].removesuffix("-hf")

@@ -32,6 +32,7 @@ from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.shard import ds_compat
+from curvzo_ds.shard.shapes import hidden_size_of
 
 log = logging.getLogger("curvzo_ds")
 ZO_CHECKPOINT = "zo_checkpoint"  # the sub-directory of an accelerate.save_state() directory (no DeepSpeed)
@@ -39,8 +40,7 @@ ZO_CHECKPOINT = "zo_checkpoint"  # the sub-directory of an accelerate.save_state
 
 def hidden_size(model) -> int | None:
     """The model's hidden size (for DeepSpeed's "auto" bucket sizes), or None if its config has none."""
-    conf = getattr(ds_compat.module_of(model), "config", None)
-    return getattr(conf, "hidden_size", None) or getattr(conf, "d_model", None)
+    return hidden_size_of(getattr(ds_compat.module_of(model), "config", None))
 
 
 def clean_deepspeed_config(config: dict, world_size: int, micro_batch_size: int, hidden_size: int | None) -> dict:
