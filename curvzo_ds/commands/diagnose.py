@@ -25,6 +25,7 @@ from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.jsonio import write_json_atomic
+from curvzo_ds.shard.forwards import eval_mode
 
 log = logging.getLogger("curvzo_ds")
 
@@ -124,16 +125,10 @@ class PlainRun:
         """||g_i||^2 per block of the gradient of the batch's mean loss (the loss the step's Delta differentiates),
         by backprop in eval mode (no dropout), as the engine's forwards run."""
         module = self.model
-        was_training = module.training
-        module.eval()
         module.zero_grad(set_to_none=True)
-        try:
-            with torch.enable_grad():
-                sums = [self.loss(module, mb) for mb in batch.items]
-                total = sum(float(c) for _, c in sums)
-                (sum(s for s, _ in sums) / total).backward()
-        finally:
-            module.train(was_training)
+        with eval_mode(module), torch.enable_grad():
+            sums = [self.loss(module, mb) for mb in batch.items]
+            (sum(s for s, _ in sums) / sum(float(c) for _, c in sums)).backward()
         entries = self.engine.entries
         out = torch.zeros(self.engine.num_blocks, dtype=torch.float64)
         for b, block in enumerate(self.engine.blocks):

@@ -29,6 +29,7 @@ from curvzo_ds.data.losses import loss_parts
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.noise.gaussian import NoiseSource
 from curvzo_ds.shard import ds_compat
+from curvzo_ds.shard.forwards import eval_mode
 from curvzo_ds.shard.params import ParamEntry
 from curvzo_ds.shard.perturb import StepPasses
 
@@ -86,25 +87,23 @@ def fit(engine, batches, fraction: float) -> StaticMask:
         return hook
 
     handles = [e.param.register_post_accumulate_grad_hook(hook_for(i)) for i, e in enumerate(entries)]
-    was_training = module.training
-    module.eval()  # as the step's forwards run (no dropout)
     try:
-        for batch in batches:
-            items = batch.items if isinstance(batch, MicroBatches) else [batch]
-            count = 0.0
-            for item in items:
-                with torch.enable_grad():
-                    # the module itself: a DeepSpeed engine's forward refuses a backward without an optimizer
-                    loss_sum, n = loss_parts(engine.loss_fn(module, item))
-                    torch.autograd.backward(loss_sum)
-                count += float(n)
-            for g, s in zip(grad, squared):
-                s.add_((g / count).square())
-                g.zero_()
+        with eval_mode(module):  # as the step's forwards run (no dropout)
+            for batch in batches:
+                items = batch.items if isinstance(batch, MicroBatches) else [batch]
+                count = 0.0
+                for item in items:
+                    with torch.enable_grad():
+                        # the module itself: a DeepSpeed engine's forward refuses a backward without an optimizer
+                        loss_sum, n = loss_parts(engine.loss_fn(module, item))
+                        torch.autograd.backward(loss_sum)
+                    count += float(n)
+                for g, s in zip(grad, squared):
+                    s.add_((g / count).square())
+                    g.zero_()
     finally:
         for h in handles:
             h.remove()
-        module.train(was_training)
     ds_compat.forget_backward(engine.model, [e.param for e in entries])
     grad.clear()
     # An element whose gradient was 0 on every probe batch is never chosen (the mask can then hold fewer than k).

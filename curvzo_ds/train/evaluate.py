@@ -12,6 +12,7 @@ import torch
 
 from curvzo_ds import data as D
 from curvzo_ds.data.stream import chunks, round_robin_slots
+from curvzo_ds.shard.forwards import eval_mode
 
 
 @torch.no_grad()
@@ -20,11 +21,8 @@ def evaluate(model, task, tokenizer, encoded: list[dict], micro_batch_size: int,
     """The split's loss and the task's metrics, the same on every rank."""
     parts = chunks(len(encoded), micro_batch_size)
     w = comm.world_size
-    module = getattr(model, "module", model)
-    was_training = module.training
-    module.eval()
     results = []
-    try:
+    with eval_mode(D.inner_module(model)):
         for j in round_robin_slots(len(parts), comm.rank, w):
             idx = parts[j if j is not None else 0]
             batch = D.to_device(D.collate([encoded[i] for i in idx], tokenizer.pad_token_id), device)
@@ -47,8 +45,6 @@ def evaluate(model, task, tokenizer, encoded: list[dict], micro_batch_size: int,
                 row["gold"] = batch["answers"]
             if j is not None:
                 results.append(row)
-    finally:
-        module.train(was_training)
     rows = sorted((row for part in comm.all_gather_object(results) for row in part), key=lambda x: x["chunk"])
     loss = D.mean_loss((row["loss_sum"], row["count"]) for row in rows)
     out = {"loss": loss if any(row["count"] for row in rows) else None}
