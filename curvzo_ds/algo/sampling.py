@@ -277,6 +277,64 @@ class Probabilities(NamedTuple):
     entropy: float | None
 
 
+# The methods, one row each: the budget rule gives (fraction of G, d_eff, H), the pi rule turns the fraction into
+# (pi, B in blocks). Both take the sampler (its cfg, scores, sizes and number of blocks G).
+
+def _every_block(sampler: CurvZOSampler) -> tuple[float, None, None]:
+    return 1.0, None, None
+
+
+def _fixed_budget(sampler: CurvZOSampler) -> tuple[float, None, None]:
+    """B = budget G: the `budget` key."""
+    return sampler.cfg.budget, None, None
+
+
+def _adaptive_budget(sampler: CurvZOSampler) -> tuple[float, float, float]:
+    """B of Eq. 20 from the scores, with d_eff and H."""
+    cfg, g = sampler.cfg, sampler.num_blocks
+    b, d_eff, h = adaptive_budget(sampler.scores, cfg.budget_min * g, cfg.budget_max * g, cfg.budget_alpha)
+    return b / g, d_eff, h
+
+
+def _all_ones(sampler: CurvZOSampler, fraction: float) -> tuple[torch.Tensor, float]:
+    """pi = 1 and B = G (MeZO)."""
+    g = sampler.num_blocks
+    return torch.ones(g, dtype=torch.float64), float(g)
+
+
+def _uniform_pi(sampler: CurvZOSampler, fraction: float) -> tuple[torch.Tensor, float]:
+    """pi_i = B/G on every block (also every method's score warm-up)."""
+    g = sampler.num_blocks
+    return torch.full((g,), fraction, dtype=torch.float64), fraction * g
+
+
+def _score_pi(sampler: CurvZOSampler, fraction: float) -> tuple[torch.Tensor, float]:
+    """pi ∝ sqrt(S) by water-filling with the floor; B counts blocks, or parameters with budget_unit=params."""
+    cfg, g = sampler.cfg, sampler.num_blocks
+    if cfg.budget_unit == "params":
+        b = budget_for_param_fraction(sampler.scores, sampler.sizes, fraction, cfg.budget_floor)
+    else:
+        b = fraction * g
+    return inclusion_probabilities(sampler.scores, b, cfg.budget_floor), b
+
+
+class MethodSpec(NamedTuple):
+    """One method: its budget rule, its pi rule, and what it needs from the scores."""
+
+    budget: Callable[[CurvZOSampler], tuple[float, float | None, float | None]]  # (B/G, d_eff, H)
+    pi: Callable[[CurvZOSampler, float], tuple[torch.Tensor, float]]  # (pi, B) from B/G
+    scored: bool  # measures the block scores at all (MeZO never reads them)
+    follows_scores: bool  # pi follows the scores: a score warm-up first, and budget_floor=0 can make pi = 0 absorbing
+
+
+METHOD_SPECS: dict[Method, MethodSpec] = {
+    Method.CURVZO: MethodSpec(_adaptive_budget, _score_pi, scored=True, follows_scores=True),
+    Method.MEZO: MethodSpec(_every_block, _all_ones, scored=False, follows_scores=False),
+    Method.US_AB: MethodSpec(_adaptive_budget, _uniform_pi, scored=True, follows_scores=False),
+    Method.FIXED: MethodSpec(_fixed_budget, _score_pi, scored=True, follows_scores=True),
+}
+
+
 class CurvZOSampler:
     """The scores S, the score warm-up, the EMA, the method and the budget rule (paper Sec. 3).
 
@@ -288,7 +346,8 @@ class CurvZOSampler:
     - `observe(plan, delta, block_sq)`: the block scores of a finished step into S (warm-up sum or EMA);
     - `skip(plan)`: a step that ended without a score (empty mask, non-finite loss).
     Methods: "curvzo" (adaptive B), "fixed" (B = budget G), "us_ab" (uniform pi, adaptive B), "mezo"
-    (pi = 1). Nothing here knows about ranks or models: all state is G floats, replicated.
+    (pi = 1), one row each of METHOD_SPECS. Nothing here knows about ranks or models: all state is G floats,
+    replicated.
     """
 
     def __init__(self, cfg, sizes: torch.Tensor, mask_uniforms: Callable[[int, int], torch.Tensor]):
@@ -299,8 +358,9 @@ class CurvZOSampler:
         init = 0.0 if cfg.score_init == "warmup" else float(cfg.score_init)
         self.scores = torch.full((self.num_blocks,), init, dtype=torch.float64)
         self.warmup_sum = torch.zeros(self.num_blocks, dtype=torch.float64)
-        self.scored = cfg.method != Method.MEZO  # MeZO perturbs every block and never reads the scores
-        if cfg.budget_floor == 0 and cfg.method in (Method.CURVZO, Method.FIXED):
+        self.spec = METHOD_SPECS[Method(cfg.method)]
+        self.scored = self.spec.scored
+        if cfg.budget_floor == 0 and self.spec.follows_scores:
             log.warning("budget_floor=0 is the paper's literal rule: a block whose pi reaches 0 is never drawn "
                         "again (pi = 0 is absorbing). A floor > 0 is recommended.")
 
@@ -310,27 +370,14 @@ class CurvZOSampler:
 
     def in_warmup(self, step: int) -> bool:
         cfg = self.cfg
-        return cfg.score_init == "warmup" and step < cfg.score_warmup_steps and cfg.method in (Method.CURVZO,
-                                                                                                 Method.FIXED)
+        return cfg.score_init == "warmup" and step < cfg.score_warmup_steps and self.spec.follows_scores
 
     def probabilities(self, step: int) -> Probabilities:
-        """pi, B, d_eff and H for `step` from the current scores."""
-        cfg, g = self.cfg, self.num_blocks
-        if cfg.method == Method.MEZO:
-            return Probabilities(torch.ones(g, dtype=torch.float64), float(g), None, None)
-        d_eff = h = None
-        if cfg.method == Method.FIXED:
-            fraction = cfg.budget
-        else:
-            b, d_eff, h = adaptive_budget(self.scores, cfg.budget_min * g, cfg.budget_max * g, cfg.budget_alpha)
-            fraction = b / g
-        if cfg.method == Method.US_AB or self.in_warmup(step):
-            return Probabilities(torch.full((g,), fraction, dtype=torch.float64), fraction * g, d_eff, h)
-        if cfg.budget_unit == "params":
-            b = budget_for_param_fraction(self.scores, self.sizes, fraction, cfg.budget_floor)
-        else:
-            b = fraction * g
-        return Probabilities(inclusion_probabilities(self.scores, b, cfg.budget_floor), b, d_eff, h)
+        """pi, B, d_eff and H for `step` from the current scores: the method's row of METHOD_SPECS (a warm-up step
+        of a method whose pi follows the scores samples uniformly at the rule's budget instead)."""
+        fraction, d_eff, h = self.spec.budget(self)
+        pi, b = (_uniform_pi if self.in_warmup(step) else self.spec.pi)(self, fraction)
+        return Probabilities(pi, b, d_eff, h)
 
     def plan(self, step: int) -> StepPlan:
         pi, budget, d_eff, h = self.probabilities(step)
