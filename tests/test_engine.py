@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-from curvzo_ds.algo import sampling
 from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.errors import NonFiniteLossError
@@ -118,12 +117,11 @@ def test_every_block_is_drawn_and_inverse_pi_is_bounded():
                                                  score_init=0.0, score_warmup_steps=0))
     drawn = torch.zeros(g, dtype=torch.bool)
     for _ in range(300):
-        pi, b, _, _ = engine.sampler.probabilities(engine.step_count)
-        assert (1 / pi).max().item() <= g / (floor * b) * (1 + 1e-9)
-        drawn |= engine.noise.mask_uniforms(engine.step_count, g) < pi
         r = engine.step(None)
+        drawn |= engine.last_mask  # the blocks this step perturbed
         assert all(math.isfinite(x) for x in engine.sampler.scores.tolist())
-        assert r.max_inv_pi <= g / (floor * b) * (1 + 1e-9)
+        bound = g / (floor * r.budget) * (1 + 1e-9)  # pi_i >= gamma B / G
+        assert (1 / r.pi).max().item() <= bound and r.max_inv_pi <= bound
     assert drawn.all(), f"{int(drawn.sum())} of {g} blocks drawn"
 
 
@@ -156,17 +154,23 @@ def test_warmup_mean_is_applied_when_the_last_warmup_step_is_skipped(skip):
 
 
 def test_us_ab_samples_uniformly_with_the_adaptive_budget():
+    """Eq. 20 by hand: S = (9, 1, 0, 0, 4, 0, 0, 0), G = 8, B_min = 0.125 G = 1, B_max = 0.75 G = 6, alpha = 0.5.
+    sqrt S = (3, 1, 0, 0, 2, 0, 0, 0): d_eff = (3 + 1 + 2)^2 / (9 + 1 + 4) = 36/14 = 2.5714285714285716, and
+    p = (1/2, 1/6, 1/3) on the scored blocks gives H = -(1/2 ln 1/2 + 1/6 ln 1/6 + 1/3 ln 1/3) / ln 8
+    = 1.01140426 / 2.07944154 = 0.4863826390090817; B = 1 + (6 - 1)(0.5 * 2.5714285714285716 / 8 + 0.5 * 0.48638264)
+    = 1 + 5 * 0.40390561 = 3.019528026094133 blocks, well off both ends. us_ab draws every block at
+    pi = B/8 = 0.3774410032617666, so the largest 1/pi is 8/B = 2.6494206812672925."""
     g = 8
     engine = ZOEngine(Quadratic((4,) * g, seed=1), quad_loss,
                       ZOConfig(method="us_ab", learning_rate=1e-5, zo_eps=1e-3, budget_min=0.125, budget_max=0.75))
-    engine.sampler.scores = torch.tensor([9.0, 1.0, 0.0, 0.0, 4.0, 0.01, 0.0, 0.0], dtype=torch.float64)
-    b, _, _ = sampling.adaptive_budget(engine.sampler.scores, 0.125 * g, 0.75 * g, 0.5)
-    assert 0.125 * g < b < 0.75 * g - 1  # non-uniform scores move B well off both ends
-    pi, budget, _, _ = engine.sampler.probabilities(engine.step_count)
-    assert budget == pytest.approx(b, rel=1e-12)
-    assert torch.allclose(pi, torch.full((g,), b / g, dtype=torch.float64), rtol=1e-12, atol=0)
+    engine.sampler.scores = torch.tensor([9.0, 1.0, 0.0, 0.0, 4.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     r = engine.step(None)
-    assert r.budget == pytest.approx(b, rel=1e-12) and r.max_inv_pi == pytest.approx(g / b, rel=1e-12)
+    assert r.budget == pytest.approx(3.019528026094133, rel=1e-12)
+    assert r.d_eff == pytest.approx(2.5714285714285716, rel=1e-12)
+    assert r.score_entropy == pytest.approx(0.4863826390090817, rel=1e-12)
+    torch.testing.assert_close(r.pi, torch.full((g,), 0.3774410032617666, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert r.max_inv_pi == pytest.approx(2.6494206812672925, rel=1e-12)
+    assert r.n_selected == int(engine.last_mask.sum())
 
 
 def test_budget_of_one_block_never_gives_nan():
@@ -323,10 +327,10 @@ def test_weight_decay_scales_selected_tensors_by_one_minus_lr_wd_over_pi():
     engine.sampler.scores = torch.tensor([4.0, 1.0, 0.25, 0.5, 2.0, 0.1], dtype=torch.float64)
     seen = set()
     for _ in range(10):
-        pi, _, _, _ = engine.sampler.probabilities(engine.step_count)
-        mask = engine.noise.mask_uniforms(engine.step_count, engine.num_blocks) < pi
         before = [e.param.detach().clone() for e in engine.entries]
-        assert engine.step(None).projected_grad == 0.0
+        r = engine.step(None)
+        assert r.projected_grad == 0.0
+        pi, mask = r.pi, engine.last_mask  # what this step drew from, and what it drew
         for b, (e, w0) in enumerate(zip(engine.entries, before)):
             w1 = e.param.detach()
             if mask[b] and e.decay:

@@ -56,25 +56,47 @@ def test_each_estimator_on_one_step_worked_by_hand():
     for name, expected in by_hand.items():
         got = sampling.block_scores(3.0, sq, mask, pi, sizes, name)
         torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-15, atol=0, msg=name)
+    empty = torch.zeros(3, dtype=torch.bool)  # no block drawn: ||v||^2 = 0, and Eq. 27 gives 0, not 0/0
+    assert not sampling.block_scores(3.0, sq, empty, pi, sizes, "normalized").any()
     zero_pi = torch.tensor([0.5, 0.0, 1.0], dtype=torch.float64)  # budget_floor = 0: a block never drawn
     assert torch.isfinite(sampling.block_scores(3.0, sq, mask, zero_pi, sizes, "ht")).all()
     with pytest.raises(ValueError, match="unbiased_element"):
         sampling.block_scores(3.0, sq, mask, pi, sizes, "magic")
 
 
-def test_mean_field_scores_match_the_exact_enumeration():
-    """diagnose.expected_scores averages Eq. 27's mean given the mask over sampled masks: it matches the exact
-    sum over all 2^G masks (test_sampler.normalized_mean) to within 4.5 standard errors of the mask average."""
-    sizes = torch.tensor([3.0, 50.0, 7.0, 400.0, 1.0], dtype=torch.float64)
-    a = torch.tensor([1.0, 0.3, 4.0, 2.0, 0.05], dtype=torch.float64)
-    pi = torch.tensor([0.9, 0.3, 0.6, 0.5, 0.2], dtype=torch.float64)
-    gen = torch.Generator().manual_seed(0)
-    masks = torch.rand(N, 5, generator=gen, dtype=torch.float64) < pi
-    m = masks.double()
-    per_mask = m * (sizes * (m @ a)[:, None] + 2 * a) / ((m @ sizes)[:, None] + 2)
-    assert torch.allclose(expected_scores(pi, sizes, a, "normalized", masks), per_mask.mean(0))
-    assert_mean(per_mask, normalized_mean(pi, sizes, a))
-    assert torch.equal(expected_scores(pi, sizes, a, "unbiased_element", masks), a / sizes)
+def test_mean_field_scores_worked_by_hand():
+    """Every estimator's mean (`expected_scores`, which `curvzo-ds diagnose` uses) on two blocks worked by hand:
+    n = (1, 3), a = ||g_i||^2 = (2, 4), pi = (1/2, 3/4). The masks {0}, {1}, {0, 1}, {} have probabilities
+    1/8, 3/8, 3/8, 1/8; Eq. 27's mean given the mask, m_i (n_i ||g_M||^2 + 2 a_i) / (N_M + 2), is
+    {0}: s_0 = (1*2 + 2*2) / (1 + 2) = 2;  {1}: s_1 = (3*4 + 2*4) / (3 + 2) = 4;
+    {0, 1}: s_0 = (1*6 + 2*2) / (4 + 2) = 5/3, s_1 = (3*6 + 2*4) / (4 + 2) = 13/3.
+    So normalized: s_0 = 2/8 + (3/8)(5/3) = 7/8, s_1 = (3/8) 4 + (3/8)(13/3) = 25/8; per_element divides by n
+    (7/8, 25/24); ht by pi (7/4, 25/6); unbiased is a (2, 4), unbiased_element a / n (2, 4/3); raw (Eq. 6 in block
+    form) pi_0 n_0 pi_1 a_1 + pi_0 (n_0 + 2) a_0 = 1.5 + 3 = 4.5 and pi_1 n_1 pi_0 a_0 + pi_1 (n_1 + 2) a_1 = 2.25 + 15
+    = 17.25. Eight masks listed in proportion to their probabilities make the mask average the exact mean."""
+    sizes = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    a = torch.tensor([2.0, 4.0], dtype=torch.float64)
+    pi = torch.tensor([0.5, 0.75], dtype=torch.float64)
+    exact = torch.tensor([[1, 0]] + [[0, 1]] * 3 + [[1, 1]] * 3 + [[0, 0]], dtype=torch.bool)
+    by_hand = {
+        "normalized": [7 / 8, 25 / 8],
+        "per_element": [7 / 8, 25 / 24],
+        "ht": [7 / 4, 25 / 6],
+        "unbiased": [2.0, 4.0],
+        "unbiased_element": [2.0, 4 / 3],
+        "raw": [4.5, 17.25],
+    }
+    assert set(by_hand) == set(sampling.ESTIMATORS)  # every registered estimator is checked here
+    for name, expected in by_hand.items():
+        got = expected_scores(pi, sizes, a, name, exact)
+        torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-15, atol=0, msg=name)
+    # The enumeration over all 2^G masks that the statistical tests use (test_sampler.normalized_mean) agrees.
+    normalized = torch.tensor(by_hand["normalized"], dtype=torch.float64)
+    torch.testing.assert_close(normalized_mean(pi, sizes, a), normalized, rtol=1e-15, atol=0)
+    # Masks drawn at pi (as diagnose draws them) approach it: the per-mask values lie in [0, 2] and [0, 13/3], so
+    # their sd is at most 1 and 13/6, and 4.5 standard errors over N masks are at most 4.5 * (13/6) / sqrt(N) < 0.022.
+    drawn = torch.rand(N, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64) < pi
+    torch.testing.assert_close(expected_scores(pi, sizes, a, "normalized", drawn), normalized, rtol=0, atol=0.022)
 
 
 def simulated_layout(blocks=32, seed=0):

@@ -41,14 +41,20 @@ def sampler_with(scores, sizes, **cfg) -> CurvZOSampler:
 
 def draw(sampler: CurvZOSampler, g: torch.Tensor, owner: torch.Tensor, n: int, seed: int = 1):
     """n independent steps at the sampler's current pi: (plan with [n, G] mask, z [n, d], Delta [n, 1], ||v_i||^2)."""
-    gen = torch.Generator().manual_seed(seed)
     pi, budget, d_eff, h = sampler.probabilities(0)
+    plan, z, delta, block_sq = draw_at(pi, g, owner, n, seed)
+    return StepPlan(0, pi, budget, d_eff, h, plan.mask, False), z, delta, block_sq
+
+
+def draw_at(pi: torch.Tensor, g: torch.Tensor, owner: torch.Tensor, n: int, seed: int = 1):
+    """`draw` at a given pi (no sampler): the plan's budget is sum pi, its d_eff and H are None."""
+    gen = torch.Generator().manual_seed(seed)
     mask = torch.rand(n, len(pi), generator=gen, dtype=torch.float64) < pi
     z = torch.randn(n, g.numel(), generator=gen, dtype=torch.float64)
     v = z * mask[:, owner]
     delta = (v @ g)[:, None]
     block_sq = torch.zeros(n, len(pi), dtype=torch.float64).index_add_(1, owner, v * v)
-    return StepPlan(0, pi, budget, d_eff, h, mask, False), z, delta, block_sq
+    return StepPlan(0, pi, float(pi.sum()), None, None, mask, False), z, delta, block_sq
 
 
 def assert_mean(samples: torch.Tensor, expected: torch.Tensor, k: float = 4.5) -> None:
@@ -81,12 +87,21 @@ def test_weight_decay_is_unbiased_and_leaves_the_blocks_not_drawn():
     assert_mean(keep, torch.full((len(SIZES),), 1 - 0.1 * 0.5, dtype=torch.float64))
 
 
-def raw_moment(pi, g_sq, n_i):
-    """E[Delta^2 ||v_Gi||^2] = pi_i n_i sum_{k != i} pi_k ||g_k||^2 + pi_i (n_i + 2) ||g_i||^2 (the block form
-    of Eq. 6, the issue's 'Eq. 7'; with one-element blocks it is pi_i sum_j pi_j g_j^2 + pi_i (3 - pi_i) g_i^2)."""
-    return pi * n_i * ((pi * g_sq).sum() - pi * g_sq) + pi * (n_i + 2) * g_sq
+# A layout worked by hand for the moment tests: pi given directly, block sizes n = (1, 2, 1, 2), the gradient
+# g = ((1), (1, -1), (2), (1/2, 1/2)) by block, so the block energies a_i = ||g_i||^2 are (1, 2, 4, 1/2).
+HAND_PI = (0.5, 0.25, 1.0, 0.75)
+HAND_SIZES = (1, 2, 1, 2)
+HAND_G = (1.0, 1.0, -1.0, 2.0, 0.5, 0.5)
+HAND_ENERGY = (1.0, 2.0, 4.0, 0.5)
+# E[Delta^2 ||v_Gi||^2] on that layout, worked in test_raw_score_mixed_moment below.
+HAND_RAW_MEAN = (3.9375, 4.4375, 13.375, 9.0)
 
 
+def hand_layout(sizes, g):
+    """(pi, sizes, flat gradient, owner of each coordinate) as float64 tensors, from the literal numbers."""
+    owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    return (torch.tensor(HAND_PI, dtype=torch.float64), torch.tensor(sizes, dtype=torch.float64),
+            torch.tensor(g, dtype=torch.float64), owner)
 
 
 def test_q_directions_share_the_rate_and_decay_once():
@@ -108,29 +123,42 @@ def test_q_directions_share_the_rate_and_decay_once():
 
 @pytest.mark.parametrize("one_element_blocks", [True, False])
 def test_raw_score_mixed_moment(one_element_blocks):
-    sizes_t = (1,) * 8 if one_element_blocks else SIZES
-    sizes, g, owner = layout(sizes_t, seed=3)
-    start = [1.0, 0.2, 4.0, 0.5, 0.1, 2.0, 0.7, 0.05][:len(sizes_t)]
-    sampler = sampler_with(start, sizes, score_estimator="raw")
-    plan, _, delta, block_sq = draw(sampler, g, owner, N)
-    scores = sampling.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, "raw")
-    g_sq = torch.zeros(len(sizes_t), dtype=torch.float64).index_add_(0, owner, g * g)
-    expected = raw_moment(plan.pi, g_sq, sizes)
-    if one_element_blocks:  # Eq. 6 exactly as the paper writes it
-        assert torch.allclose(expected, plan.pi * (plan.pi * g_sq).sum() + plan.pi * (3 - plan.pi) * g_sq)
-    assert_mean(scores, expected)
+    """E[Delta^2 ||v_Gi||^2] = pi_i n_i sum_{k != i} pi_k a_k + pi_i (n_i + 2) a_i (the block form of Eq. 6, the
+    issue's 'Eq. 7'), worked by hand at pi = (1/2, 1/4, 1, 3/4): the raw score's Monte-Carlo mean, and
+    `expected_scores`'s exact mean, against the literal numbers."""
+    if one_element_blocks:
+        # Eq. 6 as the paper writes it, pi_i sum_j pi_j g_j^2 + pi_i (3 - pi_i) g_i^2, with g = (1, 2, -1, 1/2):
+        # g^2 = (1, 4, 1, 1/4), sum_j pi_j g_j^2 = 1/2 + 1 + 1 + 3/16 = 2.6875;
+        # block 0: 2.6875 / 2 + (1/2)(5/2)(1) = 1.34375 + 1.25 = 2.59375
+        # block 1: 2.6875 / 4 + (1/4)(11/4)(4) = 0.671875 + 2.75 = 3.421875
+        # block 2: 2.6875 + (1)(2)(1) = 4.6875
+        # block 3: (3/4) 2.6875 + (3/4)(9/4)(1/4) = 2.015625 + 0.421875 = 2.4375
+        sizes_t, g_t, energy = (1, 1, 1, 1), (1.0, 2.0, -1.0, 0.5), (1.0, 4.0, 1.0, 0.25)
+        expected = torch.tensor([2.59375, 3.421875, 4.6875, 2.4375], dtype=torch.float64)
+    else:
+        # HAND_*: pi_k a_k = (1/2, 1/2, 4, 3/8), sum 5.375;
+        # block 0: (1/2)(1)(5.375 - 0.5) + (1/2)(1 + 2)(1) = 2.4375 + 1.5 = 3.9375
+        # block 1: (1/4)(2)(5.375 - 0.5) + (1/4)(2 + 2)(2) = 2.4375 + 2 = 4.4375
+        # block 2: (1)(1)(5.375 - 4) + (1)(1 + 2)(4) = 1.375 + 12 = 13.375
+        # block 3: (3/4)(2)(5.375 - 0.375) + (3/4)(2 + 2)(1/2) = 7.5 + 1.5 = 9
+        sizes_t, g_t, energy = HAND_SIZES, HAND_G, HAND_ENERGY
+        expected = torch.tensor(HAND_RAW_MEAN, dtype=torch.float64)
+    pi, sizes, g, owner = hand_layout(sizes_t, g_t)
+    plan, _, delta, block_sq = draw_at(pi, g, owner, N)
+    assert_mean(sampling.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, "raw"), expected)
+    energy = torch.tensor(energy, dtype=torch.float64)
+    torch.testing.assert_close(sampling.expected_scores(pi, sizes, energy, "raw", None), expected, rtol=1e-15, atol=0)
 
 
 def test_unbiased_score_has_mean_the_squared_block_gradient():
-    """Appendix B's s'_i in block form has mean ||g_i||^2; the raw score's mean differs measurably."""
-    sizes, g, owner = layout(seed=3)
-    sampler = sampler_with([1.0, 0.2, 4.0, 0.5], sizes, score_estimator="unbiased")
-    plan, _, delta, block_sq = draw(sampler, g, owner, N)
+    """Appendix B's s'_i in block form has mean ||g_i||^2 = (1, 2, 4, 1/2) on the hand layout; the raw score's mean
+    there (3.9375, 4.4375, 13.375, 9) differs measurably."""
+    pi, sizes, g, owner = hand_layout(HAND_SIZES, HAND_G)
+    plan, _, delta, block_sq = draw_at(pi, g, owner, N)
     scores = sampling.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, "unbiased")
-    g_sq = torch.zeros(4, dtype=torch.float64).index_add_(0, owner, g * g)
-    assert_mean(scores, g_sq)
+    assert_mean(scores, torch.tensor(HAND_ENERGY, dtype=torch.float64))
     se = scores.std(0) / math.sqrt(N)
-    assert ((scores.mean(0) - raw_moment(plan.pi, g_sq, sizes)).abs() > 4.5 * se).all()
+    assert ((scores.mean(0) - torch.tensor(HAND_RAW_MEAN, dtype=torch.float64)).abs() > 4.5 * se).all()
 
 
 def normalized_mean(pi, sizes, g_sq):
@@ -204,6 +232,11 @@ def test_methods_mezo_and_us_ab():
     mezo = sampler_with([9.0, 1.0, 0.0, 0.0], sizes, method="mezo")
     assert torch.equal(mezo.plan(0).pi, torch.ones(4, dtype=torch.float64)) and mezo.plan(0).n_selected == 4
     us_ab = sampler_with([9.0, 1.0, 0.0, 0.0], sizes, method="us_ab", budget_min=0.25, budget_max=0.75)
-    pi, b, _, _ = us_ab.probabilities(0)
-    expected, _, _ = sampling.adaptive_budget(us_ab.scores, 1.0, 3.0, 0.5)
-    assert b == pytest.approx(expected) and torch.allclose(pi, torch.full((4,), expected / 4, dtype=torch.float64))
+    # Eq. 20 by hand: S = (9, 1, 0, 0), G = 4, B_min = 1, B_max = 3, alpha = 0.5. sqrt S = (3, 1, 0, 0), so
+    # p = (3/4, 1/4, 0, 0), d_eff = (3 + 1)^2 / (9 + 1) = 1.6, H = -(3/4 ln 3/4 + 1/4 ln 1/4) / ln 4 = 0.40563906...;
+    # B = 1 + (3 - 1)(0.5 * 1.6 / 4 + 0.5 H) = 1.4 + H = 1.8056390622295664, and pi = B / 4 on every block.
+    plan = us_ab.plan(0)
+    assert plan.budget == pytest.approx(1.8056390622295664, rel=1e-12)
+    assert plan.d_eff == pytest.approx(1.6, rel=1e-12) and plan.entropy == pytest.approx(0.4056390622295664, rel=1e-12)
+    torch.testing.assert_close(plan.pi, torch.full((4,), 1.8056390622295664 / 4, dtype=torch.float64), rtol=1e-12,
+                               atol=0)

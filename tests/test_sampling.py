@@ -107,21 +107,6 @@ def test_floor_bounds_inverse_probability():
         assert (1 / pi).max().item() <= len(s) / (gamma * budget) * (1 + 1e-12)
 
 
-def test_block_score_estimators():
-    mask = torch.tensor([True, False, True])
-    sq = torch.tensor([2.0, 5.0, 6.0], dtype=torch.float64)
-    pi = torch.tensor([0.5, 0.5, 1.0], dtype=torch.float64)
-    sizes = torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64)
-    norm = sampling.block_scores(3.0, sq, mask, pi, sizes, "normalized")
-    assert torch.allclose(norm, torch.tensor([9 * 2 / 8, 0, 9 * 6 / 8], dtype=torch.float64))
-    raw = sampling.block_scores(3.0, sq, mask, pi, sizes, "raw")
-    assert torch.allclose(raw, torch.tensor([18.0, 0, 54.0], dtype=torch.float64))
-    unb = sampling.block_scores(3.0, sq, mask, pi, sizes, "unbiased")
-    assert unb[1].item() == pytest.approx((0 - 0.5 * 3 * 9) / (0.5 * (3 + 2 - 1.5)))
-    empty = sampling.block_scores(3.0, sq, torch.zeros(3, dtype=torch.bool), pi, sizes, "normalized")
-    assert torch.equal(empty, torch.zeros(3, dtype=torch.float64))
-
-
 def test_budget_in_parameters():
     s = torch.tensor([4.0, 1.0, 1.0, 0.25], dtype=torch.float64)
     sizes = torch.tensor([1000.0, 10.0, 10.0, 5000.0], dtype=torch.float64)
