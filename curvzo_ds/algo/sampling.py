@@ -205,7 +205,8 @@ ESTIMATORS: dict[str, ScoreEstimator] = {
 def block_scores(delta: float, block_sq: torch.Tensor, mask: torch.Tensor, pi: torch.Tensor,
                  sizes: torch.Tensor, estimator: str) -> torch.Tensor:
     """One step's block scores from Delta and ||v_Gi||^2 (0 for unselected blocks), by the estimator named in
-    ESTIMATORS. An empty mask gives all zeros. Leading dimensions are steps: [N, G] inputs with [N, 1] deltas
+    ESTIMATORS. An empty mask gives zeros for the estimators that scale Delta^2 by the drawn blocks' share (the
+    engine never scores such a step: it is skipped). Leading dimensions are steps: [N, G] inputs with [N, 1] deltas
     give N steps' scores at once (the statistical tests use that); one step is [G] and a float.
     """
     if estimator not in ESTIMATORS:
