@@ -42,6 +42,8 @@ CASES = [
     ("global-batch-over-samples", ["train", "--set", "task=sst2", "--set", "data_dir=samples", "--set",
                                    "global_batch_size=16"], "larger than the 13 training examples (num_train=200, "
      "from the bundled samples): only 13 are left after dev and test are drawn: lower global_batch_size"),
+    ("max-length-no-prompt", ["train", "--set", "max_length=2"], "max_length=2 cuts away the prompt of every "
+     "training example (only the label tokens are left): raise max_length to at least"),
     ("lr-huge", ["train", "--set", "learning_rate=1e30"], "learning_rate=1e+30"),
     ("lr-zero", ["train", "--set", "learning_rate=0"], "learning_rate=0"),
     ("lr-negative", ["train", "--set", "learning_rate=-1e-3"], "learning_rate"),

@@ -19,7 +19,9 @@ def encode(task: Task, tokenizer, example: dict, max_length: int, train_as_class
            max_new_tokens: int = 50) -> dict:
     """Token ids of one example, as plain Python lists.
 
-    "cut" is True when a row was longer than max_length and lost tokens from the left.
+    "cut" is True when a row was longer than max_length and lost tokens from the left; "prompt_kept" is the fewest
+    prompt tokens any row kept (0: max_length left only special and label tokens); "needs" is the shortest
+    max_length that keeps one prompt token in every row.
     Classification: one row per candidate (only the gold one when train_as_classification
     is False, for lm_loss), "label" = the gold row. Generation: one row, prompt + " answer\\n",
     plus "prompt_ids" (cut to max_length - max_new_tokens) and the gold "answers".
@@ -31,17 +33,20 @@ def encode(task: Task, tokenizer, example: dict, max_length: int, train_as_class
         candidates, label = [candidates[label]], 0
     n_special = _num_leading_special(tokenizer)
     prompt_ids = tokenizer.encode(prompt.strip(" "))
-    rows, option_lens, cut = [], [], False
+    rows, option_lens, cut, kept, needs = [], [], False, [], 0
     for candidate in candidates:
         ids = tokenizer.encode((prompt + candidate).strip(" "))
         option_len = len(ids) - _common_prefix(prompt_ids, ids)
         if option_len == 0:
             raise ValueError(f"task {task.name}: candidate {candidate!r} adds no token to the prompt")
         cut |= len(ids) > max_length
+        needs = max(needs, n_special + option_len + 1)
         ids = _cut_left(ids, max_length, n_special)
+        kept.append(max(0, len(ids) - n_special - option_len))
         rows.append(ids)
         option_lens.append(min(option_len, len(ids) - 1))
-    out = {"input_ids": rows, "option_len": option_lens, "label": label, "cut": cut}
+    out = {"input_ids": rows, "option_len": option_lens, "label": label, "cut": cut, "prompt_kept": min(kept),
+           "needs": needs}
     if not task.is_classification:
         out["prompt_ids"] = _cut_left(prompt_ids, max_length - max_new_tokens, n_special)
         out["answers"] = task.answers(example)

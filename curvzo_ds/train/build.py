@@ -189,7 +189,13 @@ def warn_idle_ranks(cfg: TrainConfig, group_size: int) -> None:
 
 
 def warn_cut(cfg: TrainConfig, train_data: list[dict], eval_data: dict) -> None:
-    """One warning when examples were cut to max_length."""
+    """One warning when examples were cut to max_length; a ConfigError when it cut away every training example's
+    prompt (the model would learn its label tokens from nothing)."""
+    if train_data and not any(ex["prompt_kept"] for ex in train_data):
+        needs = max(ex["needs"] for ex in train_data)
+        raise ConfigError(f"max_length={cfg.max_length} cuts away the prompt of every training example (only the "
+                          f"label tokens are left): raise max_length to at least {needs}, or leave it at its "
+                          f"default ({TrainConfig.max_length})")
     cut = sum(ex["cut"] for data in (train_data, *eval_data.values()) for ex in data)
     if cut:
         total = len(train_data) + sum(len(d) for d in eval_data.values())
