@@ -76,10 +76,16 @@ def test_summary_and_done_line_pair_each_test_score_with_its_own_checkpoint_and_
 
 def test_a_resume_that_takes_no_step_leaves_its_checkpoint_as_it_was(tmp_path):
     """§6: max_steps equal to the checkpoint's step: nothing is trained, and the checkpoint, with the eval.json that
-    `eval --resume` wrote into it, is not written again."""
+    `eval --resume` wrote into it, is not written again. The run is started from the clone with a relative
+    --deepspeed path and evaluated from another directory (issue 38 §4: the path is recorded absolute)."""
     out = tmp_path / "run"
-    run_checked(CLI + SHORT + ["--set", f"output_dir={out}"])
-    run_checked([sys.executable, "-m", "curvzo_ds.cli", "eval", "--resume", str(out / "checkpoint-3")])
+    run_checked(CLI + SHORT + ["--deepspeed", "ds_configs/zero3.json", "--set", f"output_dir={out}"])
+    recorded = json.loads((out / "checkpoint-3" / "run_config.json").read_text())["deepspeed"]
+    assert recorded == str(ROOT / "ds_configs" / "zero3.json")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = cli("eval", "--resume", str(out / "checkpoint-3"), cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     before = snapshot(out / "checkpoint-3")
     assert "eval.json" in before
     summary = json.loads((out / "summary.json").read_text())

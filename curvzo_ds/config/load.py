@@ -38,6 +38,8 @@ def read_values(config_file: str | None, sets: list[str], deepspeed: str | None)
         must_exist = key == "deepspeed" or (key == "data_dir" and path not in (None, "hub", "samples"))
         if must_exist and path is not None and not os.path.exists(str(path)):
             raise ConfigError(f"{key}={path}: no such file or directory")
+    if values.get("deepspeed"):  # recorded in run_config.json: absolute, so `eval --resume` works from any directory
+        values["deepspeed"] = os.path.abspath(str(values["deepspeed"]))
     return {k: coerce(TrainConfig, k, v) for k, v in values.items()}
 
 
