@@ -70,13 +70,14 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def mark_preempted() -> None:
-    """For launch/preempt.bash: a file in CURVZO_DS_EXIT_DIR says that this rank stopped on a signal after the
-    checkpoint that every rank saved (the launchers themselves exit 1 then; the scripts in launch/ exit 3)."""
+def mark_exit(kind: str) -> None:
+    """For launch/preempt.bash: a file in CURVZO_DS_EXIT_DIR says how this rank ended, where the launchers
+    themselves exit 1 for any failed rank: `preempted` (stopped on a signal after the checkpoint that every rank
+    saved; the scripts in launch/ exit 3) or `bad-input` (a one-line refusal; the scripts exit 2)."""
     directory = os.environ.get("CURVZO_DS_EXIT_DIR")
     if directory and os.path.isdir(directory):
         with contextlib.suppress(OSError):
-            open(os.path.join(directory, f"preempted-{os.getpid()}"), "w").close()
+            open(os.path.join(directory, f"{kind}-{os.getpid()}"), "w").close()
 
 
 def _initialised_dist():
@@ -140,11 +141,13 @@ def entry() -> None:
         raise
     destroy_process_group()
     if code == EXIT_PREEMPTED:  # every rank is here at once (run_train's barrier): leave without the interpreter's
-        mark_preempted()        # teardown, which can take seconds, so that srun --kill-on-bad-exit ends no rank
+        mark_exit("preempted")  # teardown, which can take seconds, so that srun --kill-on-bad-exit ends no rank
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if code == EXIT_BAD_INPUT:
+        mark_exit("bad-input")
     sys.exit(code)
 
 if __name__ == "__main__":

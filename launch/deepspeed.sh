@@ -6,7 +6,9 @@
 # Exit code 3: the ranks (on this node) stopped on a signal after a checkpoint (launch/preempt.bash).
 source "$(dirname "${BASH_SOURCE[0]}")/preempt.bash"
 if [ -n "${HOSTFILE:-}" ]; then
+    preflight --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@" || exit $?  # a bad input: one line, exit 2, no rank started
     run_job deepspeed --hostfile "$HOSTFILE" ${DS_ARGS:-} --module curvzo_ds.cli train --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"
     exit
 fi
+preflight --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@" || exit $?  # a bad input: one line, exit 2, no rank started
 run_job deepspeed --num_gpus "${NPROC:-2}" --master_port "${MASTER_PORT:-29500}" --module curvzo_ds.cli train --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"

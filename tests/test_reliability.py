@@ -84,10 +84,23 @@ def test_a_launch_script_exits_3_when_the_ranks_stopped_on_a_signal(tmp_path):
     assert "(the launcher exited 1): exit 3" in text, text[-3000:]
     saved = checkpoints(out)
     assert saved and 20 <= saved[-1] < TOTAL and saved[-1] % SAVE != 0, saved
-    env["MASTER_PORT"] = str(free_port())
-    bad = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), "--set", "max_steps=abc"], env=env,
-                         cwd=str(ROOT), capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1 and "exit 3" not in bad.stderr, bad.stderr[-3000:]
+    # Issue 38 §6: a bad input is one line and exit 2 before any rank starts (the script's `train --check`); one
+    # that only the ranks see (max_length against the data) is exit 2 too, from their marks; any other failure
+    # keeps the launcher's code.
+    def script(*args, **extra):
+        run_env = {**env, "MASTER_PORT": str(free_port()), **extra}
+        return subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), *args], env=run_env, cwd=str(ROOT),
+                              capture_output=True, text=True, timeout=300)
+
+    bad = script("--set", "max_steps=abc")
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert lines == ["curvzo-ds train: error: max_steps='abc' is invalid: it must be an integer >= 0"], lines
+    seen_by_ranks = script(*COMMON, "--set", f"output_dir={tmp_path / 'short'}", "--set", "max_length=2")
+    assert seen_by_ranks.returncode == 2, seen_by_ranks.stderr[-3000:]
+    assert "the launcher exited 1): exit 2" in seen_by_ranks.stderr, seen_by_ranks.stderr[-3000:]
+    other = script(NPROC="0")
+    assert other.returncode not in (0, 2, 3), other.stderr[-3000:]
 
 
 @pytest.mark.multirank

@@ -34,11 +34,16 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="train a model (one rank of a launcher's job, or alone)", epilog=keys_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     run_options(p)
+    p.add_argument("--check", action="store_true",
+                   help="only read and validate the configuration, then exit: 0, or 2 with the one-line error (the "
+                        "launch/ scripts run it once before they start the ranks)")
     p.set_defaults(handler=handle)
 
 
 def handle(args) -> None:
     cfg = load_config(args.config, args.set, args.deepspeed)
+    if args.check:
+        return
     from curvzo_ds.train.run import run_train  # DeepSpeed is imported with it: only when a run starts
 
     run_train(cfg, args.resume)
