@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from curvzo_ds.cli import build_parser, main
-from curvzo_ds.config.schema import TrainConfig, resolve_presets
+from curvzo_ds.config.schema import TrainConfig, key_fields, resolve_presets
 from tests.helpers import CLI, COMMON, ENV, ROOT, eval_cli, logged_eval, run_checked
 
-KEYS = [f.name for f in dataclasses.fields(TrainConfig)]
+KEYS = [f.name for f in key_fields(TrainConfig)]
 
 
 def test_help_lists_every_key_with_its_default(capsys):
@@ -22,7 +22,7 @@ def test_help_lists_every_key_with_its_default(capsys):
         main(["train", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for f in dataclasses.fields(TrainConfig):
+    for f in key_fields(TrainConfig):
         assert f"  {f.name:<26} [{f.default}]" in out, f.name
 
 
@@ -159,6 +159,25 @@ def test_presets_are_mezos_for_full_and_lora_runs_and_give_way_to_the_user():
     assert (demo.learning_rate, demo.zo_eps, demo.max_steps, demo.eval_steps) == (3e-4, 1e-2, 300, 100)
     mine = resolve_presets(TrainConfig(model="facebook/opt-13b", learning_rate=1e-7, zo_eps=1e-4, max_steps=5))
     assert (mine.learning_rate, mine.zo_eps, mine.max_steps) == (1e-7, 1e-4, 5)
+    given = TrainConfig()
+    assert resolve_presets(given) is not given and given.learning_rate is None and given.max_steps is None
+
+
+def test_the_keys_sources_survive_replace_and_stay_out_of_the_files_and_the_key_list():
+    """Issue 36: where each key came from is a field (dataclasses.replace keeps it, as the DeepSpeed mapping
+    needs), not a key: not in config.json / run_config.json (to_dict), --help, or what --set accepts."""
+
+    from curvzo_ds.commands.train import keys_help
+    from curvzo_ds.config.schema import build, field_names, set_sources, sources_of, to_dict
+    from curvzo_ds.errors import ConfigError
+
+    cfg = set_sources(TrainConfig(), {"learning_rate": "--set"})
+    moved = resolve_presets(dataclasses.replace(cfg, micro_batch_size=2))
+    assert sources_of(moved) == {"learning_rate": "--set"}
+    assert "sources" not in to_dict(moved) and "sources" not in field_names()
+    assert " sources " not in keys_help()
+    with pytest.raises(ConfigError, match="unknown key 'sources'"):
+        build(TrainConfig, {"sources": {}})
 
 
 def test_the_jit_cache_is_per_python_environment_and_the_users_setting_wins(monkeypatch, tmp_path):

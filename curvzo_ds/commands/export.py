@@ -20,6 +20,7 @@ beside DIR and renamed into place; a non-empty DIR is replaced only with `--over
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -158,7 +159,7 @@ def _base_model(recorded: str | None, cfg: TrainConfig | None, staging: str, out
     if recorded is None and cfg is not None and cfg.model in DEMO_MODELS:
         from curvzo_ds.models import build_model, load_tokenizer
 
-        base, _ = build_model(resolve_presets(TrainConfig(**{**cfg.__dict__, "lora": False})), {})
+        base, _ = build_model(resolve_presets(dataclasses.replace(cfg, lora=False)), {})
         base.save_pretrained(os.path.join(staging, "base"))
         load_tokenizer(cfg).save_pretrained(os.path.join(staging, "base"))
         base_dir = os.path.join(out, "base")

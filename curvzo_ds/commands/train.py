@@ -7,14 +7,14 @@ import argparse
 import dataclasses
 
 from curvzo_ds.config.load import load_config
-from curvzo_ds.config.schema import TrainConfig, key_docs
+from curvzo_ds.config.schema import TrainConfig, key_docs, key_fields
 
 
 def keys_help() -> str:
     """The epilog of `train --help` and `eval --help`: every configuration key with its default and doc."""
     docs = key_docs()
     lines = ["configuration keys (--set KEY=VALUE or a YAML file; default in brackets):"]
-    for f in dataclasses.fields(TrainConfig):
+    for f in key_fields(TrainConfig):
         default = f.default if f.default is not dataclasses.MISSING else None
         lines.append(f"  {f.name:<26} [{default}] {docs.get(f.name, '')}".rstrip())
     lines.append("None means: taken from a preset (demo model, full or LoRA; see docs/config.md).")

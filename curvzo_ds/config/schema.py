@@ -47,7 +47,12 @@ def key(default: Any, doc: str):
 
 def key_docs(cls=None) -> dict[str, str]:
     """Each key's one-line doc, from the field metadata."""
-    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls or TrainConfig)}
+    return {f.name: f.metadata.get("doc", "") for f in key_fields(cls or TrainConfig)}
+
+
+def key_fields(cls=None) -> list[dataclasses.Field]:
+    """The configuration keys of `cls` (default TrainConfig): its fields, less the internal ones (`sources`)."""
+    return [f for f in dataclasses.fields(cls or TrainConfig) if not f.metadata.get("internal")]
 
 
 @dataclass
@@ -208,6 +213,10 @@ class TrainConfig(ZOConfig):
     ddp_timeout: int = key(1800, "seconds a collective may wait before the job fails, so that a hung rank ends the "
                                  "job (Hugging Face's name and default)")
     log_level: str = key("info", "debug, info, warning or error (rank 0; other ranks log warnings)")
+    # Not a key: where each explicitly given key came from ("--set", "--config FILE"), read by the DeepSpeed mapping
+    # (a key given there that the DeepSpeed config sets to another value is refused, docs/deepspeed.md). A field,
+    # so that dataclasses.replace keeps it; left out of the key list, --help, config.json and run_config.json.
+    sources: dict = field(default_factory=dict, compare=False, repr=False, metadata={"internal": True})
 
     def _check(self) -> None:
         super()._check()
@@ -272,7 +281,7 @@ def _posint(x: Any) -> bool:
 
 
 def field_names(cls=TrainConfig) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
+    return [f.name for f in key_fields(cls)]
 
 
 def coerce(cls, key: str, value: Any) -> Any:
@@ -317,23 +326,25 @@ DEMO_MODELS = ("demo", "demo-opt")
 
 
 def resolve_presets(cfg: TrainConfig) -> TrainConfig:
-    """Fill the `None` defaults that depend on the kind of run (docs/config.md: MeZO's defaults)."""
+    """A copy of `cfg` with the `None` defaults that depend on the kind of run filled in (docs/config.md: MeZO's
+    defaults); `cfg` itself is not changed."""
     demo = cfg.model in DEMO_MODELS
+    filled: dict[str, Any] = {}
     if cfg.learning_rate is None:
-        cfg.learning_rate = 3e-4 if demo else (5e-5 if cfg.lora else 1e-6)
+        filled["learning_rate"] = 3e-4 if demo else (5e-5 if cfg.lora else 1e-6)
     if cfg.zo_eps is None:
-        cfg.zo_eps = 1e-2 if demo or cfg.lora else 1e-3
+        filled["zo_eps"] = 1e-2 if demo or cfg.lora else 1e-3
     if cfg.max_steps is None:
-        cfg.max_steps = 300 if demo else 20000
+        filled["max_steps"] = 300 if demo else 20000
     if demo and cfg.eval_steps == 500:
-        cfg.eval_steps = 100
+        filled["eval_steps"] = 100
     if demo and cfg.save_steps == 500:
-        cfg.save_steps = 100
+        filled["save_steps"] = 100
     if cfg.lora_target_modules is None:
-        cfg.lora_target_modules = ["q_proj", "v_proj"]
+        filled["lora_target_modules"] = ["q_proj", "v_proj"]
     elif isinstance(cfg.lora_target_modules, str):
-        cfg.lora_target_modules = [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
-    return cfg
+        filled["lora_target_modules"] = [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
+    return dataclasses.replace(cfg, **filled)
 
 
 # The keys that define what `curvzo-ds eval --resume CKPT` evaluates: they come from the checkpoint's run config,
@@ -353,25 +364,24 @@ RESUME_MAY_CHANGE = ("max_steps", "eval_steps", "save_steps", "save_total_limit"
 def differences(saved: dict[str, Any], values: dict[str, Any], keys) -> list[str]:
     """"key: saved -> new" for each of `keys` whose value in `values` differs from the checkpoint's `saved`. A key
     that `saved` lacks (one added to curvzo_ds after the checkpoint was written) counts as its default."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    defaults = {f.name: f.default for f in key_fields(TrainConfig) if f.default is not dataclasses.MISSING}
     old = {k: saved.get(k, defaults.get(k)) for k in keys}
     return [f"{k}: {old[k]!r} -> {values[k]!r}" for k in keys if k in values and values[k] != old[k]]
 
 
 def set_sources(cfg, sources: dict[str, str]):
-    """Record where each explicitly given key of `cfg` came from ("--set", "--config FILE"). The DeepSpeed mapping
-    reads it: a key given there and set to another value by the DeepSpeed config is refused (docs/deepspeed.md).
-    Not a field: it goes into no config.json."""
-    cfg._sources = dict(sources)
+    """Record where each explicitly given key of `cfg` came from (`TrainConfig.sources`)."""
+    cfg.sources = dict(sources)
     return cfg
 
 
 def sources_of(cfg) -> dict[str, str]:
-    return getattr(cfg, "_sources", {})
+    return getattr(cfg, "sources", {})
 
 
 def to_dict(cfg) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The keys and their values (config.json, run_config.json): the internal fields left out."""
+    return {f.name: dataclasses.asdict(cfg)[f.name] for f in key_fields(type(cfg))}
 
 
 def zo_part(cfg: TrainConfig) -> ZOConfig:
