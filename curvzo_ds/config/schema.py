@@ -45,12 +45,38 @@ def key(default: Any, doc: str):
 
 def key_docs(cls=None) -> dict[str, str]:
     """Each key's one-line doc, from the field metadata."""
-    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls or TrainConfig)}
+    return {f.name: f.metadata.get("doc", "") for f in key_fields(cls or TrainConfig)}
+
+
+def key_fields(cls=None) -> list[dataclasses.Field]:
+    """The dataclass fields that are configuration keys (not the internal `sources`)."""
+    return [f for f in dataclasses.fields(cls or TrainConfig) if not f.metadata.get("internal")]
 
 
 @dataclass
 class ZOConfig:
-    """Hyper-parameters of the zeroth-order optimizer (paper Section 3, docs/algorithm.md)."""
+    """Hyper-parameters of the zeroth-order optimizer (paper Section 3, docs/algorithm.md).
+
+    A config that `config.resolve` returned is *resolved*: validated once and frozen (assigning a key raises
+    dataclasses.FrozenInstanceError). `dataclasses.replace` and `zo_part` of a resolved config: see `freeze`.
+    """
+
+    @property
+    def resolved(self) -> bool:
+        """True for a config that `config.resolve` validated and froze; the engine does not validate it again."""
+        return self.__dict__.get("_resolved", False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_resolved", False):
+            raise dataclasses.FrozenInstanceError(f"cannot assign {name}: this config is resolved (validated once "
+                                                  "and frozen); use dataclasses.replace for a new one, which "
+                                                  "is validated again")
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_resolved", False):
+            raise dataclasses.FrozenInstanceError(f"cannot delete {name}: this config is resolved")
+        super().__delattr__(name)
 
     method: str = key("curvzo", "curvzo (adaptive budget), mezo (every block), us_ab (uniform pi, adaptive "
                                 "budget), fixed (budget B)")
@@ -199,6 +225,10 @@ class TrainConfig(ZOConfig):
     ddp_timeout: int = key(1800, "seconds a collective may wait before the job fails, so that a hung rank ends the "
                                  "job (Hugging Face's name and default)")
     log_level: str = key("info", "debug, info, warning or error (rank 0; other ranks log warnings)")
+    # Not a key: where each explicitly given key came from ("--set", "--config FILE"); the DeepSpeed mapping refuses
+    # a key given there that the DeepSpeed config sets otherwise (docs/deepspeed.md). A field, so that
+    # dataclasses.replace keeps it; no part of equality, of to_dict (run_config.json, config.json) or of the key list.
+    sources: dict = field(default_factory=dict, compare=False, repr=False, metadata={"internal": True})
 
     def validate(self) -> None:
         super().validate()
@@ -261,7 +291,7 @@ def _posint(x: Any) -> bool:
 
 
 def field_names(cls=TrainConfig) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
+    return [f.name for f in key_fields(cls)]
 
 
 def coerce(cls, key: str, value: Any) -> Any:
@@ -271,7 +301,7 @@ def coerce(cls, key: str, value: Any) -> Any:
         near = difflib.get_close_matches(key, names, n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise ConfigError(f"unknown key {key!r}{hint}; `curvzo-ds train --help` lists every key")
-    f = next(f for f in dataclasses.fields(cls) if f.name == key)
+    f = next(f for f in key_fields(cls) if f.name == key)
     default = f.default if f.default is not dataclasses.MISSING else None
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", value.strip()) \
             and any(t in str(f.type) for t in ("float", "int", "Any")):
@@ -305,24 +335,33 @@ def build(cls, values: dict[str, Any]):
 DEMO_MODELS = ("demo", "demo-opt")
 
 
-def resolve_presets(cfg: TrainConfig) -> TrainConfig:
-    """Fill the `None` defaults that depend on the kind of run (docs/config.md: MeZO's defaults)."""
+def preset_values(cfg: TrainConfig) -> dict[str, Any]:
+    """The values of the `None` defaults that depend on the kind of run (docs/config.md: MeZO's defaults), for
+    `dataclasses.replace`; `cfg` is not changed."""
     demo = cfg.model in DEMO_MODELS
+    out: dict[str, Any] = {}
     if cfg.learning_rate is None:
-        cfg.learning_rate = 3e-4 if demo else (5e-5 if cfg.lora else 1e-6)
+        out["learning_rate"] = 3e-4 if demo else (5e-5 if cfg.lora else 1e-6)
     if cfg.zo_eps is None:
-        cfg.zo_eps = 1e-2 if demo or cfg.lora else 1e-3
+        out["zo_eps"] = 1e-2 if demo or cfg.lora else 1e-3
     if cfg.max_steps is None:
-        cfg.max_steps = 300 if demo else 20000
+        out["max_steps"] = 300 if demo else 20000
     if demo and cfg.eval_steps == 500:
-        cfg.eval_steps = 100
+        out["eval_steps"] = 100
     if demo and cfg.save_steps == 500:
-        cfg.save_steps = 100
+        out["save_steps"] = 100
     if cfg.lora_target_modules is None:
-        cfg.lora_target_modules = ["q_proj", "v_proj"]
+        out["lora_target_modules"] = ["q_proj", "v_proj"]
     elif isinstance(cfg.lora_target_modules, str):
-        cfg.lora_target_modules = [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
-    return cfg
+        out["lora_target_modules"] = [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
+    return out
+
+
+def resolve_presets(cfg: TrainConfig) -> TrainConfig:
+    """A copy of `cfg` with its presets filled (`preset_values`); `cfg` itself is not changed. A resolved config
+    (presets already filled) is returned as it is."""
+    values = preset_values(cfg)
+    return dataclasses.replace(cfg, **values) if values else cfg
 
 
 # The keys that define what `curvzo-ds eval --resume CKPT` evaluates: they come from the checkpoint's run config,
@@ -348,25 +387,36 @@ def differences(saved: dict[str, Any], values: dict[str, Any], keys) -> list[str
 
 
 def set_sources(cfg, sources: dict[str, str]):
-    """Record where each explicitly given key of `cfg` came from ("--set", "--config FILE"). The DeepSpeed mapping
-    reads it: a key given there and set to another value by the DeepSpeed config is refused (docs/deepspeed.md).
-    Not a field: it goes into no config.json."""
-    cfg._sources = dict(sources)
+    """Record where each explicitly given key of `cfg` came from ("--set", "--config FILE") in its `sources` field.
+    The DeepSpeed mapping reads it: a key given there and set to another value by the DeepSpeed config is refused
+    (docs/deepspeed.md). It goes into no config.json (`to_dict`)."""
+    cfg.sources = dict(sources)
     return cfg
 
 
 def sources_of(cfg) -> dict[str, str]:
-    return getattr(cfg, "_sources", {})
+    return dict(getattr(cfg, "sources", None) or {})
 
 
 def to_dict(cfg) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The flat keys of `cfg` (run_config.json, config.json): `dataclasses.asdict` less the internal fields."""
+    internal = {f.name for f in dataclasses.fields(cfg) if f.metadata.get("internal")}
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in internal}
+
+
+def freeze(cfg: ZOConfig) -> ZOConfig:
+    """Mark `cfg` resolved: validated, and frozen from now on. Only `config.resolve` (after its one validation)
+    and `zo_part` (of a resolved config) call it. Not a field: `dataclasses.replace` of a resolved config gives an
+    unresolved, mutable one, which the engine validates again."""
+    object.__setattr__(cfg, "_resolved", True)
+    return cfg
 
 
 def zo_part(cfg: TrainConfig) -> ZOConfig:
     names = set(field_names(ZOConfig))
-    return ZOConfig(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in names})
+    part = ZOConfig(**{k: v for k, v in to_dict(cfg).items() if k in names})
+    return freeze(part) if cfg.resolved else part
 
 
-__all__ = ["ZOConfig", "TrainConfig", "build", "resolve_presets", "zo_part", "key",
-           "key_docs", "set_sources", "sources_of"]
+__all__ = ["ZOConfig", "TrainConfig", "build", "resolve_presets", "preset_values", "zo_part", "key", "key_docs",
+           "key_fields", "set_sources", "sources_of", "to_dict", "freeze"]
