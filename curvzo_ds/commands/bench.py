@@ -6,6 +6,7 @@ benchmarks/RESULTS.md, not in tests. The suite's timings are commands/bench_timi
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -64,7 +65,7 @@ def run_bench(cfg, steps: int) -> None:
     """Time `steps` engine steps of the configured run (one rank or under a launcher)."""
     from curvzo_ds.train.build import build  # DeepSpeed is imported with it: only when a run starts
 
-    cfg.disable_tqdm = True
+    cfg = dataclasses.replace(cfg, disable_tqdm=True)
     run = build(cfg)
     gc.collect()
     rss_setup, peak_setup = rss_bytes(trim=True), peak_rss_bytes()

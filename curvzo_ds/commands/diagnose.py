@@ -42,7 +42,7 @@ def corr_log(x, y) -> float:
 
 def _sampler(cfg, sizes: torch.Tensor, uniforms=None) -> CurvZOSampler:
     cfg = copy.deepcopy(cfg)
-    cfg.score_init = 0.0  # the callers set the scores themselves
+    cfg = dataclasses.replace(cfg, score_init=0.0)  # the callers set the scores themselves
     return CurvZOSampler(cfg, sizes, uniforms or (lambda step, g: torch.zeros(g, dtype=torch.float64)))
 
 

@@ -11,6 +11,7 @@ import sys
 
 from curvzo_ds.commands.train import keys_help, run_options
 from curvzo_ds.config.load import key_sources, load_config, read_values
+from curvzo_ds.config.resolve import resolve
 from curvzo_ds.config.schema import EVAL_FROM_CHECKPOINT, TrainConfig, build, differences, field_names, set_sources
 from curvzo_ds.errors import ConfigError
 
@@ -25,9 +26,10 @@ def register(sub) -> None:
 
 def handle(args) -> None:
     values = read_values(args.config, args.set, args.deepspeed)
-    cfg, resume = eval_config(values, args.resume) if args.resume else (load_config(
-        args.config, args.set, args.deepspeed), None)
-    set_sources(cfg, key_sources(args.config, args.set, values))
+    if args.resume:
+        cfg, resume = eval_config(values, args.resume, key_sources(args.config, args.set, values))
+    else:
+        cfg, resume = load_config(args.config, args.set, args.deepspeed), None
     # Only the JSON result goes to stdout, so that `curvzo-ds eval | jq` works. DeepSpeed is imported inside too:
     # without DS_ACCELERATOR it prints "Setting accelerator to CPU" as it loads, and its logger keeps the stdout
     # it finds then.
@@ -41,7 +43,7 @@ def handle(args) -> None:
                 stdout.flush()
 
 
-def eval_config(values: dict, resume) -> tuple[TrainConfig, str]:
+def eval_config(values: dict, resume, sources: dict | None = None) -> tuple[TrainConfig, str]:
     """`eval --resume [CKPT]`: the checkpoint's run config, with the given keys that do not change what is
     evaluated (batch size, num_eval, output path, ...). eval.json goes into the checkpoint unless output_dir is set."""
     from curvzo_ds.checkpoint.manager import CheckpointManager
@@ -67,9 +69,7 @@ def eval_config(values: dict, resume) -> tuple[TrainConfig, str]:
     merged.update(values)
     if "output_dir" not in values:
         merged["output_dir"] = str(path)  # eval.json next to what it evaluates
-    cfg = build(TrainConfig, merged)
-    cfg.validate()
-    return cfg, str(path)
+    return resolve(set_sources(build(TrainConfig, merged), sources or {})), str(path)
 
 
 @contextlib.contextmanager

@@ -1,2 +1,3 @@
-"""The configuration: its keys, presets and validation (schema), the DeepSpeed policy table (ds_policy), and a user's
-DeepSpeed JSON mapped onto those keys (ds_config)."""
+"""The configuration: its keys, presets and validation (schema), its sections (sections), the DeepSpeed policy table
+(ds_policy), a user's DeepSpeed JSON mapped onto those keys (ds_config), and the one resolution of a run's config
+(resolve: presets, DeepSpeed, one validation, frozen)."""

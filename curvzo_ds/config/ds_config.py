@@ -98,9 +98,10 @@ def resolve_ds_config(user: dict | None, world_size: int, hidden_size: int | Non
     refused = refusal(user)
     if refused:
         raise ConfigError(f"{refused} (in the deepspeed config)")
-    _map_batch(user, staged, world_size, warnings)
-    _map_dtype(user, staged, warnings)
-    zero = _map_zero(user.pop("zero_optimization", None), staged, hidden_size, warnings)
+    staged.micro_batch_size, staged.global_batch_size = _map_batch(user, staged, world_size, warnings)
+    staged.dtype = _map_dtype(user, staged.dtype, warnings)
+    zero, staged.zero_stage, staged.offload_param = _map_zero(user.pop("zero_optimization", None), staged,
+                                                              hidden_size, warnings)
     _refuse_conflicts(given, ours, explicit or {}, staged, world_size, where)
 
     for key, reason in DROPPED.items():
@@ -160,17 +161,18 @@ def _ds_setting(given: dict, name: str, staged, world_size: int) -> str:
     return f"zero_optimization.offload_param.device={staged.offload_param}"
 
 
-def _map_batch(user: dict, cfg, world_size: int, warnings: list[str]) -> None:
+def _map_batch(user: dict, cfg, world_size: int, warnings: list[str]) -> tuple[int, int]:
+    """(micro_batch_size, global_batch_size) after the user's batch keys; `cfg` holds the current values."""
     total, micro, accum = (_batch_value(user.pop(key, None), key) for key in BATCH_KEYS)
-    if micro is not None:
-        cfg.micro_batch_size = micro
+    micro = cfg.micro_batch_size if micro is None else micro
     if total is not None:
-        cfg.global_batch_size = total
-        if accum is not None and total != cfg.micro_batch_size * accum * world_size:
+        if accum is not None and total != micro * accum * world_size:
             warnings.append(f"gradient_accumulation_steps={accum}: ignored; train_batch_size={total} sets the "
                             "global batch (CurvZO does its own batching)")
-    elif accum is not None:
-        cfg.global_batch_size = cfg.micro_batch_size * accum * world_size
+        return micro, total
+    if accum is not None:
+        return micro, micro * accum * world_size
+    return micro, cfg.global_batch_size
 
 
 def _batch_value(value: Any, key: str) -> int | None:
@@ -182,7 +184,8 @@ def _batch_value(value: Any, key: str) -> int | None:
     return number
 
 
-def _map_dtype(user: dict, cfg, warnings: list[str]) -> None:
+def _map_dtype(user: dict, current: str, warnings: list[str]) -> str:
+    """The dtype after the user's bf16/fp16 sections; `current`: ours."""
     if "bfloat16" in user and "bf16" not in user:  # DeepSpeed's older spelling
         user["bf16"] = user.pop("bfloat16")
     chosen, loss_scaling = [], []
@@ -195,7 +198,7 @@ def _map_dtype(user: dict, cfg, warnings: list[str]) -> None:
         enabled = section.get("enabled", False)
         if enabled not in (True, False, "auto"):
             raise ConfigError(f"{key}.enabled={enabled!r} in the deepspeed config must be true, false or \"auto\"")
-        if enabled is False and cfg.dtype == dtype:
+        if enabled is False and current == dtype:
             raise ConfigError(f"{key}.enabled=false in the deepspeed config conflicts with dtype={dtype}: set "
                               f"{key}.enabled to true or \"auto\", or set dtype=float32")
         if enabled is True:
@@ -204,14 +207,15 @@ def _map_dtype(user: dict, cfg, warnings: list[str]) -> None:
             loss_scaling = [k for k in FP16_LOSS_SCALING if k in section]
     if len(chosen) == 2:
         raise ConfigError("bf16.enabled and fp16.enabled are both true in the deepspeed config: enable one")
-    if chosen:
-        cfg.dtype = chosen[0]
-    if cfg.dtype == "float16" and loss_scaling:
+    dtype = chosen[0] if chosen else current
+    if dtype == "float16" and loss_scaling:
         warnings.append(f"fp16.{'/'.join(loss_scaling)}: ignored; loss scaling protects gradients, and CurvZO "
                         "computes none")
+    return dtype
 
 
-def _map_zero(zero: Any, cfg, hidden_size: int | None, warnings: list[str]) -> dict:
+def _map_zero(zero: Any, cfg, hidden_size: int | None, warnings: list[str]) -> tuple[dict, int, str]:
+    """(the zero_optimization section for DeepSpeed, zero_stage, offload_param); `cfg` holds our current values."""
     if zero is None:
         zero = {}
     if not isinstance(zero, dict):
@@ -220,7 +224,6 @@ def _map_zero(zero: Any, cfg, hidden_size: int | None, warnings: list[str]) -> d
     stage = stage if _integer(stage) is None else _integer(stage)
     if stage not in (0, 3) or isinstance(stage, bool):
         raise ConfigError(f"zero_optimization.stage={stage!r} is invalid: use 3 (or 0 for no ZeRO)")
-    cfg.zero_stage = stage
 
     hpz = zero.pop("zero_hpz_partition_size", 1)
     if _integer(hpz) is None:
@@ -244,12 +247,13 @@ def _map_zero(zero: Any, cfg, hidden_size: int | None, warnings: list[str]) -> d
         device = offload.get("device", "none")
         if device not in ("cpu", "none"):
             raise ConfigError(f"zero_optimization.offload_param.device={device!r} is invalid: use \"cpu\" or \"none\"")
-        cfg.offload_param = device
-    if cfg.offload_param == "cpu" and stage != 3:
+    else:
+        device = cfg.offload_param
+    if device == "cpu" and stage != 3:
         raise ConfigError("offload_param=cpu needs ZeRO stage 3: set zero_optimization.stage to 3, or remove "
                           "offload_param")
     if stage == 0:
-        return {"stage": 0}
+        return {"stage": 0}, stage, device
 
     for key in HONOURED_ZERO_SIZES:
         if zero.get(key) == "auto":
@@ -267,10 +271,10 @@ def _map_zero(zero: Any, cfg, hidden_size: int | None, warnings: list[str]) -> d
         if isinstance(value, float) and value.is_integer():  # 1e9 in JSON is a float
             zero[key] = int(value)
     out = {"stage": 3, **zero}
-    if cfg.offload_param == "cpu":
+    if device == "cpu":
         out["offload_param"] = {**(offload or {}), "device": "cpu"}
     _check_zero_schema(out)
-    return out
+    return out, stage, device
 
 
 def _hf_auto(key: str, hidden_size: int | None) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from curvzo_ds.config.resolve import resolve
 from curvzo_ds.config.schema import TrainConfig, build, coerce, set_sources
 from curvzo_ds.errors import ConfigError
 
@@ -80,5 +81,5 @@ def load_config(config_file: str | None, sets: list[str], deepspeed: str | None)
     values = read_values(config_file, sets, deepspeed)
     cfg = build(TrainConfig, values)
     set_sources(cfg, key_sources(config_file, sets, values))
-    cfg.validate()
+    return resolve(cfg)  # presets and the one validation, before any process group (exit 2, one line); frozen
     return cfg

@@ -51,13 +51,34 @@ def key_docs(cls=None) -> dict[str, str]:
 
 
 def key_fields(cls=None) -> list[dataclasses.Field]:
-    """The configuration keys of `cls` (default TrainConfig): its fields, less the internal ones (`sources`)."""
+    """The dataclass fields that are configuration keys (not the internal `sources`)."""
     return [f for f in dataclasses.fields(cls or TrainConfig) if not f.metadata.get("internal")]
 
 
 @dataclass
 class ZOConfig:
-    """Hyper-parameters of the zeroth-order optimizer (paper Section 3, docs/algorithm.md)."""
+    """Hyper-parameters of the zeroth-order optimizer (paper Section 3, docs/algorithm.md).
+
+    A config that `config.resolve` returned is *resolved*: validated once and frozen (assigning a key raises
+    dataclasses.FrozenInstanceError). `dataclasses.replace` and `zo_part` of a resolved config: see `freeze`.
+    """
+
+    @property
+    def resolved(self) -> bool:
+        """True for a config that `config.resolve` validated and froze; the engine does not validate it again."""
+        return self.__dict__.get("_resolved", False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_resolved", False):
+            raise dataclasses.FrozenInstanceError(f"cannot assign {name}: this config is resolved (validated once "
+                                                  "and frozen); use dataclasses.replace for a new one, which "
+                                                  "is validated again")
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_resolved", False):
+            raise dataclasses.FrozenInstanceError(f"cannot delete {name}: this config is resolved")
+        super().__delattr__(name)
 
     method: str = key("curvzo", "curvzo (adaptive budget), mezo (every block), us_ab (uniform pi, adaptive "
                                 "budget), fixed (budget B)")
@@ -213,9 +234,9 @@ class TrainConfig(ZOConfig):
     ddp_timeout: int = key(1800, "seconds a collective may wait before the job fails, so that a hung rank ends the "
                                  "job (Hugging Face's name and default)")
     log_level: str = key("info", "debug, info, warning or error (rank 0; other ranks log warnings)")
-    # Not a key: where each explicitly given key came from ("--set", "--config FILE"), read by the DeepSpeed mapping
-    # (a key given there that the DeepSpeed config sets to another value is refused, docs/deepspeed.md). A field,
-    # so that dataclasses.replace keeps it; left out of the key list, --help, config.json and run_config.json.
+    # Not a key: where each explicitly given key came from ("--set", "--config FILE"); the DeepSpeed mapping refuses
+    # a key given there that the DeepSpeed config sets otherwise (docs/deepspeed.md). A field, so that
+    # dataclasses.replace keeps it; no part of equality, of to_dict (run_config.json, config.json) or of the key list.
     sources: dict = field(default_factory=dict, compare=False, repr=False, metadata={"internal": True})
 
     def _check(self) -> None:
@@ -291,7 +312,7 @@ def coerce(cls, key: str, value: Any) -> Any:
         near = difflib.get_close_matches(key, names, n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise ConfigError(f"unknown key {key!r}{hint}; `curvzo-ds train --help` lists every key")
-    f = next(f for f in dataclasses.fields(cls) if f.name == key)
+    f = next(f for f in key_fields(cls) if f.name == key)
     default = f.default if f.default is not dataclasses.MISSING else None
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", value.strip()) \
             and any(t in str(f.type) for t in ("float", "int", "Any")):
@@ -325,26 +346,33 @@ def build(cls, values: dict[str, Any]):
 DEMO_MODELS = ("demo", "demo-opt")
 
 
-def resolve_presets(cfg: TrainConfig) -> TrainConfig:
-    """A copy of `cfg` with the `None` defaults that depend on the kind of run filled in (docs/config.md: MeZO's
-    defaults); `cfg` itself is not changed."""
+def preset_values(cfg: TrainConfig) -> dict[str, Any]:
+    """The values of the `None` defaults that depend on the kind of run (docs/config.md: MeZO's defaults), for
+    `dataclasses.replace`; `cfg` is not changed."""
     demo = cfg.model in DEMO_MODELS
-    filled: dict[str, Any] = {}
+    out: dict[str, Any] = {}
     if cfg.learning_rate is None:
-        filled["learning_rate"] = 3e-4 if demo else (5e-5 if cfg.lora else 1e-6)
+        out["learning_rate"] = 3e-4 if demo else (5e-5 if cfg.lora else 1e-6)
     if cfg.zo_eps is None:
-        filled["zo_eps"] = 1e-2 if demo or cfg.lora else 1e-3
+        out["zo_eps"] = 1e-2 if demo or cfg.lora else 1e-3
     if cfg.max_steps is None:
-        filled["max_steps"] = 300 if demo else 20000
+        out["max_steps"] = 300 if demo else 20000
     if demo and cfg.eval_steps == 500:
-        filled["eval_steps"] = 100
+        out["eval_steps"] = 100
     if demo and cfg.save_steps == 500:
-        filled["save_steps"] = 100
+        out["save_steps"] = 100
     if cfg.lora_target_modules is None:
-        filled["lora_target_modules"] = ["q_proj", "v_proj"]
+        out["lora_target_modules"] = ["q_proj", "v_proj"]
     elif isinstance(cfg.lora_target_modules, str):
-        filled["lora_target_modules"] = [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
-    return dataclasses.replace(cfg, **filled)
+        out["lora_target_modules"] = [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
+    return out
+
+
+def resolve_presets(cfg: TrainConfig) -> TrainConfig:
+    """A copy of `cfg` with its presets filled (`preset_values`); `cfg` itself is not changed. A resolved config
+    (presets already filled) is returned as it is."""
+    values = preset_values(cfg)
+    return dataclasses.replace(cfg, **values) if values else cfg
 
 
 # The keys that define what `curvzo-ds eval --resume CKPT` evaluates: they come from the checkpoint's run config,
@@ -370,47 +398,61 @@ def differences(saved: dict[str, Any], values: dict[str, Any], keys) -> list[str
 
 
 def set_sources(cfg, sources: dict[str, str]):
-    """Record where each explicitly given key of `cfg` came from (`TrainConfig.sources`)."""
+    """Record where each explicitly given key of `cfg` came from ("--set", "--config FILE") in its `sources` field.
+    The DeepSpeed mapping reads it: a key given there and set to another value by the DeepSpeed config is refused
+    (docs/deepspeed.md). It goes into no config.json (`to_dict`)."""
     cfg.sources = dict(sources)
     return cfg
 
 
 def sources_of(cfg) -> dict[str, str]:
-    return getattr(cfg, "sources", {})
+    return dict(getattr(cfg, "sources", None) or {})
 
 
 def to_dict(cfg) -> dict[str, Any]:
-    """The keys and their values (config.json, run_config.json): the internal fields left out."""
-    return {f.name: dataclasses.asdict(cfg)[f.name] for f in key_fields(type(cfg))}
+    """The flat keys of `cfg` (run_config.json, config.json): `dataclasses.asdict` less the internal fields."""
+    internal = {f.name for f in dataclasses.fields(cfg) if f.metadata.get("internal")}
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in internal}
+
+
+def freeze(cfg: ZOConfig) -> ZOConfig:
+    """Mark `cfg` resolved: validated, and frozen from now on. Only `config.resolve` (after its one validation)
+    and `zo_part` (of a resolved config) call it. Not a field: `dataclasses.replace` of a resolved config gives an
+    unresolved, mutable one, which the engine validates again."""
+    object.__setattr__(cfg, "_resolved", True)
+    return cfg
 
 
 def zo_part(cfg: TrainConfig) -> ZOConfig:
     """The engine's keys of `cfg`, validated if `cfg` is (TrainConfig's checks include ZOConfig's)."""
     names = set(field_names(ZOConfig))
-    part = ZOConfig(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in names})
+    part = ZOConfig(**{k: v for k, v in to_dict(cfg).items() if k in names})
+    if cfg.resolved:
+        return freeze(part)
     if cfg.validated:
         part._valid = dataclasses.astuple(part)
     return part
 
 
 def engine_config(config: ZOConfig | None, overrides: dict[str, Any]) -> ZOConfig:
-    """ZOEngine's own copy of `config` (default: ZOConfig()) with its keyword `overrides`. It is validated unless
-    validate() passed on these very values already (the CLI validates a run's config before building the engine);
-    a public `ZOEngine(model, loss_fn, ZOConfig(...))` with a bad value fails here, naming it."""
+    """ZOEngine's own copy of `config` (default: ZOConfig()) with its keyword `overrides`. It is validated unless it
+    was resolved (config.resolve validated it once) or validate() passed on these very values already; a public
+    `ZOEngine(model, loss_fn, ZOConfig(...))` with a bad value fails here, naming it."""
     cfg = copy.deepcopy(config) if config is not None else ZOConfig()
     names = set(field_names(type(cfg)))
-    for name, value in overrides.items():
+    for name in overrides:
         if name not in names:
             raise ValueError(f"unknown ZOEngine option {name!r}")
-        setattr(cfg, name, value)
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)  # a new, unresolved config: validated below
     missing = [k for k in ("learning_rate", "zo_eps", "max_steps") if getattr(cfg, k) is None]
     if missing:
         raise ValueError(f"{', '.join(missing)} unset: a TrainConfig's presets are resolved by the CLI "
-                         "(config.resolve_presets); set them or pass a ZOConfig")
-    if not cfg.validated:
+                         "(config.resolve); set them or pass a ZOConfig")
+    if not (cfg.resolved or cfg.validated):
         cfg.validate()
     return cfg
 
 
-__all__ = ["ZOConfig", "TrainConfig", "build", "resolve_presets", "zo_part", "engine_config", "key",
-           "key_docs", "set_sources", "sources_of"]
+__all__ = ["ZOConfig", "TrainConfig", "build", "resolve_presets", "preset_values", "zo_part", "engine_config", "key",
+           "key_docs", "key_fields", "set_sources", "sources_of", "to_dict", "freeze"]

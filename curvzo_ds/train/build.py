@@ -10,7 +10,6 @@ loaders fill their download caches.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import json
@@ -24,9 +23,9 @@ from deepspeed.accelerator import get_accelerator
 
 from curvzo_ds import data as D
 from curvzo_ds.checkpoint.manager import CheckpointManager
-from curvzo_ds.config.ds_config import load_ds_config, resolve_ds_config
-from curvzo_ds.config.ds_policy import MAPPED_FIELDS
-from curvzo_ds.config.schema import TrainConfig, resolve_presets, sources_of, zo_part
+from curvzo_ds.config.ds_config import load_ds_config
+from curvzo_ds.config.resolve import resolve, resolve_run
+from curvzo_ds.config.schema import TrainConfig, resolve_presets, zo_part
 from curvzo_ds.data.stream import MicroBatches, micro_batch_indices
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.errors import ConfigError, RanksDisagree
@@ -123,8 +122,7 @@ def build_plain(cfg: TrainConfig) -> Job:
     """A one-process Job on a plain model (no DeepSpeed, no process group, on the CPU), built from the same presets,
     splits, micro-batches and loss as `build`, so that its steps are those of a one-rank training run. A static
     mask (static_mask=true) is fitted here, as `curvzo-ds train` fits it before step 1."""
-    cfg = resolve_presets(copy.deepcopy(cfg))
-    cfg.validate()
+    cfg = resolve(cfg)
     task, tokenizer, train_data, eval_data = load_data(cfg)
     model, keep_alive = build_model(cfg, {})
     loss = D.loss_fn_for(task, cfg.train_as_classification)
@@ -141,18 +139,15 @@ def build_plain(cfg: TrainConfig) -> Job:
 
 def resolve_config(cfg: TrainConfig, topology: Topology) -> tuple[TrainConfig, dict]:
     """(the config with its presets and the DeepSpeed-mapped keys applied and validated, the DeepSpeed config)."""
-    cfg = resolve_presets(cfg)
     user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()
     # Each replica group processes the whole global batch: DeepSpeed's data-parallel world is the shard group.
-    # A mapped key given explicitly (--set or the YAML) that the DeepSpeed config sets otherwise is refused.
-    ds_config, mapped, notes = resolve_ds_config(
-        user_ds, topology.shard.world_size, model_hidden_size(cfg), explicit=sources_of(cfg),
-        where=f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config",
-        **{k: getattr(cfg, k) for k in MAPPED_FIELDS})
+    # A mapped key given explicitly (--set or the YAML) that the DeepSpeed config sets otherwise is refused. A
+    # config the CLI resolved is not validated again (config.resolve): the mapping checks what it sets.
+    cfg, ds_config, notes = resolve_run(
+        cfg, world_size=topology.shard.world_size, hidden_size=model_hidden_size(resolve_presets(cfg)),
+        user_ds=user_ds, where=f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config")
     for note in notes:
         log.warning("deepspeed config: %s", note)
-    cfg = dataclasses.replace(cfg, **mapped)
-    cfg.validate()
     accelerator = get_accelerator()
     if cfg.dtype == "float16" and not accelerator.is_fp16_supported():  # else DeepSpeed's ValueError, later
         raise ConfigError(f"dtype=float16: DeepSpeed's {accelerator.device_name()} accelerator has no float16 "

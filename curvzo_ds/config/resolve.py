@@ -1,0 +1,50 @@
+"""A run's configuration, resolved once: presets, then the DeepSpeed config, then one validation, then frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from curvzo_ds.config.ds_config import MAPPED_FIELDS, resolve_ds_config
+from curvzo_ds.config.schema import TrainConfig, freeze, preset_values, sources_of
+
+
+def resolve(cfg: TrainConfig, *, world_size: int | None = None, hidden_size: int | None = None,
+            user_ds: dict | None = None, explicit: dict[str, str] | None = None, where: str = "the deepspeed config",
+            notes: list[str] | None = None, ds_out: dict | None = None) -> TrainConfig:
+    """A new, resolved (validated and frozen) config from `cfg`, which is not changed.
+
+    1. presets (`preset_values`): the keys left `None` that depend on the model and LoRA;
+    2. the DeepSpeed config `user_ds` mapped onto the batch, dtype and ZeRO keys (`resolve_ds_config`), only when
+       `world_size` is given (the ranks' shard-group size): the mapping checks every value it sets, and refuses a
+       key given explicitly (`explicit`, default: `cfg`'s sources) that it would set otherwise;
+    3. one `validate()`, unless `cfg` is already resolved; validate needs no world size, so the CLI resolves
+       before the process group starts (a bad value: exit 2, one line), and `Run` resolves again with the world
+       size, which only maps the DeepSpeed config;
+    4. frozen: assigning a key raises dataclasses.FrozenInstanceError; the engine does not validate it again.
+
+    `notes` (a list) receives the mapping's warnings and `ds_out` (a dict) the config for deepspeed.initialize.
+    """
+    new = dataclasses.replace(cfg, **preset_values(cfg))  # replace keeps `sources`, drops `resolved`
+    if world_size is not None:
+        ds, mapped, warnings = resolve_ds_config(
+            user_ds, world_size, hidden_size, explicit=sources_of(cfg) if explicit is None else explicit,
+            where=where, **{k: getattr(new, k) for k in MAPPED_FIELDS})
+        new = dataclasses.replace(new, **mapped)
+        if notes is not None:
+            notes.extend(warnings)
+        if ds_out is not None:
+            ds_out.update(ds)
+    if not cfg.resolved:
+        new.validate()
+    return freeze(new)
+
+
+def resolve_run(cfg: TrainConfig, *, world_size: int, hidden_size: int | None, user_ds: dict | None,
+                where: str = "the deepspeed config") -> tuple[TrainConfig, dict[str, Any], list[str]]:
+    """(resolved config, config for deepspeed.initialize, the mapping's warnings): `resolve` for `Run`."""
+    notes: list[str] = []
+    ds: dict[str, Any] = {}
+    out = resolve(cfg, world_size=world_size, hidden_size=hidden_size, user_ds=user_ds, where=where, notes=notes,
+                  ds_out=ds)
+    return out, ds, notes
