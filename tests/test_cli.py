@@ -168,7 +168,8 @@ def test_the_keys_sources_survive_replace_and_stay_out_of_the_files_and_the_key_
     needs), not a key: not in config.json / run_config.json (to_dict), --help, or what --set accepts."""
 
     from curvzo_ds.commands.train import keys_help
-    from curvzo_ds.config.schema import build, field_names, set_sources, sources_of, to_dict
+    from curvzo_ds.config.load import build
+    from curvzo_ds.config.schema import field_names, set_sources, sources_of, to_dict
     from curvzo_ds.errors import ConfigError
 
     cfg = set_sources(TrainConfig(), {"learning_rate": "--set"})

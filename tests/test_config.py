@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from curvzo_ds.config.resolve import resolve, resolve_run
+from curvzo_ds.config.resolve import resolve, resolve_run, zo_part
 from curvzo_ds.config.schema import (
     TrainConfig,
     ZOConfig,
@@ -17,7 +17,6 @@ from curvzo_ds.config.schema import (
     set_sources,
     sources_of,
     to_dict,
-    zo_part,
 )
 from curvzo_ds.config.sections import SECTION_OF, SECTIONS, check_sections, section
 from curvzo_ds.errors import ConfigError

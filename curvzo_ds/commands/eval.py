@@ -10,9 +10,9 @@ import os
 import sys
 
 from curvzo_ds.commands.train import keys_help, run_options
-from curvzo_ds.config.load import key_sources, load_config, read_values
+from curvzo_ds.config.load import EVAL_FROM_CHECKPOINT, build, differences, key_sources, load_config, read_values
 from curvzo_ds.config.resolve import resolve
-from curvzo_ds.config.schema import EVAL_FROM_CHECKPOINT, TrainConfig, build, differences, field_names, set_sources
+from curvzo_ds.config.schema import TrainConfig, field_names, set_sources
 from curvzo_ds.errors import ConfigError
 
 

@@ -1,12 +1,17 @@
 """A run's configuration as the command line gives it: --config FILE (YAML), --set KEY=VALUE and --deepspeed JSON,
-read, coerced to the keys' types, built and validated (`load_config`). A bad value is a one-line ConfigError."""
+read, coerced to the keys' types (`coerce`, `build`), resolved (`load_config`); and the keys a checkpoint's run
+config fixes for `eval --resume` and for a resumed run (`differences`). A bad value is a one-line ConfigError."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
+import re
+from typing import Any
 
 from curvzo_ds.config.resolve import resolve
-from curvzo_ds.config.schema import TrainConfig, build, coerce, set_sources
+from curvzo_ds.config.schema import TrainConfig, field_names, key_fields, set_sources
 from curvzo_ds.errors import ConfigError
 
 
@@ -83,3 +88,63 @@ def load_config(config_file: str | None, sets: list[str], deepspeed: str | None)
     set_sources(cfg, key_sources(config_file, sets, values))
     return resolve(cfg)  # presets and the one validation, before any process group (exit 2, one line); frozen
     return cfg
+
+
+def coerce(cls, key: str, value: Any) -> Any:
+    """Check a parsed YAML scalar against the field's default type; ints are accepted for floats."""
+    names = field_names(cls)
+    if key not in names:
+        near = difflib.get_close_matches(key, names, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(f"unknown key {key!r}{hint}; `curvzo-ds train --help` lists every key")
+    f = next(f for f in key_fields(cls) if f.name == key)
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", value.strip()) \
+            and any(t in str(f.type) for t in ("float", "int", "Any")):
+        value = float(value)  # YAML 1.1 reads 1e-6 as a string; docs/contracts.md promises a number
+    if value is None or default is None or isinstance(default, str) and key in ("score_init", "fp32_master_weights"):
+        return value
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not a boolean: use true or false")
+        return value
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(default, int | float) and (not isinstance(value, int | float) or isinstance(value, bool)):
+        raise ConfigError(f"{key}={value!r} is not a number (default {default!r})")
+    if isinstance(default, int) and not isinstance(default, bool) and isinstance(value, float):
+        if not value.is_integer():
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return int(value)
+    if isinstance(default, str) and not isinstance(value, str):
+        raise ConfigError(f"{key}={value!r} must be a string (default {default!r})")
+    return value
+
+
+def build(cls, values: dict[str, Any]):
+    """Make a config of type `cls` from a flat mapping, checking every key and type."""
+    kwargs = {k: coerce(cls, k, v) for k, v in values.items()}
+    cfg = cls(**kwargs)
+    return cfg
+
+
+# The keys that define what `curvzo-ds eval --resume CKPT` evaluates: they come from the checkpoint's run config,
+# and a --set may not change them (batch size, num_eval, the output path and the like may change).
+EVAL_FROM_CHECKPOINT = ("model", "tokenizer", "task", "data_dir", "lora", "lora_r", "lora_alpha", "lora_target_modules",
+                        "seed", "num_train", "num_dev", "max_length", "max_new_tokens", "train_as_classification",
+                        "dtype", "block_granularity", "block_chunk_size")
+# The keys a resumed training run may change (docs/config.md); every other key changes the trajectory and must
+# match the checkpoint's run config.
+RESUME_MAY_CHANGE = ("max_steps", "eval_steps", "save_steps", "save_total_limit", "logging_steps", "report_to",
+                     "disable_tqdm", "progress_interval", "log_level", "output_dir", "overwrite_output_dir", "threads",
+                     "ddp_timeout", "deepspeed", "zero_stage", "offload_param", "num_eval", "visibility_steps",
+                     "visibility_warn", "max_consecutive_skips", "trust_remote_code",
+                     "shard_group_size")
+
+
+def differences(saved: dict[str, Any], values: dict[str, Any], keys) -> list[str]:
+    """"key: saved -> new" for each of `keys` whose value in `values` differs from the checkpoint's `saved`. A key
+    that `saved` lacks (one added to curvzo_ds after the checkpoint was written) counts as its default."""
+    defaults = {f.name: f.default for f in key_fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    old = {k: saved.get(k, defaults.get(k)) for k in keys}
+    return [f"{k}: {old[k]!r} -> {values[k]!r}" for k in keys if k in values and values[k] != old[k]]

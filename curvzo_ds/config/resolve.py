@@ -1,12 +1,14 @@
-"""A run's configuration, resolved once: presets, then the DeepSpeed config, then one validation, then frozen."""
+"""A run's configuration, resolved once: presets, then the DeepSpeed config, then one validation, then frozen; and
+the engine's part of it (`zo_part`, `engine_config`)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
 from curvzo_ds.config.ds_config import MAPPED_FIELDS, resolve_ds_config
-from curvzo_ds.config.schema import TrainConfig, freeze, preset_values, sources_of
+from curvzo_ds.config.schema import TrainConfig, ZOConfig, field_names, freeze, preset_values, sources_of, to_dict
 
 
 def resolve(cfg: TrainConfig, *, world_size: int | None = None, hidden_size: int | None = None,
@@ -48,3 +50,34 @@ def resolve_run(cfg: TrainConfig, *, world_size: int, hidden_size: int | None, u
     out = resolve(cfg, world_size=world_size, hidden_size=hidden_size, user_ds=user_ds, where=where, notes=notes,
                   ds_out=ds)
     return out, ds, notes
+
+
+def zo_part(cfg: TrainConfig) -> ZOConfig:
+    """The engine's keys of `cfg`, validated if `cfg` is (TrainConfig's checks include ZOConfig's)."""
+    names = set(field_names(ZOConfig))
+    part = ZOConfig(**{k: v for k, v in to_dict(cfg).items() if k in names})
+    if cfg.resolved:
+        return freeze(part)
+    if cfg.validated:
+        part._valid = dataclasses.astuple(part)
+    return part
+
+
+def engine_config(config: ZOConfig | None, overrides: dict[str, Any]) -> ZOConfig:
+    """ZOEngine's own copy of `config` (default: ZOConfig()) with its keyword `overrides`. It is validated unless it
+    was resolved (config.resolve validated it once) or validate() passed on these very values already; a public
+    `ZOEngine(model, loss_fn, ZOConfig(...))` with a bad value fails here, naming it."""
+    cfg = copy.deepcopy(config) if config is not None else ZOConfig()
+    names = set(field_names(type(cfg)))
+    for name in overrides:
+        if name not in names:
+            raise ValueError(f"unknown ZOEngine option {name!r}")
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)  # a new, unresolved config: validated below
+    missing = [k for k in ("learning_rate", "zo_eps", "max_steps") if getattr(cfg, k) is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} unset: a TrainConfig's presets are resolved by the CLI "
+                         "(config.resolve); set them or pass a ZOConfig")
+    if not (cfg.resolved or cfg.validated):
+        cfg.validate()
+    return cfg

@@ -8,13 +8,10 @@ YAML mapping and `--set KEY=VALUE` overrides. `None` means "resolved later from 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import difflib
 import enum
 import functools
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -305,44 +302,6 @@ def field_names(cls=TrainConfig) -> list[str]:
     return [f.name for f in key_fields(cls)]
 
 
-def coerce(cls, key: str, value: Any) -> Any:
-    """Check a parsed YAML scalar against the field's default type; ints are accepted for floats."""
-    names = field_names(cls)
-    if key not in names:
-        near = difflib.get_close_matches(key, names, n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ConfigError(f"unknown key {key!r}{hint}; `curvzo-ds train --help` lists every key")
-    f = next(f for f in key_fields(cls) if f.name == key)
-    default = f.default if f.default is not dataclasses.MISSING else None
-    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", value.strip()) \
-            and any(t in str(f.type) for t in ("float", "int", "Any")):
-        value = float(value)  # YAML 1.1 reads 1e-6 as a string; docs/contracts.md promises a number
-    if value is None or default is None or isinstance(default, str) and key in ("score_init", "fp32_master_weights"):
-        return value
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} is not a boolean: use true or false")
-        return value
-    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(default, int | float) and (not isinstance(value, int | float) or isinstance(value, bool)):
-        raise ConfigError(f"{key}={value!r} is not a number (default {default!r})")
-    if isinstance(default, int) and not isinstance(default, bool) and isinstance(value, float):
-        if not value.is_integer():
-            raise ConfigError(f"{key}={value!r} must be an integer")
-        return int(value)
-    if isinstance(default, str) and not isinstance(value, str):
-        raise ConfigError(f"{key}={value!r} must be a string (default {default!r})")
-    return value
-
-
-def build(cls, values: dict[str, Any]):
-    """Make a config of type `cls` from a flat mapping, checking every key and type."""
-    kwargs = {k: coerce(cls, k, v) for k, v in values.items()}
-    cfg = cls(**kwargs)
-    return cfg
-
-
 DEMO_MODELS = ("demo", "demo-opt")
 
 
@@ -375,28 +334,6 @@ def resolve_presets(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, **values) if values else cfg
 
 
-# The keys that define what `curvzo-ds eval --resume CKPT` evaluates: they come from the checkpoint's run config,
-# and a --set may not change them (batch size, num_eval, the output path and the like may change).
-EVAL_FROM_CHECKPOINT = ("model", "tokenizer", "task", "data_dir", "lora", "lora_r", "lora_alpha", "lora_target_modules",
-                        "seed", "num_train", "num_dev", "max_length", "max_new_tokens", "train_as_classification",
-                        "dtype", "block_granularity", "block_chunk_size")
-# The keys a resumed training run may change (docs/config.md); every other key changes the trajectory and must
-# match the checkpoint's run config.
-RESUME_MAY_CHANGE = ("max_steps", "eval_steps", "save_steps", "save_total_limit", "logging_steps", "report_to",
-                     "disable_tqdm", "progress_interval", "log_level", "output_dir", "overwrite_output_dir", "threads",
-                     "ddp_timeout", "deepspeed", "zero_stage", "offload_param", "num_eval", "visibility_steps",
-                     "visibility_warn", "max_consecutive_skips", "trust_remote_code",
-                     "shard_group_size")
-
-
-def differences(saved: dict[str, Any], values: dict[str, Any], keys) -> list[str]:
-    """"key: saved -> new" for each of `keys` whose value in `values` differs from the checkpoint's `saved`. A key
-    that `saved` lacks (one added to curvzo_ds after the checkpoint was written) counts as its default."""
-    defaults = {f.name: f.default for f in key_fields(TrainConfig) if f.default is not dataclasses.MISSING}
-    old = {k: saved.get(k, defaults.get(k)) for k in keys}
-    return [f"{k}: {old[k]!r} -> {values[k]!r}" for k in keys if k in values and values[k] != old[k]]
-
-
 def set_sources(cfg, sources: dict[str, str]):
     """Record where each explicitly given key of `cfg` came from ("--set", "--config FILE") in its `sources` field.
     The DeepSpeed mapping reads it: a key given there and set to another value by the DeepSpeed config is refused
@@ -423,36 +360,5 @@ def freeze(cfg: ZOConfig) -> ZOConfig:
     return cfg
 
 
-def zo_part(cfg: TrainConfig) -> ZOConfig:
-    """The engine's keys of `cfg`, validated if `cfg` is (TrainConfig's checks include ZOConfig's)."""
-    names = set(field_names(ZOConfig))
-    part = ZOConfig(**{k: v for k, v in to_dict(cfg).items() if k in names})
-    if cfg.resolved:
-        return freeze(part)
-    if cfg.validated:
-        part._valid = dataclasses.astuple(part)
-    return part
-
-
-def engine_config(config: ZOConfig | None, overrides: dict[str, Any]) -> ZOConfig:
-    """ZOEngine's own copy of `config` (default: ZOConfig()) with its keyword `overrides`. It is validated unless it
-    was resolved (config.resolve validated it once) or validate() passed on these very values already; a public
-    `ZOEngine(model, loss_fn, ZOConfig(...))` with a bad value fails here, naming it."""
-    cfg = copy.deepcopy(config) if config is not None else ZOConfig()
-    names = set(field_names(type(cfg)))
-    for name in overrides:
-        if name not in names:
-            raise ValueError(f"unknown ZOEngine option {name!r}")
-    if overrides:
-        cfg = dataclasses.replace(cfg, **overrides)  # a new, unresolved config: validated below
-    missing = [k for k in ("learning_rate", "zo_eps", "max_steps") if getattr(cfg, k) is None]
-    if missing:
-        raise ValueError(f"{', '.join(missing)} unset: a TrainConfig's presets are resolved by the CLI "
-                         "(config.resolve); set them or pass a ZOConfig")
-    if not (cfg.resolved or cfg.validated):
-        cfg.validate()
-    return cfg
-
-
-__all__ = ["ZOConfig", "TrainConfig", "build", "resolve_presets", "preset_values", "zo_part", "engine_config", "key",
-           "key_docs", "key_fields", "set_sources", "sources_of", "to_dict", "freeze"]
+__all__ = ["ZOConfig", "TrainConfig", "resolve_presets", "preset_values", "key", "key_docs", "key_fields",
+           "field_names", "set_sources", "sources_of", "to_dict", "freeze"]

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from curvzo_ds.algo.sampling import CurvZOSampler, StepPlan
-from curvzo_ds.config.schema import ZOConfig, engine_config
+from curvzo_ds.config.resolve import engine_config
+from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.engine.result import LossFn, StepResult, StepTimer
 from curvzo_ds.errors import NonFiniteLossError

@@ -24,8 +24,8 @@ from deepspeed.accelerator import get_accelerator
 from curvzo_ds import data as D
 from curvzo_ds.checkpoint.manager import CheckpointManager
 from curvzo_ds.config.ds_config import load_ds_config
-from curvzo_ds.config.resolve import resolve, resolve_run
-from curvzo_ds.config.schema import TrainConfig, resolve_presets, zo_part
+from curvzo_ds.config.resolve import resolve, resolve_run, zo_part
+from curvzo_ds.config.schema import TrainConfig, resolve_presets
 from curvzo_ds.data.stream import MicroBatches, micro_batch_indices
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.errors import ConfigError, RanksDisagree

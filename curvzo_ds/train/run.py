@@ -13,7 +13,8 @@ import os
 import time
 
 from curvzo_ds.checkpoint.manager import CheckpointManager, load_checkpoint, verify_checkpoint
-from curvzo_ds.config.schema import RESUME_MAY_CHANGE, TrainConfig, differences, field_names, to_dict
+from curvzo_ds.config.load import RESUME_MAY_CHANGE, differences
+from curvzo_ds.config.schema import TrainConfig, field_names, to_dict
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.shard.digest import params_digest
 from curvzo_ds.train.build import Job, build
