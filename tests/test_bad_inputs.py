@@ -55,6 +55,8 @@ CASES = [
     ("num-train-zero", ["train", "--set", "num_train=0"], "num_train=0"),
     ("num-dev-negative", ["train", "--set", "num_dev=-1"], "num_dev=-1"),
     ("method", ["train", "--set", "method=adam"], "method='adam'"),
+    ("rloo-one-direction", ["train", "--set", "difference=rloo"], "difference=rloo needs num_directions >= 2"),
+    ("difference-unknown", ["train", "--set", "difference=forward"], "difference='forward' is invalid"),
     ("budget-zero", ["train", "--set", "method=fixed", "--set", "budget=0"], "budget=0"),
     ("budget-over-one", ["train", "--set", "budget=1.5"], "budget=1.5"),
     ("budget-min-over-max", ["train", "--set", "budget_min=0.9", "--set", "budget_max=0.2"], "budget_min"),

@@ -36,6 +36,18 @@ SCENARIOS = [
      "zo": {**ZO, "method": "mezo", "learning_rate": 1e-2, "zo_eps": 1e-2, "static_mask": 0.05}},
     {"name": "stage3_short", "steps": 10, "n_micro": 3, "zo": {**ZO, "method": "curvzo"}},
     {"name": "stage0_short", "steps": 10, "n_micro": 3, "stage": 0, "zo": {**ZO, "method": "curvzo"}},
+    # difference=rloo (q forwards, the leave-one-out baseline): CurvZO's scores fed by every direction, MeZO, bf16
+    # shards edited in place (restored from the snapshot), and replica groups of one rank (shard_group_size=1: at
+    # 2 and 3 ranks each group evaluates q/R of the q = 6 directions).
+    {"name": "rloo", "steps": 30, "n_micro": 3, "zo": {**ZO, "method": "curvzo", "num_directions": 3,
+                                                       "difference": "rloo"}},
+    {"name": "rloo_mezo", "steps": 15, "n_micro": 4, "zo": {**ZO, "method": "mezo", "num_directions": 2,
+                                                            "difference": "rloo"}},
+    {"name": "rloo_bf16", "steps": 10, "n_micro": 2, "bf16": True,
+     "zo": {**ZO, "method": "curvzo", "zo_eps": 1e-2, "fp32_master_weights": False, "num_directions": 2,
+            "difference": "rloo"}},
+    {"name": "rloo_replicas", "steps": 10, "n_micro": 2, "shard_group_size": 1,
+     "zo": {**ZO, "method": "curvzo", "num_directions": 6, "difference": "rloo"}},
     {"name": "disagree", "steps": 0, "n_micro": 1, "disagree": "seed", "min_world": 2, "zo": ZO},
 ]
 
@@ -54,7 +66,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", ["curvzo", "mezo", "offload", "small_batch", "lora", "bf16", "bf16_master",
-                                  "static_mask", "static_mask_bf16"])
+                                  "static_mask", "static_mask_bf16", "rloo", "rloo_mezo", "rloo_bf16", "rloo_replicas"])
 def test_bit_identical_at_1_2_3_ranks(runs, name):
     ref = runs[1][name]
     assert len(ref["traj"]) > 0
@@ -110,6 +122,24 @@ def test_one_collective_of_g_plus_3k_values_per_step(runs, name):
         if w > 1:
             # Nothing else in the step all-reduces (DeepSpeed's gathers are all-gathers).
             assert res["torch_all_reduce"] == {"n": len(steps), "elements": per_step * len(steps)}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name,q", [("rloo", 3), ("rloo_mezo", 2)])
+def test_rloo_sends_one_collective_per_step_and_reports_its_spread(runs, name, q):
+    """difference=rloo: the step's one all-reduce carries q x G block sums (CurvZO) and 3 values per direction and
+    micro-batch; each line has the spread of the q losses, no L+ or L-, and a positive projected_grad (the RMS)."""
+    for w in (1, 2, 3):
+        res = runs[w][name]
+        n_micro = 3 if name == "rloo" else 4
+        steps = [r for r in res["traj"] if r.get("skipped") != "empty_mask"]
+        per_step = (q * res["num_blocks"] if name == "rloo" else 0) + 3 * q * n_micro
+        assert res["engine_all_reduce"]["all_reduce"] == len(steps) > 0
+        assert res["engine_all_reduce"]["all_reduce_elements"] == per_step * len(steps)
+        for r in steps:
+            assert r["loss_plus"] is None and r["loss_minus"] is None and r["loss_spread"] > 0
+            assert r["projected_grad"] > 0 and r["loss"] > 0
+    assert runs[1]["rloo_replicas"]["digest"] != runs[1]["rloo"]["digest"]
 
 
 @pytest.mark.multirank

@@ -111,6 +111,10 @@ class ZOConfig:
                                            "false (none)")
     num_directions: int = key(1, "q: SPSA directions per step, their updates averaged (each costs two forwards; "
                                  "spread over the replica groups when shard_group_size < world size)")
+    difference: str = key("central", "the finite difference: central (L(w + eps z) - L(w - eps z), two forwards per "
+                                     "direction) or rloo (one forward L(w + eps z_k) per direction, the mean of the "
+                                     "other directions' losses as baseline; needs num_directions >= 2; "
+                                     "docs/algorithm.md)")
     static_mask: float = key(0.0, "perturb only this fraction of the elements, the largest squared gradients of one "
                                   "backprop per batch over static_mask_batches batches (SensZOQ's mechanism; "
                                   "method mezo; 0: off; docs/algorithm.md)")
@@ -170,6 +174,11 @@ class ZOConfig:
         need(isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1,
              "max_consecutive_skips", "an integer >= 1")
         need(_posint(self.num_directions), "num_directions", "an integer >= 1")
+        need(self.difference in ("central", "rloo"), "difference", "central or rloo")
+        if self.difference == "rloo" and self.num_directions < 2:
+            raise ConfigError(f"difference=rloo needs num_directions >= 2 (the baseline of a direction is the mean of "
+                              f"the others' losses), not num_directions={self.num_directions}: set num_directions=2 "
+                              "or more, or difference=central")
         need(_finite(self.static_mask) and 0 <= self.static_mask <= 1, "static_mask",
              "a fraction of the trainable elements in [0, 1] (0: off)")
         need(_posint(self.static_mask_batches), "static_mask_batches", "an integer >= 1")

@@ -5,7 +5,8 @@ sampler's (algo/sampling.py). The engine does the rest of a step (docs/algorithm
 1. each rank adds +eps z to the part of each selected tensor it edits (its ZeRO-3 shard, or the
    whole tensor where a gathered replica must follow), computing the fixed-point sums of z^2 over
    the part it owns (methods that read scores); forwards of its micro-batches; -2 eps z; forwards again;
-   with num_directions q > 1, once per direction, the edited values put back after each;
+   with num_directions q > 1, once per direction, the edited values put back after each (difference=rloo:
+   +eps z_k and one forward per direction, the baseline of each the mean of the others' losses);
 2. one all-reduce of int64 values: the block sums (none for MeZO), each micro-batch's loss sums and count, and, on
    visibility steps or with a stop request, the moved-element counts and the stop flag;
 3. every rank computes the same Delta and applies the same update. With one direction the update also

@@ -120,8 +120,7 @@ class ZOEngine:
         """One update on `batch` (a MicroBatches of the global batch, or this rank's own batch).
 
         `stop_requested` (the CLI's pre-emption flag): summed over the ranks in the step's own all-reduce, so that
-        every rank learns at the same step that one of them was asked to stop (`StepResult.stop`).
-        """
+        every rank learns at the same step that one of them was asked to stop (`StepResult.stop`)."""
         self._check_step(batch)
         lr, plan = self.sampler.learning_rate(self.step_count), self.sampler.plan(self.step_count)
         info = self._describe(plan, lr)
@@ -132,11 +131,12 @@ class ZOEngine:
         evals, moved = self._perturb_and_forward(plan, batch)
         with self._section("reduce"):
             red = self._reduce(evals, batch, moved, stop_requested)
-        info.update(stop=red.stop, **(self.visibility.report(red.moved, plan.mask) if red.moved is not None else {}))
+        info.update(stop=red.stop, loss_spread=red.loss_spread,
+                    **(self.visibility.report(red.moved, plan.mask) if red.moved is not None else {}))
         if not red.finite:
             return self._skip_non_finite(plan, red, info)
         self._update(plan, red, lr)
-        self._end_step(plan, red.deltas, red.block_sq)  # the scores
+        self._end_step(plan, red.score_deltas, red.block_sq)  # the scores
         return StepResult(plan.step + 1, red.loss, red.loss_plus, red.loss_minus, red.delta, **info)
 
     def _check_step(self, batch) -> None:
@@ -156,8 +156,8 @@ class ZOEngine:
 
     def _perturb_and_forward(self, plan: StepPlan, batch) -> tuple[list, torch.Tensor | None]:
         """For each direction this replica group evaluates: +eps z (with the block sums of z^2), forwards, -2 eps z,
-        forwards. Returns [(direction, block sums, L+ rows, L- rows)] and the visibility counts (None off
-        visibility steps); the weights are left at w - eps z with one direction, at w (put back) with several."""
+        forwards (rloo: no -2 eps z, L+ stands for L-). Returns [(direction, block sums, L+ rows, L- rows)] and the
+        visibility counts; the weights are left at w - eps z with one direction, at w (the snapshot) with several."""
         replicas, replica = self.topology.replicas, self.topology.replica
         if replicas > 1 and not isinstance(batch, MicroBatches):
             raise ValueError("with replica groups, step() takes the global batch as MicroBatches (every group "
@@ -183,10 +183,11 @@ class ZOEngine:
                     moved = self.visibility.moved(watch)
                 with self._section("forwards"):
                     plus = self._forwards(batch)
-                with self._section("perturb"):
-                    perturber.perturb(eps, -eps, direction=d)
+                if self.cfg.difference == "central":
+                    with self._section("perturb"):
+                        perturber.perturb(eps, -eps, direction=d)
                 with self._section("forwards"):
-                    minus = self._forwards(batch)
+                    minus = self._forwards(batch) if self.cfg.difference == "central" else plus
                 if saved is not None:
                     perturber.restore(saved)
                 evals.append((d, block_fixed, plus, minus))
@@ -200,7 +201,7 @@ class ZOEngine:
         return reduce_step(self.topology.job, evals, slot_count(batch, self.comm.world_size),
                            directions=self.cfg.num_directions, eps=self.cfg.zo_eps,
                            sums=self.num_blocks if self.sampler.scored else 0, blocks=self.num_blocks, moved=moved,
-                           stop_requested=stop_requested, device=self.device)
+                           stop_requested=stop_requested, device=self.device, difference=self.cfg.difference)
 
     def _skip_non_finite(self, plan: StepPlan, red: Reduced, info: dict[str, Any]) -> StepResult:
         """Put the weights back (one direction left w - eps z), count the skip, stop at max_consecutive_skips."""
@@ -297,4 +298,4 @@ class ZOEngine:
 
 
 def _finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None
+    return x if x is not None and math.isfinite(x) else None

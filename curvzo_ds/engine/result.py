@@ -29,6 +29,7 @@ class StepResult:
     visibility: float | None = None  # the least fraction of a drawn bf16/fp16 block's elements that +eps z moved
     visibility_block: str | None = None
     skipped: str | None = None
+    loss_spread: float | None = None  # difference=rloo: max - min of the step's q direction losses
     stop: bool = False  # with step(batch, stop_requested=...): some rank asked to stop (not a metric)
     pi: torch.Tensor | None = None  # [G] the inclusion probabilities this update drew from (not a metric)
 

@@ -75,32 +75,56 @@ def _loss_row(out, device) -> torch.Tensor:
 
 @dataclass
 class Reduced:
-    """What a step's all-reduce returns, the same on every rank, and the SPSA estimates read from it."""
+    """What a step's all-reduce returns, the same on every rank, and the SPSA estimates read from it.
+
+    `difference` (docs/algorithm.md): "central", (L+, L-) per direction; "rloo", one loss L_k = L(w + eps z_k) per
+    direction (carried in both places), and the leave-one-out baseline in place of L-."""
 
     losses: list[tuple[float, float]]  # (L+, L-) of each direction, each a mean_loss over the micro-batch slots
     block_sq: torch.Tensor  # the block sums of z^2: [G] with one direction, [q * G] with q (zeros for MeZO)
     moved: torch.Tensor | None  # the counts of moved bf16/fp16 elements per block (visibility steps only)
     stop: bool  # some rank asked to stop
     eps: float
+    difference: str = "central"
 
     def __post_init__(self):
         q = len(self.losses)
+        self.loss_spread = None
+        if self.difference == "rloo":
+            self._rloo([lp for lp, _ in self.losses])
+            return
         self.deltas = [(lp - lm) / (2 * self.eps) for lp, lm in self.losses]  # the projected gradient per direction
+        self.score_deltas = self.deltas
         self.loss_plus, self.loss_minus = (sum(x[i] for x in self.losses) / q for i in (0, 1))
         self.delta = sum(self.deltas) / q
         self.loss = 0.5 * (self.loss_plus + self.loss_minus)
 
+    def _rloo(self, values: list[float]) -> None:
+        """Delta_k = (L_k - mean_{j != k} L_j) / eps, the update's coefficient of z_k; the scores read
+        sqrt((q - 1) / q) Delta_k, whose square has the central Delta^2's mean, ||g_M||^2 (docs/algorithm.md);
+        `delta` (projected_grad) is the root mean square of the Delta_k (their mean is 0 identically)."""
+        q, total = len(values), sum(values)
+        self.deltas = [(v - (total - v) / (q - 1)) / self.eps for v in values]
+        self.score_deltas = [math.sqrt((q - 1) / q) * x for x in self.deltas]
+        self.loss_plus = self.loss_minus = None
+        self.loss = total / q
+        self.loss_spread = max(values) - min(values)
+        self.delta = math.sqrt(sum(x * x for x in self.deltas) / q)
+
     @property
     def finite(self) -> bool:
-        return all(math.isfinite(x) for x in (self.loss_plus, self.loss_minus, self.delta, *self.deltas))
+        losses = (self.loss,) if self.difference == "rloo" else (self.loss_plus, self.loss_minus)
+        return all(math.isfinite(x) for x in (*losses, self.delta, *self.deltas))
 
 
 def reduce_step(comm: Comm, evals, slots: int, *, directions: int, eps: float, sums: int = 0, blocks: int = 0,
-                moved: torch.Tensor | None = None, stop_requested: bool | None = None, device=None) -> Reduced:
+                moved: torch.Tensor | None = None, stop_requested: bool | None = None, device=None,
+                difference: str = "central") -> Reduced:
     """The one all-reduce over `comm` of a step's `evals`, [(direction, its `sums` block sums of z^2, L+ rows,
     L- rows)] as run_forwards returns the rows: for each direction its block sums (`sums` = 0: none, as for MeZO,
     which reads no scores); with `moved`, the counts of moved bf16/fp16 elements of the `blocks` blocks; (L+, L-,
-    count) of every direction and slot; with `stop_requested`, the stop flag."""
+    count) of every direction and slot (with `difference` rloo, L- rows are the L+ rows); with `stop_requested`, the
+    stop flag."""
     packet = StepPacket(directions, sums, slots, moved=blocks if moved is not None else 0,
                         stop=stop_requested is not None, device=device)
     for d, block_fixed, plus, minus in evals:
@@ -116,4 +140,5 @@ def reduce_step(comm: Comm, evals, slots: int, *, directions: int, eps: float, s
     block_sq = (packet.block_sums().to(torch.float64) / 2.0**FIXED_POINT_BITS if sums
                 else torch.zeros(directions * blocks, dtype=torch.float64))
     losses = [tuple(mean_loss((row[i], row[2]) for row in rows) for i in (0, 1)) for rows in packet.losses()]
-    return Reduced(losses, block_sq if directions > 1 else block_sq[:blocks], packet.moved(), packet.stop(), eps)
+    return Reduced(losses, block_sq if directions > 1 else block_sq[:blocks], packet.moved(), packet.stop(), eps,
+                   difference)

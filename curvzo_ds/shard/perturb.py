@@ -49,6 +49,7 @@ class Group:
     block: np.ndarray  # [R] the block of each row
     decay: np.ndarray  # [R] bool: weight decay applies to the row's tensor
     dst_base: torch.Tensor | None = None  # GPU: the tensors whose addresses the offsets count from
+    places: list | None = None  # per row: (entry, first element, n, which copy): a row's place across rebuilds
     src_base: torch.Tensor | None = None
 
     @property
@@ -91,11 +92,11 @@ class StepPasses(abc.ABC):
         """From w: w <- keep_i w - sum_d step_d,i z_d (q directions)."""
 
     @abc.abstractmethod
-    def snapshot(self) -> list | None:
+    def snapshot(self) -> dict | None:
         """What restore() needs to put w back."""
 
     @abc.abstractmethod
-    def restore(self, saved: list | None) -> None:
+    def restore(self, saved: dict | None) -> None:
         """Put back w from a snapshot()."""
 
     @abc.abstractmethod
@@ -131,11 +132,11 @@ class Perturber(StepPasses):
         """Rows of every block, grouped by launch (built again only when the storage changes)."""
         acc: dict[tuple, tuple[list, list, list, list]] = {}
 
-        def add(kind, dst, dst_off, src, src_off, n, start, block, stat, ei):
+        def add(kind, dst, dst_off, src, src_off, n, start, block, stat, ei, copy=-1):
             for at in range(0, n, ROW_LIMIT):
                 m = min(ROW_LIMIT, n - at)
                 key = (kind, dst.device, dst.dtype, src.dtype)
-                rows, views, blocks, decays = acc.setdefault(key, ([], [], [], []))
+                rows, views, blocks, decays, places = acc.setdefault(key, ([], [], [], [], []))
                 row = [0] * layout.WIDTH
                 row[DST] = dst.data_ptr() + (dst_off + at) * dst.element_size()
                 row[SRC] = src.data_ptr() + (src_off + at) * src.element_size()
@@ -143,6 +144,7 @@ class Perturber(StepPasses):
                 row[KIND] = layout.kind(MODES[dst.dtype], MODES[src.dtype])
                 rows.append(row)
                 views.append((dst, dst_off + at, src, src_off + at, m))
+                places.append((ei, start + at, m, copy))
                 blocks.append(block)
                 decays.append(self.entries[ei].decay)
 
@@ -160,15 +162,15 @@ class Perturber(StepPasses):
                     # the owned copy counts the statistics: the shard, or the whole tensor on its owner
                     stat = i == 0 and intersect((a, z), e.owned) == (a, z)
                     if e.master is None:
-                        add("direct", view, a - c_lo, view, a - c_lo, z - a, a, b, stat, ei)
+                        add("direct", view, a - c_lo, view, a - c_lo, z - a, a, b, stat, ei, i)
                     else:
                         add("master", view, a - c_lo, e.master, a - r_lo, z - a, a, b, stat, ei)
                 if e.master is not None:
                     add("master_self", e.master, lo - r_lo, e.master, lo - r_lo, hi - lo, lo, b, False, ei)
         self._groups = []
-        for (kind, device, dst_dtype, src_dtype), (rows, views, blocks, decays) in acc.items():
+        for (kind, device, dst_dtype, src_dtype), (rows, views, blocks, decays, places) in acc.items():
             g = Group(kind, device, dst_dtype, src_dtype, np.array(rows, dtype=np.int64), views,
-                      np.array(blocks, dtype=np.int64), np.array(decays, dtype=bool))
+                      np.array(blocks, dtype=np.int64), np.array(decays, dtype=bool), places=places)
             if g.backend == "triton":  # addresses -> element offsets from one base tensor per dtype
                 g.dst_base, g.src_base = views[0][0], views[0][2]
                 for col, base in ((DST, g.dst_base), (SRC, g.src_base)):
@@ -270,19 +272,22 @@ class Perturber(StepPasses):
             self._run([work], False)
         self._run([[(s, 1.0, 0.0, True) for s in self._selected if s.group.kind == "master"]], False)
 
-    def snapshot(self) -> list:
-        """The values of every stored copy edited in place (the master copy holds w for the others)."""
+    def snapshot(self) -> dict:
+        """The values of every stored copy edited in place (the master copy holds w for the others), by place."""
         self._refresh()
-        return [[_view(v).clone() for v in (s.group.views[i] for i in s.index)]
-                if s.group.kind == "direct" else None for s in self._selected]
+        return {s.group.places[i]: _view(s.group.views[i]).clone()
+                for s in self._selected if s.group.kind == "direct" for i in s.index}
 
-    def restore(self, saved: list) -> None:
-        """Put back the snapshot's values; stored copies of master-kept tensors are written from the master."""
+    def restore(self, saved: dict) -> None:
+        """Put back the snapshot's values; stored copies of master-kept tensors are written from the master.
+
+        Matched by place: a gathered copy of a persistent ZeRO-3 tensor that a forward released since the snapshot
+        is not there to restore (the next forward gathers it again from the restored shards)."""
         self._refresh()
-        for s, values in zip(self._selected, saved):
-            if values is not None:
-                views = [_view(s.group.views[i]) for i in s.index]
-                torch._foreach_copy_(views, values)
+        pairs = [(_view(s.group.views[i]), saved[s.group.places[i]])
+                 for s in self._selected if s.group.kind == "direct" for i in s.index if s.group.places[i] in saved]
+        if pairs:
+            torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
         self._run([[(s, 1.0, 0.0, True) for s in self._selected if s.group.kind == "master"]], False)
 
     def owned_low_precision(self) -> list[tuple[int, torch.Tensor]]:

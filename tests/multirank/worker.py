@@ -18,7 +18,7 @@ from common import main
 from curvzo_ds import MicroBatches, ZOConfig, ZOEngine
 from curvzo_ds.errors import RanksDisagree
 from curvzo_ds.shard.digest import params_digest
-from curvzo_ds.shard.distributed import init_distributed
+from curvzo_ds.shard.distributed import GroupMPU, Topology, init_distributed
 
 
 def tiny_llama(seed: int, tie: bool):
@@ -68,15 +68,20 @@ def run(spec: dict, rank: int, world: int) -> dict:
     zero = {"stage": spec.get("stage", 3), "stage3_param_persistence_threshold": spec.get("persist", 100)}
     if spec.get("offload"):
         zero["offload_param"] = {"device": "cpu"}
+    # shard_group_size: hybrid sharding, each replica group its own ZeRO-3 partition and its own directions.
+    topology = Topology.create(spec["shard_group_size"]) if spec.get("shard_group_size") else None
+    group = topology.shard.group if topology is not None else None
     ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "train_batch_size": world, "zero_optimization": zero}
+              "train_batch_size": topology.shard.world_size if topology is not None else world,
+              "zero_optimization": zero}
     if spec.get("bf16"):
         model.to(torch.bfloat16)
         ds_cfg["bf16"] = {"enabled": True}
-    ds_engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
+    ds_engine, *_ = deepspeed.initialize(model=model, config=ds_cfg,
+                                         mpu=GroupMPU(group) if group is not None else None)
     if spec.get("disagree"):
         return disagree(spec, ds_engine, rank)
-    zo = ZOEngine(ds_engine, lm_loss, ZOConfig(**spec["zo"]))
+    zo = ZOEngine(ds_engine, lm_loss, ZOConfig(**spec["zo"]), topology=topology)
     if spec["zo"].get("static_mask"):  # the probe: every rank runs every micro-batch of two global batches
         zo.fit_static_mask([MicroBatches(micro_batches(500 + t, spec["n_micro"], spec.get("rows", 2)))
                             for t in range(2)])
