@@ -12,7 +12,7 @@ as in test_sampler.py.
 import pytest
 import torch
 
-from curvzo_ds.algo import sampling
+from curvzo_ds.algo import estimators
 from curvzo_ds.commands.diagnose import corr_log, expected_scores, fixed_point, simulate
 from curvzo_ds.config.schema import ZOConfig
 from tests.test_sampler import N, assert_mean, draw, layout, normalized_mean, sampler_with
@@ -28,7 +28,7 @@ def test_new_estimator_means(estimator):
     sizes, g, owner = layout(seed=5)
     sampler = sampler_with([1.0, 0.2, 4.0, 0.5], sizes, score_estimator=estimator)
     plan, _, delta, block_sq = draw(sampler, g, owner, N)
-    scores = sampling.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, estimator)
+    scores = estimators.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, estimator)
     a = energies_of(g, owner, 4)
     exact = {"per_element": normalized_mean(plan.pi, sizes, a) / sizes,
              "ht": normalized_mean(plan.pi, sizes, a) / plan.pi, "unbiased_element": a / sizes}[estimator]
@@ -52,16 +52,16 @@ def test_each_estimator_on_one_step_worked_by_hand():
         "per_element": [1.125, 0.0, 1.6875],
         "ht": [4.5, 0.0, 6.75],
     }
-    assert set(by_hand) == set(sampling.ESTIMATORS)  # every registered estimator is checked here
+    assert set(by_hand) == set(estimators.ESTIMATORS)  # every registered estimator is checked here
     for name, expected in by_hand.items():
-        got = sampling.block_scores(3.0, sq, mask, pi, sizes, name)
+        got = estimators.block_scores(3.0, sq, mask, pi, sizes, name)
         torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-15, atol=0, msg=name)
     empty = torch.zeros(3, dtype=torch.bool)  # no block drawn: ||v||^2 = 0, and Eq. 27 gives 0, not 0/0
-    assert not sampling.block_scores(3.0, sq, empty, pi, sizes, "normalized").any()
+    assert not estimators.block_scores(3.0, sq, empty, pi, sizes, "normalized").any()
     zero_pi = torch.tensor([0.5, 0.0, 1.0], dtype=torch.float64)  # budget_floor = 0: a block never drawn
-    assert torch.isfinite(sampling.block_scores(3.0, sq, mask, zero_pi, sizes, "ht")).all()
+    assert torch.isfinite(estimators.block_scores(3.0, sq, mask, zero_pi, sizes, "ht")).all()
     with pytest.raises(ValueError, match="unbiased_element"):
-        sampling.block_scores(3.0, sq, mask, pi, sizes, "magic")
+        estimators.block_scores(3.0, sq, mask, pi, sizes, "magic")
 
 
 def test_mean_field_scores_worked_by_hand():
@@ -86,7 +86,7 @@ def test_mean_field_scores_worked_by_hand():
         "unbiased_element": [2.0, 4 / 3],
         "raw": [4.5, 17.25],
     }
-    assert set(by_hand) == set(sampling.ESTIMATORS)  # every registered estimator is checked here
+    assert set(by_hand) == set(estimators.ESTIMATORS)  # every registered estimator is checked here
     for name, expected in by_hand.items():
         got = expected_scores(pi, sizes, a, name, exact)
         torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-15, atol=0, msg=name)

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from curvzo_ds.algo import sampling
+from curvzo_ds.algo import estimators, sampling
 from curvzo_ds.algo.sampling import CurvZOSampler, StepPlan
 from curvzo_ds.config.schema import ZOConfig
 
@@ -145,9 +145,9 @@ def test_raw_score_mixed_moment(one_element_blocks):
         expected = torch.tensor(HAND_RAW_MEAN, dtype=torch.float64)
     pi, sizes, g, owner = hand_layout(sizes_t, g_t)
     plan, _, delta, block_sq = draw_at(pi, g, owner, N)
-    assert_mean(sampling.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, "raw"), expected)
+    assert_mean(estimators.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, "raw"), expected)
     energy = torch.tensor(energy, dtype=torch.float64)
-    torch.testing.assert_close(sampling.expected_scores(pi, sizes, energy, "raw", None), expected, rtol=1e-15, atol=0)
+    torch.testing.assert_close(estimators.expected_scores(pi, sizes, energy, "raw", None), expected, rtol=1e-15, atol=0)
 
 
 def test_unbiased_score_has_mean_the_squared_block_gradient():
@@ -155,7 +155,7 @@ def test_unbiased_score_has_mean_the_squared_block_gradient():
     there (3.9375, 4.4375, 13.375, 9) differs measurably."""
     pi, sizes, g, owner = hand_layout(HAND_SIZES, HAND_G)
     plan, _, delta, block_sq = draw_at(pi, g, owner, N)
-    scores = sampling.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, "unbiased")
+    scores = estimators.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, "unbiased")
     assert_mean(scores, torch.tensor(HAND_ENERGY, dtype=torch.float64))
     se = scores.std(0) / math.sqrt(N)
     assert ((scores.mean(0) - torch.tensor(HAND_RAW_MEAN, dtype=torch.float64)).abs() > 4.5 * se).all()
@@ -185,7 +185,7 @@ def test_normalized_score_mean_is_the_exact_sphere_formula():
     sizes, g, owner = layout(seed=5)
     sampler = sampler_with([1.0, 0.2, 4.0, 0.5], sizes)
     plan, _, delta, block_sq = draw(sampler, g, owner, N)
-    scores = sampling.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, "normalized")
+    scores = estimators.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, "normalized")
     g_sq = torch.zeros(4, dtype=torch.float64).index_add_(0, owner, g * g)
     assert_mean(scores, normalized_mean(plan.pi, sizes, g_sq))
 

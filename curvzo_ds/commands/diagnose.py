@@ -20,7 +20,8 @@ import os
 import numpy as np
 import torch
 
-from curvzo_ds.algo.sampling import ESTIMATORS, CurvZOSampler, adaptive_budget, expected_scores
+from curvzo_ds.algo.estimators import ESTIMATORS, expected_scores
+from curvzo_ds.algo.sampling import CurvZOSampler, adaptive_budget
 from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.errors import ConfigError

@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from curvzo_ds.algo.sampling import ESTIMATORS, Method
+from curvzo_ds.algo.estimators import ESTIMATORS
+from curvzo_ds.algo.sampling import Method
 from curvzo_ds.config.ds_policy import REFUSAL_BY_KEY
 from curvzo_ds.errors import ConfigError
 
@@ -28,7 +29,7 @@ class Granularity(str, enum.Enum):
     CHUNK = "chunk"  # fixed-size pieces of a tensor (block_chunk_size elements)
 
 
-# The valid values of the mode keys, from their one definition each (sampling.Method, sampling.ESTIMATORS,
+# The valid values of the mode keys, from their one definition each (sampling.Method, estimators.ESTIMATORS,
 # Granularity above).
 METHODS = tuple(m.value for m in Method)
 SCORE_ESTIMATORS = tuple(ESTIMATORS)
