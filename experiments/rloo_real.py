@@ -1,0 +1,101 @@
+"""Issue 37's real-model runs: RLOO (`difference=rloo`, q one-sided forwards with a leave-one-out baseline) against
+MeZO on SmolLM2-135M, at a matched number of forwards.
+
+    nice -n 19 python experiments/rloo_real.py --arm rloo-4 --task sentiment --runs 1e-4:0 2e-4:0 4e-4:0
+    python experiments/rloo_real.py --report          # the cached runs of every arm, in forwards
+
+The model, tasks, data sizes, batches and evaluation are experiments/real_model.py's (its `train`, through the
+project's own ZO step); MeZO's runs are that script's own (200 steps = 400 forwards). An RLOO arm with q directions
+runs 400/q steps, so both spend 400 forwards; its dev loss is evaluated every 40 forwards. Each run is cached as
+runs/<hash of its settings>.json beside real_model.py's, so an interrupted sweep resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import real_model as R  # noqa: E402
+from pipeline import Log, digest  # noqa: E402
+
+from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
+
+FORWARDS = 400  # MeZO's 200 steps of two forwards
+EVAL_FORWARDS = 40
+ARMS = {"rloo-4": 4, "rloo-8": 8}
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "real-model")
+
+
+def settings_of(model: str, task: str, arm: str, lr: float, seed: int) -> dict:
+    q = ARMS[arm]
+    return dict(model=os.path.basename(model), task=task, arm=arm, spec=dict(method="mezo", difference="rloo",
+                num_directions=q), lr=lr, seed=seed, steps=FORWARDS // q, eval_every=EVAL_FORWARDS // q,
+                data=R.DATA)
+
+
+def one_run(model: str, task: str, task_dir: str, arm: str, lr: float, seed: int, log: Log) -> dict:
+    settings = settings_of(model, task, arm, lr, seed)
+    path = os.path.join(OUT, "runs", digest(settings) + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    cfg = dataclasses.replace(R.run_config(model, task_dir, "mezo", lr, seed, settings["steps"]), difference="rloo",
+                              num_directions=ARMS[arm])
+    start = time.time()
+    result = dict(settings=settings, **R.train(cfg, "mezo", settings["eval_every"]))
+    result["seconds"] = time.time() - start
+    write_json_atomic(path, result)
+    final = result["curve"][-1]
+    log(f"run {task} {arm} lr={lr:g} seed={seed}: dev loss {final['loss']:.4f} acc {final['accuracy']:.3f}, "
+        f"test acc {result['test']['accuracy']:.3f} ({result['seconds']:.0f}s, {result['step_seconds']:.2f}s/step)")
+    return result
+
+
+def report() -> list[str]:
+    """Every cached MeZO and RLOO run of the two tasks: final dev loss and accuracy at 400 forwards."""
+    rows = ["| task | arm | lr | seed | forwards | final dev loss | final dev accuracy | test accuracy | run s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    runs = []
+    for name in sorted(os.listdir(os.path.join(OUT, "runs"))):
+        with open(os.path.join(OUT, "runs", name)) as f:
+            run = json.load(f)
+        s = run["settings"]
+        if s["arm"] in ("mezo", *ARMS):
+            per_step = 2 if s["arm"] == "mezo" else ARMS[s["arm"]]
+            runs.append((s["task"], s["arm"], s["lr"], s["seed"], per_step * s["steps"], run))
+    for task, arm, lr, seed, forwards, run in sorted(runs, key=lambda r: r[:4]):
+        final = run["curve"][-1]
+        rows.append(f"| {task} | {arm} | {lr:g} | {seed} | {forwards} | {final['loss']:.4f} | "
+                    f"{final['accuracy']:.3f} | {run['test']['accuracy']:.3f} | {run['seconds']:.0f} |")
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arm", choices=list(ARMS), default="rloo-4")
+    parser.add_argument("--task", choices=["sentiment", "topic"], default="sentiment")
+    parser.add_argument("--runs", nargs="*", default=[], metavar="LR:SEED")
+    parser.add_argument("--cache", default=os.path.expanduser("~/.cache/curvzo_ds/real_model"))
+    parser.add_argument("--report", action="store_true", help="print the cached runs' table and run nothing")
+    args = parser.parse_args(argv)
+    if args.report:
+        print("\n".join(report()))
+        return
+    import torch
+
+    torch.set_num_threads(1)
+    log = Log(os.path.join(OUT, "progress.log"))
+    model = R.convert(R.fetch_gguf(args.cache, log), args.cache, log)
+    task_dir = R.write_task(os.path.join(OUT, "tasks"), args.task)
+    for item in args.runs:
+        lr, seed = item.split(":")
+        one_run(model, args.task, task_dir, args.arm, float(lr), int(seed), log)
+
+
+if __name__ == "__main__":
+    main()
