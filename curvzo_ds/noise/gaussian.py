@@ -158,7 +158,7 @@ class NoiseSource:
 
     def reference_digest(self, device="cpu") -> str:
         """A hash of a short noise vector drawn by this process's backend for `device`: ranks compare it at
-        start-up (ZOEngine._check_ranks_agree), so a rank with a different build (another kernel, another
+        start-up (shard.distributed.check_ranks_agree), so a rank with a different build (another kernel, another
         definition) fails fast."""
         z = self.slice(0, "__reference__", 4099, 3, 4096, device=device).cpu()
         return hashlib.sha256(z.numpy().tobytes()).hexdigest()[:16]
