@@ -2,7 +2,7 @@
 
 Read by the config mapping (ds_config.py, a user's `--deepspeed` file or Accelerate config), by the
 engine's check of a DeepSpeed engine a user built themselves (ds_compat.check_engine_supported), and
-by the `zero_stage` key (config.py), so each refusal is stated once, with its reason and its fix.
+by the `zero_stage` key (schema.py), so each refusal is stated once, with its reason and its fix.
 docs/deepspeed.md shows the table.
 """
 

@@ -22,7 +22,8 @@ MASK = 0xFFFFFFFF
 M0, M1 = 0xD2511F53, 0xCD9E8D57
 W0, W1 = 0x9E3779B9, 0xBB67AE85
 
-# float32 coefficients (exact float32 values), fitted by fit_coeffs.py
+# float32 coefficients (exact float32 values), fitted once offline (the fitting script is not in the repository;
+# these values define the noise, and the C and Triton kernels are checked against them bit for bit)
 SIN1, SIN3, SIN5, SIN7 = (float.fromhex(h) for h in
                           ("0x1.921fb6p-1", "-0x1.4abbbap-4", "0x1.465e92p-9", "-0x1.2d9302p-15"))
 COS2, COS4, COS6, COS8 = (float.fromhex(h) for h in
