@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ from curvzo_ds.models import build_model, load_tokenizer, model_hidden_size
 from curvzo_ds.shard import ds_compat
 from curvzo_ds.shard.comm import Comm, main_process_first
 from curvzo_ds.shard.distributed import GroupMPU, Topology, init_distributed, pin_threads
+from curvzo_ds.shard.memory import Layout, group_candidates, plan_layouts
 from curvzo_ds.tasks import get_task, load_splits
 from curvzo_ds.tasks.splits import data_source
 from curvzo_ds.train.evaluate import Evaluator
@@ -62,6 +64,7 @@ class Job:
     evaluator: Evaluator
     device: torch.device
     keep_alive: Any = None  # what build_model returned to be held for the run's length
+    layout: dict | None = None  # summary.json's `layout` (Layout.record); None in a plain Job
 
     @property
     def rank(self) -> int:
@@ -89,6 +92,7 @@ def build(cfg: TrainConfig) -> Job:
     rank, _, _ = init_distributed(cfg.ddp_timeout)
     setup_logging(rank, cfg.log_level)
     threads = pin_threads(cfg.threads)
+    layout = choose_layout(cfg)  # zero_stage and shard_group_size resolved in cfg ("auto" decided)
     topology = Topology.create(cfg.shard_group_size)  # the shard and replica groups, once
     topology.check_directions(cfg.num_directions)
     cfg, ds_config = resolve_config(cfg, topology)
@@ -116,7 +120,7 @@ def build(cfg: TrainConfig) -> Job:
     log.info("model %s: %d trainable tensors (%d blocks, %d parameters), world size %d, %d threads per rank",
              cfg.model, len(engine.entries), engine.num_blocks, engine.num_params, topology.job.world_size, threads)
     return Job(cfg, topology, threads, task, tokenizer, train_data, eval_data, ds_engine, loss, engine, evaluator,
-               device, keep_alive)
+               device, keep_alive, layout.record())
 
 
 def build_plain(cfg: TrainConfig) -> Job:
@@ -137,6 +141,87 @@ def build_plain(cfg: TrainConfig) -> Job:
     if cfg.static_mask:
         engine.fit_static_mask([job.batch(t) for t in range(cfg.static_mask_batches)])
     return job
+
+
+def choose_layout(cfg: TrainConfig) -> Layout:
+    """Decide `zero_stage` and `shard_group_size` where they are "auto", in `cfg` itself (before the topology and the
+    DeepSpeed mapping read them), and log the choice and its reason in one line. An explicit stage (--set, the
+    YAML, the DeepSpeed file's or Accelerate config's zero_optimization.stage) and an explicit shard_group_size are
+    kept. `auto` (docs/scaling.md; `plan_layouts` states the rule) plans with the memory model of `curvzo-ds plan`
+    at the run's micro-batch and max_length, fed the smallest device memory of the job's ranks: a GPU's free
+    memory, or on CPU the host's memory divided by the ranks on the node. Collective (every rank calls it)."""
+    job = Comm(None)
+    world = job.world_size
+    resolve_presets(cfg)
+    user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()
+    zero = (user_ds or {}).get("zero_optimization") if isinstance(user_ds, dict) else None
+    ds_stage = zero.get("stage") if isinstance(zero, dict) else None
+    where = f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config"
+    group, stage, reason = cfg.shard_group_size, cfg.zero_stage, None
+    if stage != "auto":
+        reason = f"zero_stage={stage} ({sources_of(cfg).get('zero_stage', 'set')})"
+    elif ds_stage in (0, 3) and not isinstance(ds_stage, bool):
+        stage, reason = ds_stage, f"zero_optimization.stage={ds_stage} in {where}"
+    elif group != "auto":
+        stage, reason = 3, f"shard_group_size={group} ({sources_of(cfg).get('shard_group_size', 'set')})"
+    if stage == "auto" or (stage == 3 and group == "auto"):
+        try:
+            memory, kind = device_memory(job)
+            chosen, _ = plan_layouts(world, memory, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                                     cfg.num_directions, **planner_args(cfg, user_ds, kind))
+        except ConfigError as e:  # a model the planner cannot read: today's layout
+            chosen = Layout(3, world, 1, f"the memory model could not plan model {cfg.model} ({e}): ZeRO-3 over "
+                                         "the whole job")
+        if stage == "auto":
+            layout = chosen
+        elif chosen.zero_stage == 3:
+            layout = dataclasses.replace(chosen, reason=f"{reason}; shard_group_size auto: {chosen.reason}")
+        else:  # the whole model fits, but the stage is 3: the smallest group is then the whole job when q = 1
+            group = next((k for k in group_candidates(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+                          if k > 1 and cfg.num_directions % (world // k) == 0), world)
+            layout = Layout(3, group, world // group, f"{reason}; shard_group_size auto: the smallest group of "
+                            f"more than one rank whose {world // group} replica group(s) divide num_directions")
+    elif stage == 0:
+        k = world if group in ("auto", None) else group
+        layout = Layout(0, 1 if k == world else k, world if k == world else world // k, reason)
+    else:
+        k = world if group in (None, "auto") else group
+        layout = Layout(3, k, world // k if k and world % k == 0 else 1, reason)
+    cfg.zero_stage = layout.zero_stage
+    if layout.zero_stage == 0:
+        cfg.shard_group_size = None if group in ("auto", None) else group
+    else:
+        cfg.shard_group_size = None if layout.shard_group_size == world else layout.shard_group_size
+    if job.rank == 0:
+        log.info("layout: %s: %s", layout.describe(), layout.reason)
+    return layout
+
+
+def device_memory(job: Comm) -> tuple[int, str]:
+    """(bytes of device memory per rank, the smallest over the job; "gpu" or "cpu"): a CUDA device's free memory,
+    or on CPU the host's physical memory divided by the ranks on this node."""
+    if torch.cuda.is_available() and get_accelerator().device_name() == "cuda":
+        mine, kind = torch.cuda.mem_get_info()[0], "gpu"
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", job.world_size))
+        mine, kind = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1), "cpu"
+    return min(job.all_gather_object(int(mine))), kind
+
+
+def planner_args(cfg: TrainConfig, user_ds: dict | None, kind: str) -> dict:
+    """`plan_memory`'s arguments for this run: its model, micro-batch and max_length, and its dtype and offload
+    (a DeepSpeed file's bf16/fp16 and offload_param device count, as the mapping will take them)."""
+    dtype, offload = cfg.dtype, cfg.offload_param
+    if isinstance(user_ds, dict):
+        for section, name in (("bf16", "bfloat16"), ("fp16", "float16")):
+            if isinstance(user_ds.get(section), dict) and user_ds[section].get("enabled") is True:
+                dtype = name
+        zero = user_ds.get("zero_optimization")
+        off = zero.get("offload_param") if isinstance(zero, dict) else None
+        if isinstance(off, dict) and off.get("device") == "cpu":
+            offload = "cpu"
+    return dict(model=cfg.model, dtype=dtype, offload=offload, batch=cfg.micro_batch_size, seq_len=cfg.max_length,
+                device=kind, trust_remote_code=bool(getattr(cfg, "trust_remote_code", False)))
 
 
 def resolve_config(cfg: TrainConfig, topology: Topology) -> tuple[TrainConfig, dict]:
