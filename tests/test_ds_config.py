@@ -102,16 +102,16 @@ def test_table(name):
     original = copy.deepcopy(user)
     if "refused" in expected:
         with pytest.raises(ConfigError) as err:
-            resolve(user, TrainConfig(), WORLD, HIDDEN)
+            resolve(user, TrainConfig(zero_stage=3), WORLD, HIDDEN)
         message = str(err.value)
         assert expected["refused"] in message and "\n" not in message
         assert user == original  # the caller's dict is not edited
         return
-    out, cfg, warnings = resolve(user, TrainConfig(), WORLD, HIDDEN)
+    out, cfg, warnings = resolve(user, TrainConfig(zero_stage=3), WORLD, HIDDEN)
     assert user == original  # the caller's dict is not edited
     assert sorted(warning_key(w) for w in warnings) == sorted(expected["warns"])
     assert all("\n" not in w for w in warnings)
-    assert changed_fields(TrainConfig(), cfg) == expected["cfg"]
+    assert changed_fields(TrainConfig(zero_stage=3), cfg) == expected["cfg"]
     assert out["train_micro_batch_size_per_gpu"] == cfg.micro_batch_size
     assert out["gradient_accumulation_steps"] == 1
     assert out["train_batch_size"] == cfg.micro_batch_size * WORLD
@@ -124,13 +124,13 @@ def test_table(name):
 
 def test_hidden_size_unknown_leaves_deepspeed_defaults():
     user = load_ds_config(str(FIXTURES / "hf_zero3_auto.json"))
-    out, _, _ = resolve(user, TrainConfig(), 1, None)
+    out, _, _ = resolve(user, TrainConfig(zero_stage=3), 1, None)
     for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
         assert key not in out["zero_optimization"]
 
 
 def test_no_user_config_follows_cfg():
-    cfg = TrainConfig(micro_batch_size=3, dtype="bfloat16", offload_param="cpu")
+    cfg = TrainConfig(micro_batch_size=3, dtype="bfloat16", offload_param="cpu", zero_stage=3)
     out, after, warnings = resolve(None, cfg, 4, 64)
     assert after == cfg
     assert warnings == []
@@ -140,7 +140,7 @@ def test_no_user_config_follows_cfg():
 
 def test_global_batch_not_divisible_by_world_is_accepted():
     # DeepSpeed itself refuses train_batch_size 16 at 3 ranks; the engine batches on its own.
-    out, cfg, _ = resolve({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, TrainConfig(), 3, None)
+    out, cfg, _ = resolve({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, TrainConfig(zero_stage=3), 3, None)
     assert cfg.global_batch_size == 16 and out["train_batch_size"] == 12
 
 
@@ -224,7 +224,7 @@ def test_deepspeed_initialize_accepts_every_served_config(one_rank_group):
 
     served = [name for name, expected in CASES.items() if "refused" not in expected]
     for name in served:
-        out, cfg, _ = resolve(load_ds_config(str(fixture_path(name))), TrainConfig(), 1, 16)
+        out, cfg, _ = resolve(load_ds_config(str(fixture_path(name))), TrainConfig(zero_stage=3), 1, 16)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
         if cfg.dtype == "float16" and not get_accelerator().is_fp16_supported():
