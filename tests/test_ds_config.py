@@ -306,4 +306,4 @@ def test_shipped_accelerate_configs_give_the_clis_global_batch(name, monkeypatch
     assert (mapped["global_batch_size"], mapped["micro_batch_size"]) == (16, 4), (name, user)
     assert user["zero_optimization"].get("stage") == (3 if name == "accelerate_zero3.yaml" else None)
     if name == "accelerate_gpu.yaml":
-        assert config.use_cpu is False and mapped["dtype"] == "bfloat16"
+        assert config.use_cpu is False and mapped["dtype"] == defaults.dtype  # the run's dtype key decides
