@@ -111,3 +111,12 @@ def test_the_default_layout_is_stage_0_with_the_zero3_digest(one_rank_q2, tmp_pa
     summary = json.loads((out / "summary.json").read_text())
     assert summary["layout"]["zero_stage"] == 3 and summary["layout"]["shard_group_size"] == 3, summary["layout"]
     assert summary["params_digest"] == one_rank_q2["params_digest"]
+    # A checkpoint written under ZeRO-3 (3 ranks) resumes under the default layout (stage 0, 2 ranks).
+    out = tmp_path / "resume"
+    proc = cli("train", *DEFAULT, *Q2, "--set", "zero_stage=3", "--set", "max_steps=6", "--set", f"output_dir={out}",
+               env=ENV, nproc=3)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = cli("train", *DEFAULT, *Q2, "--set", f"output_dir={out}", "--resume", env=ENV, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["layout"]["zero_stage"] == 0 and summary["params_digest"] == one_rank_q2["params_digest"]

@@ -179,8 +179,9 @@ def choose_layout(cfg: TrainConfig) -> Layout:
         else:  # the whole model fits, but the stage is 3: the smallest group is then the whole job when q = 1
             group = next((k for k in group_candidates(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
                           if k > 1 and cfg.num_directions % (world // k) == 0), world)
-            layout = Layout(3, group, world // group, f"{reason}; shard_group_size auto: the smallest group of "
-                            f"more than one rank whose {world // group} replica group(s) divide num_directions")
+            why = (f"the smallest group of more than one rank whose {world // group} replica groups divide "
+                   f"num_directions={cfg.num_directions}" if group < world else f"the whole job ({world} ranks)")
+            layout = Layout(3, group, world // group, f"{reason}; shard_group_size auto: {why}")
     elif stage == 0:
         k = world if group in ("auto", None) else group
         layout = Layout(0, 1 if k == world else k, world if k == world else world // k, reason)
