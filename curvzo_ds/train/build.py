@@ -165,13 +165,13 @@ def choose_layout(cfg: TrainConfig) -> Layout:
     elif group != "auto":
         stage, reason = 3, f"shard_group_size={group} ({sources_of(cfg).get('shard_group_size', 'set')})"
     if stage == "auto" or (stage == 3 and group == "auto"):
+        memory, kind = device_memory(job)  # collective: outside the try, so that every rank reaches it
         try:
-            memory, kind = device_memory(job)
             chosen, _ = plan_layouts(world, memory, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                                      cfg.num_directions, **planner_args(cfg, user_ds, kind))
-        except ConfigError as e:  # a model the planner cannot read: today's layout
-            chosen = Layout(3, world, 1, f"the memory model could not plan model {cfg.model} ({e}): ZeRO-3 over "
-                                         "the whole job")
+        except Exception as e:  # noqa: BLE001  a model the planner cannot read: today's layout, on every rank
+            chosen = Layout(3, world, 1, f"the memory model could not plan model {cfg.model} ({first_line(e)}): "
+                                         "ZeRO-3 over the whole job")
         if stage == "auto":
             layout = chosen
         elif chosen.zero_stage == 3:
@@ -308,3 +308,8 @@ def check_data_agrees(job, train_data: list[dict], eval_data: dict) -> None:
     if len(set(hashes)) != 1:
         raise RanksDisagree(f"ranks tokenized different data (hashes {sorted(set(hashes))}): check that every rank "
                             "reads the same files with the same tokenizer")
+
+
+def first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
