@@ -164,7 +164,10 @@ def choose_layout(cfg: TrainConfig) -> Layout:
         stage, reason = ds_stage, f"zero_optimization.stage={ds_stage} in {where}"
     elif group != "auto":
         stage, reason = 3, f"shard_group_size={group} ({sources_of(cfg).get('shard_group_size', 'set')})"
-    if stage == "auto" or (stage == 3 and group == "auto"):
+    if stage == 3 and group == "auto" and cfg.num_directions == 1:  # one replica group: the whole job, no plan
+        layout = Layout(3, world, 1, f"{reason}; shard_group_size auto: num_directions=1 needs one replica group, "
+                                     f"the whole job ({world} rank{'s' * (world != 1)})")
+    elif stage == "auto" or (stage == 3 and group == "auto"):
         memory, kind = device_memory(job)  # collective: outside the try, so that every rank reaches it
         try:
             chosen, _ = plan_layouts(world, memory, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
