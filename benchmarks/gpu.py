@@ -12,7 +12,11 @@ starts included), then one line per model and placement with
 - the time of noise and update against two forwards (targets on an H100 at 16 x 256 tokens: <= 10% MeZO,
   <= 5% CurvZO at 0.3 G);
 - steps per second, and the step split (forwards, noise and update, score statistics, communication);
-- kernel launches per pass, where the engine counts them.
+- kernel launches per pass, where the engine counts them;
+- with --layouts, in interleaved rounds in the same process: two plain forwards, MeZO's algorithm as its trainer
+  writes it (`mezo_reference`) and our MeZO step under each layout (stage 0, the default where the model fits, and
+  ZeRO-3), with `step_over_mezo_reference` and `step_over_two_forwards` per layout (issue 39's targets on an H100
+  at 16 x 256 tokens: <= 0.70 and <= 1.2 for the default layout).
 A failure is a result too: its line carries `error` (the first line of the exception) and where it came from.
 Figures go in benchmarks/RESULTS.md with the command and the machine.
 """
@@ -141,6 +145,86 @@ def noise_parity(device: str, report: Report) -> None:
             report.emit(failure(**case))
 
 
+def build_stage0(name: str, micro: int):
+    """The model whole on the device under DeepSpeed stage 0 (what `zero_stage: auto` takes when it fits one
+    device), built from the same seed as `build`: its `.module` is the plain Hugging Face model."""
+    import deepspeed
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    ds_config = {"train_micro_batch_size_per_gpu": micro, "train_batch_size": micro, "gradient_accumulation_steps": 1,
+                 "zero_optimization": {"stage": 0}, **({"bf16": {"enabled": True}} if cuda else {})}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(LlamaConfig(**CONFIGS[name]), torch_dtype=dtype)
+    model.to("cuda" if cuda else "cpu")
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    return engine
+
+
+def layout_arms(name: str, batch: int) -> dict:
+    """(arm name -> (callable taking the input ids, what it holds)): the plain forward, MeZO's algorithm
+    (`mezo_reference`: its trainer loop written plainly, four passes of torch.manual_seed + torch.normal per
+    parameter) and our MeZO step under each layout at world size 1: stage 0 (the default, `auto`) and ZeRO-3."""
+    from curvzo_ds.commands.bench_timing import mezo_reference_step
+
+    stage0 = build_stage0(name, batch)
+    zero3, keep = build(name, False, batch)
+    plain = stage0.module
+    zo = lambda engine: ZOEngine(engine, token_loss, ZOConfig(learning_rate=1e-7, zo_eps=1e-3, method="mezo"))  # noqa: E731
+    ours = {"stage0": zo(stage0), "zero3": zo(zero3)}
+    seeds = iter(range(1, 1 << 30))
+
+    def two_forwards(ids):
+        with torch.no_grad():
+            token_loss(plain, ids)
+            token_loss(plain, ids)
+
+    return {"two_plain_forwards": two_forwards,
+            "mezo_reference": lambda ids: mezo_reference_step(plain, ids, next(seeds), 1e-3, 1e-7),
+            "step_stage0": lambda ids: ours["stage0"].step(ids),
+            "step_zero3": lambda ids: ours["zero3"].step(ids)}, (stage0, zero3, keep, ours)
+
+
+def measure_layouts(name: str, batch: int, seq: int, rounds: int, report: Report) -> dict:
+    """The arms of `layout_arms` in one process, in interleaved rounds (each round runs every arm once, in turn), after
+    one untimed warm-up call each. One line per round as it ends (kind `layout_round`), then one line with each
+    arm's median and, per layout, `step_over_mezo_reference` and `step_over_two_forwards` (kind `layouts`);
+    `default_layout` names the layout `zero_stage: auto` takes here (stage0: the model fits one device)."""
+    cuda = torch.cuda.is_available()
+    arms, holders = layout_arms(name, batch)
+    ids = torch.randint(0, CONFIGS[name]["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
+    ids = ids.to("cuda" if cuda else "cpu")
+    row = {"model": name, "batch": batch, "seq_len": seq, "rounds": rounds}
+    for arm in arms.values():
+        arm(ids)  # warm-up: kernel compilation, ZeRO-3's first-forward trace
+    times = {arm: [] for arm in arms}
+    for r in range(rounds):
+        for arm, call in arms.items():
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            call(ids)
+            if cuda:
+                torch.cuda.synchronize()
+            times[arm].append(time.perf_counter() - start)
+        report.emit({**row, "kind": "layout_round", "round": r, **{arm: t[-1] for arm, t in times.items()}})
+    median = {arm: statistics.median(t) for arm, t in times.items()}
+    result = {**row, "kind": "layouts", "seconds": median, "default_layout": "stage0"}
+    for layout in ("stage0", "zero3"):
+        step = median[f"step_{layout}"]
+        result[layout] = {"step_seconds": step, "step_over_mezo_reference": step / median["mezo_reference"],
+                          "step_over_two_forwards": step / median["two_plain_forwards"]}
+    result["step_over_mezo_reference"] = result["stage0"]["step_over_mezo_reference"]  # the default layout's
+    result["mezo_reference_over_two_forwards"] = median["mezo_reference"] / median["two_plain_forwards"]
+    report.emit(result)
+    del arms, holders
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
 def build(name: str, offload: bool, micro: int):
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -257,6 +341,11 @@ def main() -> None:
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--noise-threads", action="store_true",
                     help="also time offloaded (CPU) noise at 1, 2, 4, 8 and all cores (bench.noise_threads)")
+    ap.add_argument("--layouts", action="store_true",
+                    help="also time, in interleaved rounds in this process: two plain forwards, MeZO's algorithm "
+                         "(mezo_reference) and our MeZO step under stage 0 (the default layout) and ZeRO-3")
+    ap.add_argument("--layouts-only", action="store_true", help="--layouts without the per-method measurements")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of --layouts")
     ap.add_argument("--out", help="append the JSON lines here as they are measured")
     args = ap.parse_args()
     report = Report(args.out)
@@ -273,7 +362,17 @@ def main() -> None:
             report.emit(failure("noise_threads"))
     models = ["tiny"] if args.tiny else [m for m in args.models.split(",") if m]
     for name in models:
-        for offload in (False, True) if args.offload else (False,):
+        if args.layouts or args.layouts_only:
+            try:
+                measure_layouts(name, args.batch, args.seq_len, args.rounds, report)
+            except Exception:
+                report.emit(failure("layouts", model=name))
+                gc.collect()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+        for offload in (False, True) if args.offload and not args.layouts_only else (False,):
+            if args.layouts_only:
+                break
             try:
                 measure(name, offload, args.batch, args.seq_len, args.steps, report)
             except Exception:

@@ -15,7 +15,8 @@ def test_gpu_benchmark_script_runs_its_cpu_path(tmp_path):
     with its first error, not lost."""
     out = tmp_path / "gpu.jsonl"
     run_checked([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--batch", "2", "--seq-len", "16",
-                 "--steps", "1", "--offload", "--out", str(out)], {k: v for k, v in ENV.items() if k != "MASTER_PORT"},
+                 "--steps", "1", "--offload", "--layouts", "--rounds", "2", "--out", str(out)],
+                {k: v for k, v in ENV.items() if k != "MASTER_PORT"},
                 timeout=300)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines[0]["kind"] == "environment" and lines[0]["versions"]["torch"]
@@ -30,6 +31,17 @@ def test_gpu_benchmark_script_runs_its_cpu_path(tmp_path):
         # One C call per pass (+eps, -2 eps, update), and a second in the update: DeepSpeed's CPU engine holds the
         # tiny Llama in bf16, so its 1-D tensors have fp32 master copies, updated, then written to the stored copies.
         assert r["launches_per_pass"] == [1, 1, 2]
+    # --layouts: the plain forward, MeZO's own loop and our step under each layout, in interleaved rounds
+    rounds = [r for r in lines if r["kind"] == "layout_round"]
+    assert [r["round"] for r in rounds] == [0, 1]
+    arms = ("two_plain_forwards", "mezo_reference", "step_stage0", "step_zero3")
+    assert all(r[arm] > 0 for r in rounds for arm in arms)
+    (layouts,) = [r for r in lines if r["kind"] == "layouts"]
+    assert set(layouts["seconds"]) == set(arms) and layouts["default_layout"] == "stage0"
+    for layout in ("stage0", "zero3"):
+        assert layouts[layout]["step_over_mezo_reference"] == (layouts["seconds"][f"step_{layout}"]
+                                                               / layouts["seconds"]["mezo_reference"])
+    assert layouts["step_over_mezo_reference"] == layouts["stage0"]["step_over_mezo_reference"]
     bad = tmp_path / "bad.jsonl"
     run_checked([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--models", "no-such-model", "--out", str(bad)],
                 {k: v for k, v in ENV.items() if k != "MASTER_PORT"}, timeout=300)

@@ -102,16 +102,16 @@ def test_table(name):
     original = copy.deepcopy(user)
     if "refused" in expected:
         with pytest.raises(ConfigError) as err:
-            resolve(user, TrainConfig(), WORLD, HIDDEN)
+            resolve(user, TrainConfig(zero_stage=3), WORLD, HIDDEN)
         message = str(err.value)
         assert expected["refused"] in message and "\n" not in message
         assert user == original  # the caller's dict is not edited
         return
-    out, cfg, warnings = resolve(user, TrainConfig(), WORLD, HIDDEN)
+    out, cfg, warnings = resolve(user, TrainConfig(zero_stage=3), WORLD, HIDDEN)
     assert user == original  # the caller's dict is not edited
     assert sorted(warning_key(w) for w in warnings) == sorted(expected["warns"])
     assert all("\n" not in w for w in warnings)
-    assert changed_fields(TrainConfig(), cfg) == expected["cfg"]
+    assert changed_fields(TrainConfig(zero_stage=3), cfg) == expected["cfg"]
     assert out["train_micro_batch_size_per_gpu"] == cfg.micro_batch_size
     assert out["gradient_accumulation_steps"] == 1
     assert out["train_batch_size"] == cfg.micro_batch_size * WORLD
@@ -124,13 +124,13 @@ def test_table(name):
 
 def test_hidden_size_unknown_leaves_deepspeed_defaults():
     user = load_ds_config(str(FIXTURES / "hf_zero3_auto.json"))
-    out, _, _ = resolve(user, TrainConfig(), 1, None)
+    out, _, _ = resolve(user, TrainConfig(zero_stage=3), 1, None)
     for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
         assert key not in out["zero_optimization"]
 
 
 def test_no_user_config_follows_cfg():
-    cfg = TrainConfig(micro_batch_size=3, dtype="bfloat16", offload_param="cpu")
+    cfg = TrainConfig(micro_batch_size=3, dtype="bfloat16", offload_param="cpu", zero_stage=3)
     out, after, warnings = resolve(None, cfg, 4, 64)
     assert after == cfg
     assert warnings == []
@@ -140,7 +140,8 @@ def test_no_user_config_follows_cfg():
 
 def test_global_batch_not_divisible_by_world_is_accepted():
     # DeepSpeed itself refuses train_batch_size 16 at 3 ranks; the engine batches on its own.
-    out, cfg, _ = resolve({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, TrainConfig(), 3, None)
+    out, cfg, _ = resolve({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, TrainConfig(zero_stage=3), 3,
+                          None)
     assert cfg.global_batch_size == 16 and out["train_batch_size"] == 12
 
 
@@ -224,7 +225,7 @@ def test_deepspeed_initialize_accepts_every_served_config(one_rank_group):
 
     served = [name for name, expected in CASES.items() if "refused" not in expected]
     for name in served:
-        out, cfg, _ = resolve(load_ds_config(str(fixture_path(name))), TrainConfig(), 1, 16)
+        out, cfg, _ = resolve(load_ds_config(str(fixture_path(name))), TrainConfig(zero_stage=3), 1, 16)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
         if cfg.dtype == "float16" and not get_accelerator().is_fp16_supported():
@@ -268,3 +269,41 @@ def test_a_users_own_engine_is_refused_when_shard_local_edits_cannot_serve_it(st
         check_engine_supported(stub)
     check_engine_supported(SimpleNamespace(zero_optimization_stage=lambda: 3,
                                            _config=SimpleNamespace(zero_config=SimpleNamespace())))  # plain stage 3
+
+
+# The variables `accelerate launch` exports from an Accelerate config's deepspeed_config (accelerate/utils/launch.py).
+ACCELERATE_ENV = {"zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+                  "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+                  "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+                  "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+                  "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+                  "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"}
+
+
+@pytest.mark.parametrize("name", ["accelerate_zero3.yaml", "accelerate_gpu.yaml"])
+def test_shipped_accelerate_configs_give_the_clis_global_batch(name, monkeypatch):
+    """Issue 38 §2 / 39 §3: a shipped Accelerate config, launched with its own num_processes, maps onto the global
+    batch and micro-batch of `curvzo-ds train`'s defaults (16 and 4), as torchrun gives them: it sets no
+    gradient_accumulation_steps. The GPU config sets no zero_stage either: the run's layout is then `auto`."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from curvzo_ds.train.integrations import accelerate_ds_config
+
+    config = load_config_from_file(str(SHIPPED / name))
+    assert "gradient_accumulation_steps" not in config.deepspeed_config
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", str(config.mixed_precision))
+    for key, var in ACCELERATE_ENV.items():
+        if key in config.deepspeed_config:
+            monkeypatch.setenv(var, str(config.deepspeed_config[key]).lower())
+        else:
+            monkeypatch.delenv(var, raising=False)
+    user = accelerate_ds_config()
+    defaults = TrainConfig(zero_stage=3)
+    _, mapped, _ = resolve_ds_config(user, config.num_processes, HIDDEN, global_batch_size=defaults.global_batch_size,
+                                     micro_batch_size=defaults.micro_batch_size, dtype=defaults.dtype,
+                                     zero_stage=3, offload_param=defaults.offload_param)
+    assert (mapped["global_batch_size"], mapped["micro_batch_size"]) == (16, 4), (name, user)
+    assert user["zero_optimization"].get("stage") == (3 if name == "accelerate_zero3.yaml" else None)
+    if name == "accelerate_gpu.yaml":
+        assert config.use_cpu is False and mapped["dtype"] == defaults.dtype  # the run's dtype key decides

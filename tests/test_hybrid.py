@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.helpers import CLI, COMMON, ENV, run_checked, run_cli, train
+from tests.helpers import CLI, COMMON, ENV, check_contract, cli, run_checked, run_cli, train
 
 Q2 = ["--set", "num_directions=2"]
 
@@ -82,3 +82,41 @@ def test_a_hub_model_loads_into_every_shard_group(tiny_opt_dir, tmp_path):
     replicas = train("torchrun", 2, tmp_path / "two", *hub, "--set", "shard_group_size=1")
     assert one["skipped_steps"] == 0
     assert one["params_digest"] == two_groups["params_digest"] == replicas["params_digest"]
+
+
+# COMMON without its --deepspeed file (which sets zero_optimization.stage 3): the CLI's default layout, `auto`.
+DEFAULT = [a for i, a in enumerate(COMMON) if "--deepspeed" not in COMMON[max(i - 1, 0):i + 1]]
+
+
+@pytest.mark.multirank
+def test_the_default_layout_is_stage_0_with_the_zero3_digest(one_rank_q2, tmp_path):
+    """zero_stage: auto (docs/scaling.md): the demo model fits every rank, so a default run takes stage 0 (every
+    rank a whole copy, micro-batches split over the ranks) at 1, 2 and 3 ranks, and gives the params_digest of
+    ZeRO-3: the DeepSpeed file's stage 3 at one rank (one_rank_q2), and `--set zero_stage=3` at 3 ranks."""
+    assert "--deepspeed" not in DEFAULT and len(DEFAULT) == len(COMMON) - 2
+    assert one_rank_q2["layout"]["zero_stage"] == 3 and "zero_optimization.stage=3" in one_rank_q2["layout"]["reason"]
+    for n in (1, 2, 3):
+        out = tmp_path / f"auto{n}"
+        proc = cli("train", *DEFAULT, *Q2, "--set", f"output_dir={out}", env=ENV, nproc=n)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        check_contract(out)
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["layout"]["zero_stage"] == 0 and summary["layout"]["replicas"] == n, summary["layout"]
+        assert "fits one device" in summary["layout"]["reason"]
+        assert [line for line in proc.stderr.splitlines() if "layout: zero_stage=0" in line], proc.stderr[-2000:]
+        assert summary["params_digest"] == one_rank_q2["params_digest"], n
+    out = tmp_path / "zero3"
+    proc = cli("train", *DEFAULT, *Q2, "--set", "zero_stage=3", "--set", f"output_dir={out}", env=ENV, nproc=3)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["layout"]["zero_stage"] == 3 and summary["layout"]["shard_group_size"] == 3, summary["layout"]
+    assert summary["params_digest"] == one_rank_q2["params_digest"]
+    # A checkpoint written under ZeRO-3 (3 ranks) resumes under the default layout (stage 0, 2 ranks).
+    out = tmp_path / "resume"
+    proc = cli("train", *DEFAULT, *Q2, "--set", "zero_stage=3", "--set", "max_steps=6", "--set", f"output_dir={out}",
+               env=ENV, nproc=3)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = cli("train", *DEFAULT, *Q2, "--set", f"output_dir={out}", "--resume", env=ENV, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["layout"]["zero_stage"] == 0 and summary["params_digest"] == one_rank_q2["params_digest"]

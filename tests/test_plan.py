@@ -78,6 +78,40 @@ def test_dtype_auto_follows_the_model_configs_torch_dtype(capsys, tmp_path):
     assert code == 0 and "float32 (the model config's torch_dtype)" in out.splitlines()[0]
 
 
+def test_plan_recommends_the_layout_auto_takes(capsys):
+    """docs/scaling.md: llama2-7b fits whole on each of 8 x 80 GiB, so `auto` takes stage 0 (replicas); llama2-70b
+    does not fit one 80 GiB device, so it takes ZeRO-3 shard groups, the whole job at num_directions=1 and the
+    smallest fitting group (4, inside a node) when the directions keep its replica groups busy. The layout lines
+    come before the verdict, with the alternatives that fit and what they all-gather."""
+    code, out, _ = run_plan(capsys, "--model", "llama2-7b", "--world-size", "8", "--gpu-memory", "80GiB")
+    lines = out.strip().splitlines()
+    assert code == 0 and lines[-1].startswith("fits: ")
+    layout = [line for line in lines if line.startswith("layout: ")]
+    assert len(layout) == 1 and layout[0].startswith("layout: zero_stage=0 replicas=8"), out
+    also = [line for line in lines if line.startswith("  also fits: ")]
+    assert any("zero_stage=3 shard_group_size=8" in line and "all-gathered per rank per step" in line
+               for line in also), out
+    assert lines.index(layout[0]) < len(lines) - 1
+
+    code, out, _ = run_plan(capsys, "--model", "llama2-70b", "--world-size", "16", "--gpu-memory", "80GiB")
+    layout = [line for line in out.splitlines() if line.startswith("layout: ")]
+    assert code == 0 and layout[0].startswith("layout: zero_stage=3 shard_group_size=16 replicas=1"), out
+    assert "does not fit one device" in layout[0]
+    assert not any("zero_stage=0" in line for line in out.splitlines()), out
+    code, out, _ = run_plan(capsys, "--model", "llama2-70b", "--world-size", "16", "--gpu-memory", "80GiB",
+                            "--num-directions", "4")
+    layout = [line for line in out.splitlines() if line.startswith("layout: ")]
+    assert layout[0].startswith("layout: zero_stage=3 shard_group_size=4 replicas=4"), out
+
+
+def test_auto_prefers_groups_inside_a_node():
+    from curvzo_ds.shard.memory import group_candidates
+
+    assert group_candidates(16, 8) == [1, 2, 4, 8, 16]
+    assert group_candidates(12, 4) == [1, 2, 4, 3, 6, 12]
+    assert group_candidates(3) == [1, 3]
+
+
 def test_published_names_and_parameter_counts():
     assert {published_key(n) for n in ("llama2-7b", "Llama-2-7b-hf", "meta-llama/Llama-2-7b-hf")} == {"llama2-7b"}
     assert published_key("facebook/OPT-13B") == "opt-13b"

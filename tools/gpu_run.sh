@@ -5,17 +5,22 @@
 #   env.txt          the machine, the driver and the library versions
 #   pytest-gpu.txt   the tests marked `gpu` (CUDA: launch counts, no host sync, Triton against the CPU kernel)
 #   demo-*.json*     the demo through `python -m curvzo_ds.cli train` on cuda:0 under ZeRO-3, 20 steps
+#   layouts.jsonl    benchmarks/gpu.py --layouts-only, one process per model (issue 39): two plain forwards, MeZO's
+#                    algorithm (mezo_reference) and our step under stage 0 (the default) and ZeRO-3, interleaved
+#                    rounds; a line per round as it ends, then `step_over_mezo_reference` per layout
+#   demo-auto-*.json the same demo with the default layout (zero_stage: auto: stage 0 here), and
+#   accelerate-*.json through `accelerate launch` with ds_configs/accelerate_gpu.yaml: all three digests printed
 #   results.jsonl    benchmarks/gpu.py: noise parity (edge keys and starts), offloaded noise at 1-16 threads, then
 #                    Llama-2-7B and 13B in bf16, each in its own process
 #   kernel.txt       with STAGES containing ncu: the kernel's time per pass and Nsight Compute's instruction counts
 #   log.txt          everything printed
-# STAGES (default "env demo bench tests"; add ncu for Nsight Compute) picks stages; MODELS (default "llama2-7b llama2-13b") the models; BENCH_ARGS
+# STAGES (default "env layouts demo bench tests"; add ncu for Nsight Compute) picks stages; MODELS (default "llama2-7b llama2-13b") the models; BENCH_ARGS
 # go to benchmarks/gpu.py (e.g. --offload: also offload_param cpu, slower).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-env demo bench tests}
+STAGES=${STAGES:-env layouts demo bench tests}
 unset DS_ACCELERATOR  # a CPU-only setting must never reach the GPU run
 exec > >(tee -a "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -44,6 +49,30 @@ if [[ " $STAGES " == *" demo "* ]]; then
     echo "demo exit: $? after $(( $(date +%s) - start )) s"
     cp /tmp/demo-gpu/summary.json "$OUT/demo-summary.json" 2>/dev/null
     cp /tmp/demo-gpu/metrics.jsonl "$OUT/demo-metrics.jsonl" 2>/dev/null
+fi
+if [[ " $STAGES " == *" layouts "* ]]; then
+    for model in ${MODELS:-llama2-7b llama2-13b}; do
+        stage "layouts: $model (plain forward, mezo_reference, our step at stage 0 and ZeRO-3)"
+        timeout 200 python3 benchmarks/gpu.py --models "$model" --skip-parity --layouts-only --rounds 5 \
+            --out "$OUT/layouts.jsonl"
+        echo "layouts $model exit: $?"
+    done
+fi
+if [[ " $STAGES " == *" demo "* ]]; then
+    stage "demo: the default layout (auto), and accelerate launch with ds_configs/accelerate_gpu.yaml"
+    rm -rf /tmp/demo-auto /tmp/demo-acc
+    timeout 150 python3 -m curvzo_ds.cli train --set max_steps=20 --set output_dir=/tmp/demo-auto --set eval_steps=10 \
+        --set save_steps=20
+    echo "demo auto exit: $?"
+    cp /tmp/demo-auto/summary.json "$OUT/demo-auto-summary.json" 2>/dev/null
+    timeout 150 accelerate launch --config_file ds_configs/accelerate_gpu.yaml --num_processes 1 -m curvzo_ds.cli \
+        train --set max_steps=20 --set output_dir=/tmp/demo-acc --set eval_steps=10 --set save_steps=20
+    echo "demo accelerate exit: $?"
+    cp /tmp/demo-acc/summary.json "$OUT/accelerate-summary.json" 2>/dev/null
+    for f in demo-summary demo-auto-summary accelerate-summary; do
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], d['params_digest'], \
+d.get('layout'))" "$OUT/$f.json" 2>/dev/null || echo "$f: no summary"
+    done | tee "$OUT/digests.txt"
 fi
 if [[ " $STAGES " == *" bench "* ]]; then
     # each model in its own process, so that one model's memory never inflates the next one's peak

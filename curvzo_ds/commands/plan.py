@@ -35,6 +35,10 @@ def register(sub) -> None:
     p.add_argument("--device", default="gpu", choices=["gpu", "cpu"],
                    help="cpu: plan a CPU run, where --gpu-memory means the process's memory")
     p.add_argument("--label-positions", type=int, default=1, help="logit positions per sequence (the loss's)")
+    p.add_argument("--num-directions", type=int, default=1,
+                   help="directions per step (num_directions): ZeRO-3 replica groups each need their own")
+    p.add_argument("--gpus-per-node", type=int, help="ranks per node (default: min(W, 8)); auto's shard groups "
+                                                     "stay inside a node first")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the model directory's own Python code to read its config (off by default)")
     p.set_defaults(handler=handle)
@@ -44,13 +48,39 @@ def handle(args) -> None:
     plan(model=args.model, world_size=args.world_size, shard_group_size=args.shard_group_size, dtype=args.dtype,
          offload=args.offload, batch=args.batch, seq_len=args.seq_len, gpu_memory=args.gpu_memory,
          fp32_master=args.fp32_master_weights, deepspeed=args.deepspeed, device=args.device,
-         label_positions=args.label_positions, trust_remote_code=args.trust_remote_code)
+         label_positions=args.label_positions, trust_remote_code=args.trust_remote_code,
+         num_directions=args.num_directions, gpus_per_node=args.gpus_per_node)
 
 
-def plan(**kwargs) -> Plan:
-    """`curvzo-ds plan`: print the plan (its last line says `fits` or `does not fit`) and return it."""
+def plan(num_directions: int = 1, gpus_per_node: int | None = None, **kwargs) -> Plan:
+    """`curvzo-ds plan`: print the plan, then the layout that `zero_stage: auto` would take and the alternatives
+    that fit (`layout_lines`), then the verdict (the last line says `fits` or `does not fit`); return the plan."""
+    from curvzo_ds.errors import ConfigError
     from curvzo_ds.shard.memory import plan_memory  # transformers comes with it: imported when a plan is made
 
+    if num_directions < 1 or (gpus_per_node is not None and gpus_per_node < 1):
+        raise ConfigError(f"--num-directions {num_directions} / --gpus-per-node {gpus_per_node}: use integers >= 1")
     result = plan_memory(**kwargs)
-    print(result.format())
+    *body, verdict = result.format().split("\n")
+    print("\n".join([*body, *layout_lines(result, num_directions, gpus_per_node, kwargs), verdict]))
     return result
+
+
+def layout_lines(result: Plan, num_directions: int, gpus_per_node: int | None, kwargs: dict) -> list[str]:
+    """`layout: ...` (what `zero_stage: auto` takes at --batch and --seq-len in --gpu-memory, `plan_layouts`) and one
+    line per other layout that fits: its per-rank memory, the parameter bytes it all-gathers per rank per step, and
+    the replicas it offers for directions."""
+    from curvzo_ds.shard.memory import GiB, plan_layouts
+
+    world = result.world_size
+    rest = {k: v for k, v in kwargs.items() if k not in ("world_size", "shard_group_size", "gpu_memory")}
+    chosen, fits = plan_layouts(world, result.memory, gpus_per_node or min(world, 8), num_directions, **rest)
+    lines = [f"layout: {chosen.describe()}: {chosen.per_rank / GiB:.2f} GiB per rank; {chosen.reason}"]
+    for alt in fits:
+        if alt.zero_stage == chosen.zero_stage and alt.shard_group_size == chosen.shard_group_size:
+            continue
+        gathered = (f"{alt.gathered / GiB:.2f} GiB all-gathered per rank per step" if alt.zero_stage == 3 else
+                    "no all-gathers")
+        lines.append(f"  also fits: {alt.describe()}: {alt.per_rank / GiB:.2f} GiB per rank, {gathered}, "
+                     f"{alt.replicas} replica{'s' * (alt.replicas != 1)} for directions")
+    return lines

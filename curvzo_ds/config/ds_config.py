@@ -222,7 +222,7 @@ def _map_zero(zero: Any, cfg, hidden_size: int | None, warnings: list[str]) -> t
         raise ConfigError("zero_optimization in the deepspeed config must be an object like {\"stage\": 3}")
     stage = zero.pop("stage", cfg.zero_stage)
     stage = stage if _integer(stage) is None else _integer(stage)
-    if stage not in (0, 3) or isinstance(stage, bool):
+    if stage not in (0, 3, "auto") or isinstance(stage, bool):  # auto: train/build.py's layout decides first
         raise ConfigError(f"zero_optimization.stage={stage!r} is invalid: use 3 (or 0 for no ZeRO)")
 
     hpz = zero.pop("zero_hpz_partition_size", 1)

@@ -102,7 +102,10 @@ def coerce(cls, key: str, value: Any) -> Any:
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", value.strip()) \
             and any(t in str(f.type) for t in ("float", "int", "Any")):
         value = float(value)  # YAML 1.1 reads 1e-6 as a string; docs/contracts.md promises a number
-    if value is None or default is None or isinstance(default, str) and key in ("score_init", "fp32_master_weights"):
+    if key in ("zero_stage", "shard_group_size") and isinstance(value, float) and value.is_integer():
+        return int(value)  # "auto" or a number
+    if value is None or default is None or isinstance(default, str) and key in (
+            "score_init", "fp32_master_weights", "zero_stage", "shard_group_size"):
         return value
     if isinstance(default, bool):
         if not isinstance(value, bool):

@@ -13,7 +13,7 @@ from curvzo_ds.config.schema import TrainConfig, ZOConfig, field_names, freeze, 
 
 def resolve(cfg: TrainConfig, *, world_size: int | None = None, hidden_size: int | None = None,
             user_ds: dict | None = None, explicit: dict[str, str] | None = None, where: str = "the deepspeed config",
-            notes: list[str] | None = None, ds_out: dict | None = None) -> TrainConfig:
+            notes: list[str] | None = None, ds_out: dict | None = None, chosen: dict | None = None) -> TrainConfig:
     """A new, resolved (validated and frozen) config from `cfg`, which is not changed.
 
     1. presets (`preset_values`): the keys left `None` that depend on the model and LoRA;
@@ -27,7 +27,9 @@ def resolve(cfg: TrainConfig, *, world_size: int | None = None, hidden_size: int
 
     `notes` (a list) receives the mapping's warnings and `ds_out` (a dict) the config for deepspeed.initialize.
     """
-    new = dataclasses.replace(cfg, **preset_values(cfg))  # replace keeps `sources`, drops `resolved`
+    # replace keeps `sources` and drops `resolved`; `chosen`: values decided for this run's ranks (the layout that
+    # zero_stage/shard_group_size "auto" takes, train/build.py's choose_layout), valid by construction.
+    new = dataclasses.replace(cfg, **{**preset_values(cfg), **(chosen or {})})
     if world_size is not None:
         ds, mapped, warnings = resolve_ds_config(
             user_ds, world_size, hidden_size, explicit=sources_of(cfg) if explicit is None else explicit,
@@ -43,12 +45,13 @@ def resolve(cfg: TrainConfig, *, world_size: int | None = None, hidden_size: int
 
 
 def resolve_run(cfg: TrainConfig, *, world_size: int, hidden_size: int | None, user_ds: dict | None,
-                where: str = "the deepspeed config") -> tuple[TrainConfig, dict[str, Any], list[str]]:
+                where: str = "the deepspeed config", chosen: dict | None = None
+                ) -> tuple[TrainConfig, dict[str, Any], list[str]]:
     """(resolved config, config for deepspeed.initialize, the mapping's warnings): `resolve` for `Run`."""
     notes: list[str] = []
     ds: dict[str, Any] = {}
     out = resolve(cfg, world_size=world_size, hidden_size=hidden_size, user_ds=user_ds, where=where, notes=notes,
-                  ds_out=ds)
+                  ds_out=ds, chosen=chosen)
     return out, ds, notes
 
 

@@ -218,7 +218,9 @@ class TrainConfig(ZOConfig):
     lora_alpha: int = key(16, "LoRA scaling alpha")
     lora_target_modules: Any = key(None, "default: q_proj, v_proj (MeZO)")
     dtype: str = key("float32", "float32, bfloat16, float16")
-    zero_stage: int = key(3, "0 or 3 (stages 1 and 2 need an optimizer in DeepSpeed)")
+    zero_stage: int | str = key("auto", "auto (0 when the whole model fits one device with its activations, the ZO "
+                                        "state and a margin, else 3; docs/scaling.md), 0 or 3 (stages 1 and 2 need "
+                                        "an optimizer in DeepSpeed)")
     offload_param: str = key("none", "none or cpu")
     deepspeed: str | None = key(None, "a user's DeepSpeed config (JSON), mapped or refused key by key")
     threads: int | None = key(None, "torch threads per rank; default 1 on CPU (results depend on it)")
@@ -236,8 +238,9 @@ class TrainConfig(ZOConfig):
                                       "differ (0: never)")
     flat_loss_steps: int = key(20, "warn when the loss stays exactly the same with a projected gradient of 0 for N "
                                    "steps (0: never)")
-    shard_group_size: int | None = key(None, "ranks that share one ZeRO-3 partition (hybrid sharding: ZeRO-3 inside "
-                                             "a group, replicas across groups); null: the world size")
+    shard_group_size: int | str | None = key("auto", "ranks that share one ZeRO-3 partition (hybrid sharding: ZeRO-3 "
+                                                     "inside a group, replicas across groups); auto: the smallest "
+                                                     "group that fits (docs/scaling.md); null: the world size")
     ddp_timeout: int = key(1800, "seconds a collective may wait before the job fails, so that a hung rank ends the "
                                  "job (Hugging Face's name and default)")
     log_level: str = key("info", "debug, info, warning or error (rank 0; other ranks log warnings)")
@@ -278,15 +281,17 @@ class TrainConfig(ZOConfig):
         if stage_refusal.refuses(self.zero_stage):
             raise ConfigError(f"zero_stage={self.zero_stage} is not supported: {stage_refusal.reason}; "
                               "use 3 (or 0 for no ZeRO)")
-        need(self.zero_stage in (0, 3), "zero_stage", "0 or 3")
+        need(self.zero_stage in ("auto", 0, 3) and not isinstance(self.zero_stage, bool), "zero_stage",
+             "auto, 0 or 3")
         need(self.offload_param in ("none", "cpu"), "offload_param", "none or cpu")
         need(self.report_to in ("auto", "tensorboard", "none"), "report_to", "auto, tensorboard or none")
         for key_name in ("consistency_steps", "flat_loss_steps"):
             need(isinstance(getattr(self, key_name), int) and getattr(self, key_name) >= 0, key_name,
                  "an integer >= 0 (0: never)")
         need(_posint(self.ddp_timeout), "ddp_timeout", "an integer number of seconds >= 1")
-        if self.shard_group_size is not None:
-            need(_posint(self.shard_group_size), "shard_group_size", "an integer >= 1 that divides the world size")
+        if self.shard_group_size not in (None, "auto"):
+            need(_posint(self.shard_group_size), "shard_group_size",
+                 "auto, null or an integer >= 1 that divides the world size")
         need(_finite(self.progress_interval) and self.progress_interval >= 0, "progress_interval", "a number >= 0")
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level", "debug, info, warning or error")
         if self.lora_target_modules is not None:

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from curvzo_ds import data as D
 from curvzo_ds.checkpoint.manager import CheckpointManager
 from curvzo_ds.config.ds_config import load_ds_config
 from curvzo_ds.config.resolve import resolve, resolve_run, zo_part
-from curvzo_ds.config.schema import TrainConfig, resolve_presets
+from curvzo_ds.config.schema import TrainConfig, resolve_presets, sources_of
 from curvzo_ds.data.stream import MicroBatches, micro_batch_indices
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.errors import ConfigError, RanksDisagree
@@ -33,6 +34,7 @@ from curvzo_ds.models import build_model, load_tokenizer, model_hidden_size
 from curvzo_ds.shard import ds_compat
 from curvzo_ds.shard.comm import Comm, main_process_first
 from curvzo_ds.shard.distributed import GroupMPU, Topology, init_distributed, pin_threads
+from curvzo_ds.shard.memory import Layout, group_candidates, plan_layouts
 from curvzo_ds.tasks import get_task, load_splits
 from curvzo_ds.tasks.splits import data_source
 from curvzo_ds.train.evaluate import Evaluator
@@ -61,6 +63,7 @@ class Job:
     evaluator: Evaluator
     device: torch.device
     keep_alive: Any = None  # what build_model returned to be held for the run's length
+    layout: dict | None = None  # summary.json's `layout` (Layout.record); None in a plain Job
 
     @property
     def rank(self) -> int:
@@ -88,9 +91,10 @@ def build(cfg: TrainConfig) -> Job:
     rank, _, _ = init_distributed(cfg.ddp_timeout)
     setup_logging(rank, cfg.log_level)
     threads = pin_threads(cfg.threads)
-    topology = Topology.create(cfg.shard_group_size)  # the shard and replica groups, once
+    layout, decided = choose_layout(cfg)  # zero_stage and shard_group_size: "auto" decided
+    topology = Topology.create(decided["shard_group_size"])  # the shard and replica groups, once
     topology.check_directions(cfg.num_directions)
-    cfg, ds_config = resolve_config(cfg, topology)
+    cfg, ds_config = resolve_config(cfg, topology, decided)
     if topology.job.rank == 0:
         warn_idle_ranks(cfg, topology.shard.world_size)
     try:  # the task and its data are the user's: their errors are one line (exit 2), on every rank
@@ -115,7 +119,7 @@ def build(cfg: TrainConfig) -> Job:
     log.info("model %s: %d trainable tensors (%d blocks, %d parameters), world size %d, %d threads per rank",
              cfg.model, len(engine.entries), engine.num_blocks, engine.num_params, topology.job.world_size, threads)
     return Job(cfg, topology, threads, task, tokenizer, train_data, eval_data, ds_engine, loss, engine, evaluator,
-               device, keep_alive)
+               device, keep_alive, layout.record())
 
 
 def build_plain(cfg: TrainConfig) -> Job:
@@ -137,15 +141,102 @@ def build_plain(cfg: TrainConfig) -> Job:
     return job
 
 
-def resolve_config(cfg: TrainConfig, topology: Topology) -> tuple[TrainConfig, dict]:
-    """(the config with its presets and the DeepSpeed-mapped keys applied and validated, the DeepSpeed config)."""
+def choose_layout(cfg: TrainConfig) -> tuple[Layout, dict]:
+    """Decide `zero_stage` and `shard_group_size` where they are "auto" (before the topology and the DeepSpeed
+    mapping read them): the layout, and the two keys' values for the run's config (`cfg` is not changed); log the
+    choice and its reason in one line. An explicit stage (--set, the
+    YAML, the DeepSpeed file's or Accelerate config's zero_optimization.stage) and an explicit shard_group_size are
+    kept. `auto` (docs/scaling.md; `plan_layouts` states the rule) plans with the memory model of `curvzo-ds plan`
+    at the run's micro-batch and max_length, fed the smallest device memory of the job's ranks: a GPU's free
+    memory, or on CPU the host's memory divided by the ranks on the node. Collective (every rank calls it)."""
+    job = Comm(None)
+    world = job.world_size
+    cfg = resolve_presets(cfg)
+    user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()
+    zero = (user_ds or {}).get("zero_optimization") if isinstance(user_ds, dict) else None
+    ds_stage = zero.get("stage") if isinstance(zero, dict) else None
+    where = f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config"
+    group, stage, reason = cfg.shard_group_size, cfg.zero_stage, None
+    if stage != "auto":
+        reason = f"zero_stage={stage} ({sources_of(cfg).get('zero_stage', 'set')})"
+    elif ds_stage in (0, 3) and not isinstance(ds_stage, bool):
+        stage, reason = ds_stage, f"zero_optimization.stage={ds_stage} in {where}"
+    elif group != "auto":
+        stage, reason = 3, f"shard_group_size={group} ({sources_of(cfg).get('shard_group_size', 'set')})"
+    if stage == 3 and group == "auto" and cfg.num_directions == 1:  # one replica group: the whole job, no plan
+        layout = Layout(3, world, 1, f"{reason}; shard_group_size auto: num_directions=1 needs one replica group, "
+                                     f"the whole job ({world} rank{'s' * (world != 1)})")
+    elif stage == "auto" or (stage == 3 and group == "auto"):
+        memory, kind = device_memory(job)  # collective: outside the try, so that every rank reaches it
+        try:
+            chosen, _ = plan_layouts(world, memory, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                                     cfg.num_directions, **planner_args(cfg, user_ds, kind))
+        except Exception as e:  # noqa: BLE001  a model the planner cannot read: today's layout, on every rank
+            chosen = Layout(3, world, 1, f"the memory model could not plan model {cfg.model} ({first_line(e)}): "
+                                         "ZeRO-3 over the whole job")
+        if stage == "auto":
+            layout = chosen
+        elif chosen.zero_stage == 3:
+            layout = dataclasses.replace(chosen, reason=f"{reason}; shard_group_size auto: {chosen.reason}")
+        else:  # the whole model fits, but the stage is 3: the smallest group is then the whole job when q = 1
+            group = next((k for k in group_candidates(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+                          if k > 1 and cfg.num_directions % (world // k) == 0), world)
+            why = (f"the smallest group of more than one rank whose {world // group} replica groups divide "
+                   f"num_directions={cfg.num_directions}" if group < world else f"the whole job ({world} ranks)")
+            layout = Layout(3, group, world // group, f"{reason}; shard_group_size auto: {why}")
+    elif stage == 0:
+        k = world if group in ("auto", None) else group
+        layout = Layout(0, 1 if k == world else k, world if k == world else world // k, reason)
+    else:
+        k = world if group in (None, "auto") else group
+        layout = Layout(3, k, world // k if k and world % k == 0 else 1, reason)
+    if layout.zero_stage == 0:
+        shard_group_size = None if group in ("auto", None) else group
+    else:
+        shard_group_size = None if layout.shard_group_size == world else layout.shard_group_size
+    if job.rank == 0:
+        log.info("layout: %s: %s", layout.describe(), layout.reason)
+    return layout, {"zero_stage": layout.zero_stage, "shard_group_size": shard_group_size}
+
+
+def device_memory(job: Comm) -> tuple[int, str]:
+    """(bytes of device memory per rank, the smallest over the job; "gpu" or "cpu"): a CUDA device's free memory,
+    or on CPU the host's physical memory divided by the ranks on this node."""
+    if torch.cuda.is_available() and get_accelerator().device_name() == "cuda":
+        mine, kind = torch.cuda.mem_get_info()[0], "gpu"
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", job.world_size))
+        mine, kind = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1), "cpu"
+    return min(job.all_gather_object(int(mine))), kind
+
+
+def planner_args(cfg: TrainConfig, user_ds: dict | None, kind: str) -> dict:
+    """`plan_memory`'s arguments for this run: its model, micro-batch and max_length, and its dtype and offload
+    (a DeepSpeed file's bf16/fp16 and offload_param device count, as the mapping will take them)."""
+    dtype, offload = cfg.dtype, cfg.offload_param
+    if isinstance(user_ds, dict):
+        for section, name in (("bf16", "bfloat16"), ("fp16", "float16")):
+            if isinstance(user_ds.get(section), dict) and user_ds[section].get("enabled") is True:
+                dtype = name
+        zero = user_ds.get("zero_optimization")
+        off = zero.get("offload_param") if isinstance(zero, dict) else None
+        if isinstance(off, dict) and off.get("device") == "cpu":
+            offload = "cpu"
+    return dict(model=cfg.model, dtype=dtype, offload=offload, batch=cfg.micro_batch_size, seq_len=cfg.max_length,
+                device=kind, trust_remote_code=bool(getattr(cfg, "trust_remote_code", False)))
+
+
+def resolve_config(cfg: TrainConfig, topology: Topology, decided: dict) -> tuple[TrainConfig, dict]:
+    """(the config with its presets, the layout `decided` (choose_layout) and the DeepSpeed-mapped keys applied,
+    resolved, the DeepSpeed config)."""
     user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()
     # Each replica group processes the whole global batch: DeepSpeed's data-parallel world is the shard group.
     # A mapped key given explicitly (--set or the YAML) that the DeepSpeed config sets otherwise is refused. A
     # config the CLI resolved is not validated again (config.resolve): the mapping checks what it sets.
     cfg, ds_config, notes = resolve_run(
         cfg, world_size=topology.shard.world_size, hidden_size=model_hidden_size(resolve_presets(cfg)),
-        user_ds=user_ds, where=f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config")
+        user_ds=user_ds, where=f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config",
+        chosen=decided)
     for note in notes:
         log.warning("deepspeed config: %s", note)
     accelerator = get_accelerator()
@@ -223,3 +314,8 @@ def check_data_agrees(job, train_data: list[dict], eval_data: dict) -> None:
     if len(set(hashes)) != 1:
         raise RanksDisagree(f"ranks tokenized different data (hashes {sorted(set(hashes))}): check that every rank "
                             "reads the same files with the same tokenizer")
+
+
+def first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -67,7 +67,10 @@ def accelerate_ds_config() -> dict | None:
         plugin.set_mixed_precision(precision)  # adds the bf16/fp16 section, as the Accelerator does
     elif precision != "no":
         raise ConfigError(f"mixed_precision={precision!r} in the Accelerate config: use no, bf16 or fp16")
-    return copy.deepcopy(plugin.deepspeed_config)
+    config = copy.deepcopy(plugin.deepspeed_config)
+    if "ACCELERATE_DEEPSPEED_ZERO_STAGE" not in os.environ:  # no zero_stage in the Accelerate config (Accelerate's
+        config.get("zero_optimization", {}).pop("stage", None)  # default, 2): curvzo-ds train's own, auto
+    return config
 
 
 def align_accelerate_state(accelerator=None) -> None:

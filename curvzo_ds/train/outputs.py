@@ -125,6 +125,7 @@ def write_summary(job, manager, step: int, digest: str, final: dict, best: dict 
         "device_names": device_names,
         "noise_generator": engine.noise.ident,
         "config_hash": config_hash(to_dict(cfg)),
+        "layout": job.layout,  # train/build.py's choose_layout: zero_stage, shard_group_size, replicas, reason
     }
     if job.rank == 0:
         write_json_atomic(os.path.join(cfg.output_dir, "summary.json"), summary)

@@ -104,7 +104,8 @@ def run_scenario(task: str, rank: int) -> dict:
         num_train, num_dev = {"sst2": (4, 7), "squad": (2, 5)}[task]  # test: the whole validation file
         cfg = TrainConfig(model="demo", task=task, data_dir="samples", num_train=num_train, num_dev=num_dev,
                           global_batch_size=2, micro_batch_size=2, max_new_tokens=MAX_NEW_TOKENS,
-                          disable_tqdm=True, report_to="none", log_level="warning")
+                          disable_tqdm=True, report_to="none", log_level="warning",
+                          zero_stage=3)  # ZeRO-3 evaluation: collective gathers, synced generate(), boost_newline
         run = build(cfg)
     finally:
         curvzo_ds.train.build.load_tokenizer, curvzo_ds.train.build.load_splits = real_tok, real_splits
