@@ -42,7 +42,7 @@ from importlib import metadata
 from packaging.requirements import Requirement
 
 import curvzo_ds
-from curvzo_ds.kernels import cpu
+from curvzo_ds.noise import cpu
 
 repo, wheel = sys.argv[1], sys.argv[2]
 site = sysconfig.get_paths()["purelib"]
