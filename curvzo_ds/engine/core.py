@@ -68,8 +68,7 @@ class ZOEngine:
             raise ValueError(f"block {too_big[0]} has too many elements for the int64 score statistics; "
                              "set block_granularity=chunk")
         self.noise = NoiseSource(cfg.seed)
-        # Where the step's statistics and losses are gathered: the collectives' device, or with one rank the
-        # device of the weights (a single GPU needs no process group).
+        # Statistics and losses meet on the collectives' device, or with one rank on the weights' (no group needed).
         self.device = self.comm.device if self.comm.world_size > 1 else ds_compat.storage_device(self.entries[0].param)
         self.sampler = CurvZOSampler(cfg, self.sizes, self.noise.mask_uniforms)
         self.perturber: StepPasses = Perturber(self.entries, self.blocks, self.noise, self.device)
