@@ -27,7 +27,9 @@ RECORD = pathlib.Path(__file__).with_name("launches.json")
 HOOK_DIR = pathlib.Path(__file__).with_name("launch_log")  # put on PYTHONPATH by helpers.ENV and conftest.py
 # Set from the suite's measurement of 2026-11-26 (docs/testing.md), with a little room: raising a budget is a
 # decision to make CI slower, taken in review, not by a test that happens to fit.
-BUDGET = {"started": 200, "forked": 260}
+# 2026-11-27: started 200 -> 210 for the launch scripts' one-process `train --check` before their ranks (issue 38
+# item 6: a bad input is exit 2 before any rank starts): 6 launches of about 2 s each.
+BUDGET = {"started": 210, "forked": 260}
 
 counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 owner: list[str] = ["<session>"]  # who is launching now: a test id or fixture:<name>

@@ -280,17 +280,6 @@ ACCELERATE_ENV = {"zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
                   "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"}
 
 
-def leave_accelerate_state() -> None:
-    """DeepSpeedPlugin() starts Accelerate's state, and with it a one-process group, in this (pytest's) process:
-    end both, so that a later test can start its own."""
-    import torch.distributed as dist
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", ["accelerate_zero3.yaml", "accelerate_gpu.yaml"])
 def test_shipped_accelerate_configs_give_the_clis_global_batch(name, monkeypatch):
     """Issue 38 §2 / 39 §3: a shipped Accelerate config, launched with its own num_processes, maps onto the global
@@ -310,7 +299,6 @@ def test_shipped_accelerate_configs_give_the_clis_global_batch(name, monkeypatch
         else:
             monkeypatch.delenv(var, raising=False)
     user = accelerate_ds_config()
-    leave_accelerate_state()
     defaults = TrainConfig(zero_stage=3)
     _, mapped, _ = resolve_ds_config(user, config.num_processes, HIDDEN, global_batch_size=defaults.global_batch_size,
                                      micro_batch_size=defaults.micro_batch_size, dtype=defaults.dtype,
