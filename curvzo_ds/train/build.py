@@ -91,10 +91,11 @@ def build(cfg: TrainConfig) -> Job:
     rank, _, _ = init_distributed(cfg.ddp_timeout)
     setup_logging(rank, cfg.log_level)
     threads = pin_threads(cfg.threads)
-    layout, decided = choose_layout(cfg)  # zero_stage and shard_group_size: "auto" decided
+    user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()  # read once, not edited
+    layout, decided = choose_layout(cfg, user_ds)  # zero_stage and shard_group_size: "auto" decided
     topology = Topology.create(decided["shard_group_size"])  # the shard and replica groups, once
     topology.check_directions(cfg.num_directions)
-    cfg, ds_config = resolve_config(cfg, topology, decided)
+    cfg, ds_config = resolve_config(cfg, topology, decided, user_ds)
     if topology.job.rank == 0:
         warn_idle_ranks(cfg, topology.shard.world_size)
     try:  # the task and its data are the user's: their errors are one line (exit 2), on every rank
@@ -141,19 +142,18 @@ def build_plain(cfg: TrainConfig) -> Job:
     return job
 
 
-def choose_layout(cfg: TrainConfig) -> tuple[Layout, dict]:
+def choose_layout(cfg: TrainConfig, user_ds: dict | None) -> tuple[Layout, dict]:
     """Decide `zero_stage` and `shard_group_size` where they are "auto" (before the topology and the DeepSpeed
     mapping read them): the layout, and the two keys' values for the run's config (`cfg` is not changed); log the
-    choice and its reason in one line. An explicit stage (--set, the
-    YAML, the DeepSpeed file's or Accelerate config's zero_optimization.stage) and an explicit shard_group_size are
-    kept. `auto` (docs/scaling.md; `plan_layouts` states the rule) plans with the memory model of `curvzo-ds plan`
-    at the run's micro-batch and max_length, fed the smallest device memory of the job's ranks: a GPU's free
-    memory, or on CPU the host's memory divided by the ranks on the node. Collective (every rank calls it)."""
+    choice and its reason in one line. An explicit stage (--set, the YAML, `user_ds`'s zero_optimization.stage:
+    the DeepSpeed file or the Accelerate config) and an explicit shard_group_size are kept. `auto` (docs/scaling.md;
+    `plan_layouts` states the rule) plans with the memory model of `curvzo-ds plan` at the run's micro-batch and
+    max_length, fed the smallest device memory of the job's ranks: a GPU's free memory, or on CPU the host's memory
+    divided by the ranks on the node. Collective (every rank calls it)."""
     job = Comm(None)
     world = job.world_size
     cfg = resolve_presets(cfg)
-    user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()
-    zero = (user_ds or {}).get("zero_optimization") if isinstance(user_ds, dict) else None
+    zero = user_ds.get("zero_optimization") if isinstance(user_ds, dict) else None
     ds_stage = zero.get("stage") if isinstance(zero, dict) else None
     where = f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config"
     group, stage, reason = cfg.shard_group_size, cfg.zero_stage, None
@@ -226,10 +226,10 @@ def planner_args(cfg: TrainConfig, user_ds: dict | None, kind: str) -> dict:
                 device=kind, trust_remote_code=bool(getattr(cfg, "trust_remote_code", False)))
 
 
-def resolve_config(cfg: TrainConfig, topology: Topology, decided: dict) -> tuple[TrainConfig, dict]:
+def resolve_config(cfg: TrainConfig, topology: Topology, decided: dict, user_ds: dict | None
+                   ) -> tuple[TrainConfig, dict]:
     """(the config with its presets, the layout `decided` (choose_layout) and the DeepSpeed-mapped keys applied,
     resolved, the DeepSpeed config)."""
-    user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()
     # Each replica group processes the whole global batch: DeepSpeed's data-parallel world is the shard group.
     # A mapped key given explicitly (--set or the YAML) that the DeepSpeed config sets otherwise is refused. A
     # config the CLI resolved is not validated again (config.resolve): the mapping checks what it sets.
