@@ -2,6 +2,7 @@
 MeZO on SmolLM2-135M, at a matched number of forwards.
 
     nice -n 19 python experiments/rloo_real.py --arm rloo-4 --task sentiment --runs 1e-4:0 2e-4:0 4e-4:0
+    nice -n 19 python experiments/rloo_real.py --arm mezo --task topic --runs 1e-4:1
     python experiments/rloo_real.py --report          # the cached runs of every arm, in forwards
 
 The model, tasks, data sizes, batches and evaluation are experiments/real_model.py's (its `train`, through the
@@ -93,7 +94,8 @@ def report() -> list[str]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arm", choices=list(ARMS), default="rloo-4")
+    parser.add_argument("--arm", choices=["mezo", *ARMS], default="rloo-4",
+                        help="mezo runs real_model.py's own MeZO run (200 steps), cached with its runs")
     parser.add_argument("--task", choices=["sentiment", "topic"], default="sentiment")
     parser.add_argument("--runs", nargs="*", default=[], metavar="LR:SEED")
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/curvzo_ds/real_model"))
@@ -110,7 +112,10 @@ def main(argv=None) -> None:
     task_dir = R.write_task(os.path.join(OUT, "tasks"), args.task)
     for item in args.runs:
         lr, seed = item.split(":")
-        one_run(model, args.task, task_dir, args.arm, float(lr), int(seed), log)
+        if args.arm == "mezo":
+            R.one_run(OUT, R.CONFIGS["full"], model, args.task, task_dir, "mezo", float(lr), int(seed), log)
+        else:
+            one_run(model, args.task, task_dir, args.arm, float(lr), int(seed), log)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,12 @@ diagnostic, the run cache); the unit tests check the two arms the script adds to
 
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -164,3 +166,46 @@ def test_tasks_outside_the_config_are_refused(tmp_path, capsys):
     assert exc.value.code == 2
     assert "--tasks topic: choose from sentiment" in capsys.readouterr().err
     assert not os.listdir(tmp_path)  # refused before anything is written
+
+
+def load_one_step():
+    load_script()  # one_step imports real_model from experiments/, which load_script puts on sys.path
+    spec = importlib.util.spec_from_file_location("one_step", ROOT / "experiments" / "one_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_one_step_ratio_is_the_progress_ratio_per_forward():
+    one_step = load_one_step()
+    # (1 / mean [2, 4]) / (1 / mean [1, 3]) * 2 / 4 forwards = (1/3) / (1/2) / 2 = 1/3
+    r, _ = one_step.ratio(1.0, np.array([2.0, 4.0]), 1.0, np.array([1.0, 3.0]), 4)
+    assert r == pytest.approx(1 / 3)
+    # identical paired draws: the ratio is exact whatever their spread; a numerator 4x larger, 4x the progress
+    d = np.array([1.0, 5.0, 2.0])
+    assert one_step.ratio(4.0, d, 1.0, d, 2) == pytest.approx((4.0, 0.0))
+
+
+@pytest.mark.slow
+def test_one_step_ci_config_end_to_end(tiny_model, tmp_path):
+    one_step = load_one_step()
+    threads = torch.get_num_threads()
+    try:
+        one_step.main(["--config", "ci", "--model", tiny_model, "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    table = (tmp_path / "table-ci.md").read_text()
+    for name in ("zero-shot", "mezo-100"):
+        (draws,) = tmp_path.glob(f"draws-{name}-*.jsonl")
+        records = [json.loads(x) for x in draws.read_text().splitlines()]
+        assert len(records) == 2 and set(records[0]) == set(one_step.ARMS)
+        assert all(math.isfinite(r[arm]["d"]) for r in records for arm in one_step.ARMS)
+        section = table.split(f"Checkpoint `{name}`")[1].split("Budget")[0]
+        rows = {line.split(" | ")[0].strip("| "): line for line in section.splitlines() if line.startswith("| ")}
+        assert set(one_step.ARMS) <= set(rows)
+        assert "| 1.000 ± 0.000 |" in rows["mezo"] and rows["rloo-4"].startswith("| rloo-4 | 4 |")
+    # a rerun takes the draws from the cache: no forward is run again
+    before = sorted(p.stat().st_mtime_ns for p in tmp_path.glob("draws-*.jsonl"))
+    one_step.main(["--config", "ci", "--model", tiny_model, "--out", str(tmp_path)])
+    torch.set_num_threads(threads)
+    assert sorted(p.stat().st_mtime_ns for p in tmp_path.glob("draws-*.jsonl")) == before
