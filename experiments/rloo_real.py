@@ -57,6 +57,27 @@ def one_run(model: str, task: str, task_dir: str, arm: str, lr: float, seed: int
     return result
 
 
+def stable_run(model: str, task: str, task_dir: str, lr: float, seed: int, log: Log) -> dict:
+    """The paper's CurvZO (real_model.py's `curvzo` arm, 200 steps) with `rate_correction=max_weight`."""
+    settings = dict(model=os.path.basename(model), task=task, arm="curvzo-stable",
+                    spec=dict(method="curvzo", rate_correction="max_weight"), lr=lr, seed=seed, steps=FORWARDS // 2,
+                    eval_every=25, data=R.DATA)
+    path = os.path.join(OUT, "runs", digest(settings) + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    cfg = dataclasses.replace(R.run_config(model, task_dir, "curvzo", lr, seed, settings["steps"]),
+                              rate_correction="max_weight")
+    start = time.time()
+    result = dict(settings=settings, **R.train(cfg, "curvzo", settings["eval_every"]))
+    result["seconds"] = time.time() - start
+    write_json_atomic(path, result)
+    final = result["curve"][-1]
+    log(f"run {task} curvzo-stable lr={lr:g} seed={seed}: dev loss {final['loss']:.4f} acc {final['accuracy']:.3f}"
+        f" ({result['seconds']:.0f}s)")
+    return result
+
+
 def report() -> list[str]:
     """Every cached MeZO and RLOO run of the two tasks: final dev loss and accuracy at 400 forwards, and the forwards
     each run needed to reach the final dev loss of MeZO's run of the same seed at MeZO's best seed-0 rate (dev loss
@@ -68,8 +89,8 @@ def report() -> list[str]:
         with open(os.path.join(OUT, "runs", name)) as f:
             run = json.load(f)
         s = run["settings"]
-        if s["arm"] in ("mezo", *ARMS):
-            per_step = 2 if s["arm"] == "mezo" else ARMS[s["arm"]]
+        if s["arm"] in ("mezo", "curvzo", "curvzo-stable", *ARMS):
+            per_step = ARMS.get(s["arm"], 2)
             runs.append((s["task"], s["arm"], s["lr"], s["seed"], per_step * s["steps"], run))
     best = {}  # (task, seed) -> MeZO's run at the rate with the lowest final dev loss over its seed-0 grid
     for task, arm, lr, seed, _, run in runs:
@@ -81,7 +102,7 @@ def report() -> list[str]:
             best[(task, seed)] = (lr, run)
     for task, arm, lr, seed, forwards, run in sorted(runs, key=lambda r: r[:4]):
         final = run["curve"][-1]
-        per_step = 2 if arm == "mezo" else ARMS[arm]
+        per_step = ARMS.get(arm, 2)
         reach = "-"
         if (task, seed) in best:
             target = best[(task, seed)][1]["curve"][-1]["loss"]
@@ -94,8 +115,9 @@ def report() -> list[str]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arm", choices=["mezo", *ARMS], default="rloo-4",
-                        help="mezo runs real_model.py's own MeZO run (200 steps), cached with its runs")
+    parser.add_argument("--arm", choices=["mezo", "curvzo-stable", *ARMS], default="rloo-4",
+                        help="mezo runs real_model.py's own MeZO run (200 steps), cached with its runs; "
+                             "curvzo-stable is the paper's CurvZO with rate_correction=max_weight (200 steps)")
     parser.add_argument("--task", choices=["sentiment", "topic"], default="sentiment")
     parser.add_argument("--runs", nargs="*", default=[], metavar="LR:SEED")
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/curvzo_ds/real_model"))
@@ -112,7 +134,9 @@ def main(argv=None) -> None:
     task_dir = R.write_task(os.path.join(OUT, "tasks"), args.task)
     for item in args.runs:
         lr, seed = item.split(":")
-        if args.arm == "mezo":
+        if args.arm == "curvzo-stable":
+            stable_run(model, args.task, task_dir, float(lr), int(seed), log)
+        elif args.arm == "mezo":
             R.one_run(OUT, R.CONFIGS["full"], model, args.task, task_dir, "mezo", float(lr), int(seed), log)
         else:
             one_run(model, args.task, task_dir, args.arm, float(lr), int(seed), log)

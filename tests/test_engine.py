@@ -409,3 +409,21 @@ def test_step_forwards_run_in_eval_mode_so_dropout_cannot_split_l_plus_and_l_min
     model.eval = lambda: model  # without the engine's eval(), the two forwards differ
     r = engine.step(ids)
     assert r.loss_plus != r.loss_minus
+
+
+@pytest.mark.parametrize("method", ["fixed", "mezo"])
+def test_max_weight_rate_correction_is_the_step_at_lr_times_min_pi(method):
+    """rate_correction=max_weight: every step is the paper's step at the rate lr * min_i pi_i (MeZO: pi = 1, no
+    change), with the same draws; the recorded learning rate is that rate."""
+    scores = [4.0, 1.0, 0.25, 0.01]
+    a, b = Quadratic(), Quadratic()
+    corrected = _frozen_pi_engine(a, scores, method=method, rate_correction="max_weight")
+    pi_min = float(corrected.sampler.plan(0).pi.min())
+    assert pi_min < 0.2 if method == "fixed" else pi_min == 1.0
+    plain = _frozen_pi_engine(b, scores, method=method, learning_rate=pi_min)
+    for _ in range(3):
+        r, s = corrected.step(None), plain.step(None)
+        assert r.learning_rate == s.learning_rate == pytest.approx(pi_min * 1.0)
+        for x, y in zip(a.ws, b.ws):
+            assert torch.equal(x, y)
+        assert not torch.equal(a.ws[0], Quadratic().ws[0])  # the steps moved the weights

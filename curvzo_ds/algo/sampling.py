@@ -151,6 +151,17 @@ def budget_for_param_fraction(scores: torch.Tensor, sizes: torch.Tensor, fractio
     return hi
 
 
+def rate_scale(pi: torch.Tensor, correction: str) -> float:
+    """The learning rate's factor for a step with inclusion probabilities `pi` (docs/algorithm.md §2).
+
+    `none`: 1 (the paper's). `max_weight`: min_i pi_i = 1 / max_i (1/pi_i). Under a curvature that follows the
+    gradient energy (h = e), the step's second moment is J(pi) <= max_i (1/pi_i) J(1) for every energy layout (equal
+    when the energy sits in the least-drawn block), so this factor keeps the quadratic term of every step at or
+    below MeZO's: the step is stable wherever MeZO's rate is. It does not depend on the energies, which a ZO run
+    does not know, and so it is conservative where they are spread."""
+    return float(pi.min()) if correction == "max_weight" else 1.0
+
+
 def ema(scores: torch.Tensor, new: torch.Tensor, beta: float) -> torch.Tensor:
     """S_i <- (1 - beta) S_i + beta s~_i (Eq. 8). Non-finite inputs leave S unchanged."""
     if not torch.isfinite(new).all():
@@ -182,6 +193,7 @@ class StepPlan:
     entropy: float | None
     mask: torch.Tensor  # [G] bool: the blocks drawn this step, the same on every rank
     warmup: bool  # a score warm-up step (uniform pi, scores summed rather than averaged)
+    rate_scale: float = 1.0  # the learning rate's factor this step (`rate_correction`)
 
     @property
     def n_selected(self) -> int:
@@ -312,7 +324,8 @@ class CurvZOSampler:
     def plan(self, step: int) -> StepPlan:
         pi, budget, d_eff, h = self.probabilities(step)
         mask = self.mask_uniforms(step, self.num_blocks) < pi
-        return StepPlan(step, pi, budget, d_eff, h, mask, self.in_warmup(step))
+        return StepPlan(step, pi, budget, d_eff, h, mask, self.in_warmup(step),
+                        rate_scale(pi, self.cfg.rate_correction))
 
     def update_coefficients(self, plan: StepPlan, delta: float, lr: float,
                             weight_decay: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -96,6 +96,8 @@ class ZOConfig:
     budget_unit: str = key("blocks", "or 'params': the budget counts expected perturbed parameters")
     score_beta: float = key(0.1, "EMA rate of the scores (Eq. 8)")
     budget_floor: float = key(0.1, "gamma: pi = (1-gamma) pi_curv + gamma B/G")
+    rate_correction: str = key("none", "none (the paper's: the learning rate as given) or max_weight (times min_i "
+                                       "pi_i each step: stable wherever MeZO's rate is; docs/algorithm.md §2)")
     score_estimator: str = key("normalized", "Eq. 27 (paper default), 'raw' (block Eq. 5), 'unbiased' (App. B), "
                                              "'unbiased_element' (App. B / n_i), 'per_element' (Eq. 27 / n_i), 'ht' "
                                              "(Eq. 27 / pi_i); docs/algorithm.md, 'Scores that track curvature?'")
@@ -159,6 +161,7 @@ class ZOConfig:
         need(self.budget_unit in ("blocks", "params"), "budget_unit", "blocks or params")
         need(_finite(self.score_beta) and 0 < self.score_beta <= 1, "score_beta", "in (0, 1]")
         need(_finite(self.budget_floor) and 0 <= self.budget_floor <= 1, "budget_floor", "in [0, 1]")
+        need(self.rate_correction in ("none", "max_weight"), "rate_correction", "none or max_weight")
         need(self.score_estimator in SCORE_ESTIMATORS, "score_estimator", f"one of {', '.join(SCORE_ESTIMATORS)}")
         need(self.score_init == "warmup" or (_finite(self.score_init) and self.score_init >= 0), "score_init",
              "'warmup' or a number >= 0")

@@ -20,7 +20,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                "static_mask", "static_mask_batches", "max_consecutive_skips"),
     # Which blocks a step perturbs: the method, the budget rule and the curvature scores.
     "sampler": ("method", "budget_min", "budget_max", "budget_alpha", "budget", "budget_unit", "score_beta",
-                "budget_floor", "score_estimator", "score_init", "score_warmup_steps"),
+                "budget_floor", "rate_correction", "score_estimator", "score_init", "score_warmup_steps"),
     "model": ("model", "tokenizer", "trust_remote_code", "dtype", "lora", "lora_r", "lora_alpha",
               "lora_target_modules"),
     "data": ("task", "data_dir", "global_batch_size", "micro_batch_size", "num_train", "num_dev", "num_eval",

@@ -121,7 +121,8 @@ class ZOEngine:
         `stop_requested` (the CLI's pre-emption flag): summed over the ranks in the step's own all-reduce, so that
         every rank learns at the same step that one of them was asked to stop (`StepResult.stop`)."""
         self._check_step(batch)
-        lr, plan = self.sampler.learning_rate(self.step_count), self.sampler.plan(self.step_count)
+        plan = self.sampler.plan(self.step_count)
+        lr = self.sampler.learning_rate(self.step_count) * plan.rate_scale
         info = self._describe(plan, lr)
         if plan.n_selected == 0:  # no block drawn: no forwards, no score update; the step is counted
             self._end_step(plan, None, None)
