@@ -182,13 +182,14 @@ def format_report(report: dict) -> str:
     m = report["machine"]
     lines = [f"curvzo-ds bench: Llama {report['model']['parameters'] / 1e6:.1f}M, batch {report['batch']}, "
              f"{report['rounds']} rounds, {m['device']} ({m['cpu']}), 1 thread per rank",
-             f"{'tokens':>6} {'method':<18} {'step s':>8} {'/2 fwd':>7} {'fwd':>6} {'noise+upd':>9} {'stats':>6} "
-             f"{'comm':>6} {'other':>6} {'B/G':>5} {'mem/inf':>7}"]
+             f"{'tokens':>6} {'method':<18} {'step s':>8} {'/2 fwd':>7} {'s/fwd':>6} {'fwd':>6} {'noise+upd':>9} "
+             f"{'stats':>6} {'comm':>6} {'other':>6} {'B/G':>5} {'mem/inf':>7}"]
     for seq, e in report["seq_lens"].items():
         for name, r in e["methods"].items():
             s = r["seconds"]
             lines.append(f"{seq:>6} {name:<18} {r['step_seconds']:8.3f} {r['ratio_to_two_forwards']:7.3f} "
-                         f"{s['forwards']:6.3f} {s['noise_and_update']:9.3f} {s['score_statistics']:6.3f} "
+                         f"{r['seconds_per_forward']:6.3f} {s['forwards']:6.3f} {s['noise_and_update']:9.3f} "
+                         f"{s['score_statistics']:6.3f} "
                          f"{s['communication']:6.3f} {s['other']:6.3f} {r['budget_fraction']:5.2f} "
                          f"{r['zo_over_inference_peak_memory']:7.3f}")
         lines.append(f"{seq:>6} {'mezo_reference':<18} {e['reference_step_seconds']:8.3f} "

@@ -32,12 +32,20 @@ from curvzo_ds.sysinfo import rss_bytes
 SUITE_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
                    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024,
                    tie_word_embeddings=False)
-# The methods timed: MeZO (every block), CurvZO at a fixed budget of 0.3 G, adaptive CurvZO (burnt in first).
+# The methods timed: MeZO (every block), CurvZO at a fixed budget of 0.3 G, adaptive CurvZO (burnt in first), and
+# MeZO's directions with the leave-one-out difference, q = 4 (four one-sided forwards a step).
 METHODS = {
     "mezo": dict(method="mezo"),
     "curvzo_fixed_0.3": dict(method="fixed", budget=0.3, score_init=1.0, score_warmup_steps=0),
     "curvzo_adaptive": dict(method="curvzo", score_warmup_steps=1),
+    "rloo_4": dict(method="mezo", difference="rloo", num_directions=4),
 }
+
+
+def forwards_per_step(cfg: dict) -> int:
+    """Forwards of one step: one per direction with rloo, two per direction with the central difference."""
+    q = cfg.get("num_directions", 1)
+    return q if cfg.get("difference") == "rloo" else 2 * q
 ZO_COMMON = dict(learning_rate=1e-7, zo_eps=1e-3, seed=0)
 SECTIONS = ("forwards", "perturb_stats", "perturb", "update", "reduce")
 
@@ -182,6 +190,8 @@ def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str) -> d
             split = {k: _median([s.get(k, 0.0) for s in sections[name]]) for k in SECTIONS}
             entry["methods"][name] = {
                 "step_seconds": _median(rows[name]),
+                "forwards_per_step": forwards_per_step(METHODS[name]),
+                "seconds_per_forward": _median(rows[name]) / forwards_per_step(METHODS[name]),
                 "ratio_to_two_forwards": _median([a / b for a, b in zip(rows[name], two)]),
                 "seconds": with_other(_median(rows[name]), {
                     "forwards": split["forwards"], "noise_and_update": split["perturb"] * 2 + split["update"],
