@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -83,8 +84,14 @@ def init_distributed(timeout_seconds: float = 1800):
             env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             env.setdefault("MASTER_ADDR", "127.0.0.1")
             env.setdefault("MASTER_PORT", str(_free_port()))
-        extensions_dir()  # DeepSpeed's CPU op is built once per Python environment (startup.py)
+        built = os.path.join(extensions_dir(), "deepspeed_shm_comm", "deepspeed_shm_comm.so")
         import deepspeed  # outside stdout_to_log: its logger keeps the sys.stdout it finds on import
+
+        if (not torch.cuda.is_available() and not os.path.exists(built) and local_rank_of() == 0
+                and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu"):
+            # DeepSpeed builds its CPU op here once per Python environment (startup.py), silently.
+            print(f"curvzo-ds: building DeepSpeed's CPU communication op, once for this Python environment (1-2 "
+                  f"minutes; cached in {os.path.dirname(os.path.dirname(built))})", file=sys.stderr, flush=True)
 
         with stdout_to_log():
             port = int(env.get("MASTER_PORT", "29500"))
