@@ -81,8 +81,8 @@ class ZOConfig:
     method: str = key("curvzo", "curvzo (adaptive budget), mezo (every block), us_ab (uniform pi, adaptive "
                                 "budget), fixed (budget B)")
     seed: int = key(42, "seeds the noise, the block masks, the data order and the demo model")
-    learning_rate: float = key(1e-6, "MeZO's for full fine-tuning (the CLI's presets: demo 3e-4, full 1e-6, "
-                                     "LoRA 5e-5)")
+    learning_rate: float = key(1e-6, "MeZO's for full fine-tuning (the CLI's presets: demo 3e-4, demo "
+                                     "LoRA 1e-2, full 1e-6, LoRA 5e-5)")
     zo_eps: float = key(1e-3, "perturbation scale (the CLI's presets: demo 1e-2, full 1e-3, LoRA 1e-2)")
     weight_decay: float = key(0.0, "MeZO-style decay of matrices (never biases or norms), scaled by 1/pi")
     lr_scheduler_type: str = key("constant", "constant or linear (decay to 0 at max_steps)")
@@ -196,7 +196,8 @@ class TrainConfig(ZOConfig):
     """Everything `curvzo-ds train` reads. Keys and meanings: docs/config.md."""
 
     # None: filled from a preset (resolve_presets) once the model and LoRA setting are known.
-    learning_rate: float | None = key(None, "preset: demo 3e-4, full 1e-6 (MeZO), LoRA 5e-5 (MeZO)")
+    learning_rate: float | None = key(None, "preset: demo 3e-4 (LoRA 1e-2), full 1e-6 (MeZO), LoRA 5e-5 "
+                                                         "(MeZO)")
     zo_eps: float | None = key(None, "perturbation scale; preset: demo 1e-2, full 1e-3, LoRA 1e-2 (MeZO)")
     max_steps: int | None = key(None, "training steps; preset: demo 300, otherwise 20000 (the paper)")
 
@@ -329,7 +330,7 @@ def preset_values(cfg: TrainConfig) -> dict[str, Any]:
     demo = cfg.model in DEMO_MODELS
     out: dict[str, Any] = {}
     if cfg.learning_rate is None:
-        out["learning_rate"] = 3e-4 if demo else (5e-5 if cfg.lora else 1e-6)
+        out["learning_rate"] = (1e-2 if cfg.lora else 3e-4) if demo else (5e-5 if cfg.lora else 1e-6)
     if cfg.zo_eps is None:
         out["zo_eps"] = 1e-2 if demo or cfg.lora else 1e-3
     if cfg.max_steps is None:
