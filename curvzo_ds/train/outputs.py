@@ -39,23 +39,26 @@ def prepare_output_dir(cfg: TrainConfig, resuming: bool, comm) -> None:
     out = cfg.output_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"output_dir={out} is a file: choose a directory")
-    held = held_run_files(out)
-    if held and not resuming and not cfg.overwrite_output_dir:
-        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
-        raise ConfigError(f"output_dir={out} already holds a run ({shown}): pass --resume to continue it, set "
-                          "overwrite_output_dir=true to replace it, or choose another output_dir")
+    # Rank 0 alone looks and decides: another rank that looked later could find the logs/ that a faster rank
+    # made after the check, and refuse a fresh directory.
     error = None
     if comm.rank == 0:
-        try:
-            if held and not resuming:  # overwrite_output_dir: the old run goes
-                for name in held:
-                    target = os.path.join(out, name)
-                    shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
-                log.warning("overwrite_output_dir: removed %s from %s", ", ".join(held), out)
-            probe_write(out)
-        except OSError as e:
-            error = (f"output_dir={out} cannot be written ({e.strerror or e}): free space, fix its permissions, or "
-                     "choose another output_dir")
+        held = held_run_files(out)
+        if held and not resuming and not cfg.overwrite_output_dir:
+            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+            error = (f"output_dir={out} already holds a run ({shown}): pass --resume to continue it, set "
+                     "overwrite_output_dir=true to replace it, or choose another output_dir")
+        else:
+            try:
+                if held and not resuming:  # overwrite_output_dir: the old run goes
+                    for name in held:
+                        target = os.path.join(out, name)
+                        shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+                    log.warning("overwrite_output_dir: removed %s from %s", ", ".join(held), out)
+                probe_write(out)
+            except OSError as e:
+                error = (f"output_dir={out} cannot be written ({e.strerror or e}): free space, fix its permissions, "
+                         "or choose another output_dir")
     error = comm.broadcast_object(error)
     if error:
         raise ConfigError(error)
