@@ -20,9 +20,12 @@ Arms: MeZO; CurvZO's π (the paper's sampler after `warmup` steps from the check
 weights are put back); the oracle √(energy) rule (π ∝ √a_i by water-filling at CurvZO's budget, a_i = ‖g_i‖²); the
 best Horvitz–Thompson π of docs/algorithm.md §2 (the numerical optimum of Eq. V with h = e = a_i/n_i at the same
 budget); static masks of the top 0.1% and 1% of elements by squared gradient on the first training batches (no 1/π
-weights); RLOO with q = 4 one-sided directions. The "conditional" column removes the scalar's chi-square noise for
-the single-direction arms: E[c² | mask] ĝᵀHĝ / c², with c = Δ / 2ε and E[c² | mask] = Σ over drawn blocks of a_i w_i²
-(exact for ε → 0 up to the O(1/n) term 2gᵀHg of Eq. V), from the same forwards.
+weights); RLOO with q = 4 one-sided directions. The "conditional" column removes the scalar's chi-square noise,
+from the same forwards: for a single-direction arm ĝ = c u (c = Δ / 2ε) it is E[c² | mask] ĝᵀHĝ / c², with
+E[c² | mask] = Σ over drawn blocks of a_i (ε → 0); for RLOO ĝ = Σ_k c_k z_k it is E[S] ĝᵀHĝ / S with S = Σ_k c_k² and
+E[S] = ‖g‖² / (q − 1). What it assumes: the scalar is independent of the curvature along the direction (off by
+2gᵀHg / (‖g‖² tr H), about 2% on SmolLM2), and for RLOO that the cross terms z_jᵀHz_k average out. The plain column
+assumes nothing; with few draws it carries MeZO's own chi-square noise into every ratio.
 Every draw is cached in --out/draws-<key>.jsonl, so an interrupted measurement resumes and more draws can be added.
 """
 
@@ -205,12 +208,19 @@ def draw(point: Point, engine, g, setup: dict, k: int, seed: int, eps: float, ta
         mask = setup[arm]["mask"]
         v = [mk * x for mk, x in zip(mask, z)]
         out[arm] = single(v, mask, float(sum((mk * x).pow(2).sum() for mk, x in zip(mask, g))))
-    zs = [z] + [normal(params, seed * 1_000_003 + k * 16 + j) for j in range(1, Q)]
-    losses = [point.loss(zk, eps) for zk in zs]
-    coef = [(losses[j] - (sum(losses) - losses[j]) / (Q - 1)) / eps / Q for j in range(Q)]
+    zs, coef = rloo_coefficients(point, z, k, seed, eps)
     ghat = [sum(c * zk[i] for c, zk in zip(coef, zs)) for i in range(len(params))]
-    out["rloo-4"] = dict(d=second(ghat), c2=None, ec2=None, g_dot=dot(g, ghat))
+    out["rloo-4"] = dict(d=second(ghat), c2=sum(c * c for c in coef), ec2=float(a.sum()) / (Q - 1),
+                         g_dot=dot(g, ghat))
     return out
+
+
+def rloo_coefficients(point: Point, z, k: int, seed: int, eps: float) -> tuple[list, list[float]]:
+    """RLOO's q directions of draw k (the first is the single-direction arms' z) and ĝ's coefficients c_k =
+    (L_k - mean_{j≠k} L_j) / (q ε)."""
+    zs = [z] + [normal(point.params, seed * 1_000_003 + k * 16 + j) for j in range(1, Q)]
+    losses = [point.loss(zk, eps) for zk in zs]
+    return zs, [(losses[j] - (sum(losses) - losses[j]) / (Q - 1)) / eps / Q for j in range(Q)]
 
 
 def ratio(num_a: float, d_a: np.ndarray, num_m: float, d_m: np.ndarray, forwards: int) -> tuple[float, float]:
@@ -232,7 +242,7 @@ def table(name: str, g_norm2: float, numerators: dict, draws: list[dict]) -> lis
             "|---|---:|---:|---|---|---|---|---|"]
     d = {arm: np.array([x[arm]["d"] for x in draws]) for arm in ARMS}
     cond = {arm: np.array([x[arm]["d"] * x[arm]["ec2"] / x[arm]["c2"] if x[arm]["c2"] else 0.0 for x in draws])
-            for arm in ARMS if arm != "rloo-4"}
+            for arm in ARMS}
     se = (lambda v: v.std(ddof=1) / math.sqrt(len(v)) if len(v) > 1 else float("nan"))
     for arm in ARMS:
         f = FORWARDS.get(arm, 2)
@@ -268,6 +278,12 @@ def checkpoint(run, model: str, task_dir: str, plan: dict, name: str, seed: int,
     with torch.no_grad():
         for e in run.engine.entries:
             e.param.copy_(state[e.name])
+
+
+def write_jsonl_atomic(path: str, records: list[dict]) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(path + ".tmp", path)
 
 
 def main(argv=None) -> None:
@@ -307,6 +323,14 @@ def main(argv=None) -> None:
         if os.path.exists(path):
             with open(path) as f:
                 draws = [json.loads(x) for x in f]
+            if any(x["rloo-4"].get("c2") is None for x in draws):  # cached before RLOO's S was kept: 4 forwards
+                for k, x in enumerate(draws):
+                    if x["rloo-4"].get("c2") is None:
+                        _, coef = rloo_coefficients(point, normal(point.params, args.seed * 1_000_003 + k * 16), k,
+                                                    args.seed, R.DATA["eps"])
+                        x["rloo-4"].update(c2=sum(c * c for c in coef), ec2=dot(g, g) / (Q - 1))
+                write_jsonl_atomic(path, draws)
+                log(f"{name}: RLOO's S filled in for the cached draws")
         for k in range(len(draws), plan["draws"]):
             start, before = time.time(), point.forwards
             rec = draw(point, run.engine, g, setup, k, args.seed, R.DATA["eps"], plan["tau"], l0)
