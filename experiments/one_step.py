@@ -23,9 +23,10 @@ budget); static masks of the top 0.1% and 1% of elements by squared gradient on 
 weights); RLOO with q = 4 one-sided directions. The "conditional" column removes the scalar's chi-square noise,
 from the same forwards: for a single-direction arm ĝ = c u (c = Δ / 2ε) it is E[c² | mask] ĝᵀHĝ / c², with
 E[c² | mask] = Σ over drawn blocks of a_i (ε → 0); for RLOO ĝ = Σ_k c_k z_k it is E[S] ĝᵀHĝ / S with S = Σ_k c_k² and
-E[S] = ‖g‖² / (q − 1). What it assumes: the scalar is independent of the curvature along the direction (off by
-2gᵀHg / (‖g‖² tr H), about 2% on SmolLM2), and for RLOO that the cross terms z_jᵀHz_k average out. The plain column
-assumes nothing; with few draws it carries MeZO's own chi-square noise into every ratio.
+E[S] = ‖g‖² / (q − 1). What it assumes: the scalar is independent of the curvature along the direction, which drops
+the terms in gᵀHg (MeZO's 2gᵀHg, RLOO's cross terms); they are not small on SmolLM2, so the conditional column is
+biased where x = gᵀHg / (‖g‖² tr H) is not near 0, and `along_g` measures x. The plain column assumes nothing; with
+few draws it carries MeZO's own chi-square noise into every ratio.
 Every draw is cached in --out/draws-<key>.jsonl, so an interrupted measurement resumes and more draws can be added.
 """
 
@@ -47,6 +48,7 @@ from pipeline import Log, digest  # noqa: E402
 from simulate_estimators import optimum, second_moment  # noqa: E402
 
 from curvzo_ds.algo.sampling import inclusion_probabilities  # noqa: E402
+from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
 from curvzo_ds.shard.forwards import eval_mode  # noqa: E402
 
 ARMS = ("mezo", "curvzo", "oracle", "best-pi", "static-0.1%", "static-1%", "rloo-4")
@@ -146,12 +148,13 @@ def curvzo_pi(run, plan: dict, log: Log) -> tuple[torch.Tensor, float]:
     return probs.pi, probs.budget
 
 
-def arm_setup(run, point: Point, g, plan: dict, log: Log) -> dict:
-    """Each arm's per-block π (π arms) or element mask (static arms)."""
+def arm_setup(run, point: Point, g, plan: dict, log: Log, cached_pi=None) -> dict:
+    """Each arm's per-block π (π arms) or element mask (static arms); `cached_pi`: CurvZO's (π, B) of an earlier
+    run of the same settings."""
     engine = run.engine
     a = block_energy(engine, g)
     n = engine.sizes.double()
-    pi_c, budget = curvzo_pi(run, plan, log)
+    pi_c, budget = curvzo_pi(run, plan, log) if cached_pi is None else cached_pi
     gamma = engine.cfg.budget_floor
     best = optimum(n, a, a / n, budget)
     setup = {"curvzo": dict(pi=pi_c), "oracle": dict(pi=inclusion_probabilities(a, budget, gamma)),
@@ -258,6 +261,34 @@ def table(name: str, g_norm2: float, numerators: dict, draws: list[dict]) -> lis
     return rows
 
 
+def rloo_moment(q: int, trace: float, ghg: float, g_norm2: float) -> float:
+    """E ĝᵀHĝ of RLOO with q directions (ε → 0, Gaussian z): ‖g‖² tr H / (q - 1) + c_q gᵀHg, with
+    c_q = 2/q + ((q - 1)/q)(1 + 1/(q - 1)²) (the diagonal terms' 2gᵀHg/q, and the cross terms E[Δ_j Δ_k z_jᵀHz_k])."""
+    return g_norm2 * trace / (q - 1) + (2 / q + (q - 1) / q * (1 + 1 / (q - 1) ** 2)) * ghg
+
+
+def along_g(point: Point, g, g_norm2: float, l0: float, tau: float, draws: list[dict]) -> list[str]:
+    """What the plain ratios are made of, measured with little noise: tr H as the mean of MeZO's zᵀHz = D / c²
+    (exact per draw: ĝ = c z), and the curvature along g, gᵀHg / ‖g‖², by second differences at the scale the
+    draws probe along g (τ / √d: a step of norm τ along ĝ moves about that far along g / ‖g‖) and larger ones.
+    With x = gᵀHg / (‖g‖² tr H), MeZO's E ĝᵀHĝ = ‖g‖² tr H (1 + 2x) and RLOO's is `rloo_moment`: the progress ratio
+    per forward of RLOO q = 4 is 0.5 (1 + 2x) / (1/3 + 4x/3), 1.5 at x = 0 (the quadratic simulation's regime)."""
+    zhz = np.array([x["mezo"]["d"] / x["mezo"]["c2"] for x in draws if x["mezo"]["c2"]])
+    trace, trace_se = zhz.mean(), zhz.std(ddof=1) / math.sqrt(len(zhz)) if len(zhz) > 1 else float("nan")
+    d = sum(p.numel() for p in point.params)
+    unit = [x / math.sqrt(g_norm2) for x in g]
+    rows = [f"tr H (mean zᵀHz over {len(zhz)} draws, sd {zhz.std(ddof=1) if len(zhz) > 1 else 0:.4g}) = "
+            f"{trace:.4g} ± {trace_se:.2g}; d = {d}.", "",
+            "| step along g/‖g‖ | gᵀHg / ‖g‖² | x = gᵀHg / (‖g‖² tr H) | RLOO q = 4 ratio per forward, predicted |",
+            "|---|---|---|---|"]
+    for scale in (tau / math.sqrt(d), 10 * tau / math.sqrt(d), 1e-2, 1e-1):
+        curv = (point.loss(unit, scale) + point.loss(unit, -scale) - 2 * l0) / scale ** 2
+        x = curv / trace
+        predicted = 0.5 * g_norm2 * trace * (1 + 2 * x) / rloo_moment(Q, trace, curv * g_norm2, g_norm2)
+        rows.append(f"| {scale:.3g} | {curv:.4g} | {x:.3f} | {predicted:.3f} |")
+    return rows
+
+
 def checkpoint(run, model: str, task_dir: str, plan: dict, name: str, seed: int, cache: str, log: Log) -> None:
     """Load the checkpoint's weights into `run` (zero-shot: as loaded; mezo-100: MeZO's weights after `mezo_steps`
     steps of its run, cached as a file)."""
@@ -314,11 +345,18 @@ def main(argv=None) -> None:
         batch = run.batch(plan["batch_step"])
         point = Point(run, batch)
         g = gradient(run, batch, point.params)
-        setup = arm_setup(run, point, g, plan, log)
-        l0 = point.loss()
         key = digest(dict(model=os.path.basename(model), name=name, plan=plan | {"draws": 0}, seed=args.seed,
                           data=R.DATA))
         path = os.path.join(args.out, f"draws-{name}-{key}.jsonl")
+        pi_path = path.replace("draws-", "curvzo-pi-").replace(".jsonl", ".json")
+        cached = None
+        if os.path.exists(pi_path):
+            with open(pi_path) as f:
+                rec = json.load(f)
+            cached = (torch.tensor(rec["pi"], dtype=torch.float64), rec["budget"])
+        setup = arm_setup(run, point, g, plan, log, cached)
+        write_json_atomic(pi_path, dict(pi=setup["curvzo"]["pi"].tolist(), budget=setup["budget"]))
+        l0 = point.loss()
         draws = []
         if os.path.exists(path):
             with open(path) as f:
@@ -343,6 +381,7 @@ def main(argv=None) -> None:
                   for arm in ("static-0.1%", "static-1%")}
         numerators = {arm: masked.get(arm, g_norm2 ** 2) for arm in ARMS}
         lines += table(name, g_norm2, numerators, draws[:plan["draws"]])
+        lines += ["", *along_g(point, g, g_norm2, l0, plan["tau"], draws[:plan["draws"]])]
         lines += ["", f"Budget B/G {setup['budget'] / run.engine.num_blocks:.3f}; max 1/π: curvzo "
                   f"{float(1 / setup['curvzo']['pi'].min()):.1f}, oracle {float(1 / setup['oracle']['pi'].min()):.1f},"
                   f" best-pi {float(1 / setup['best-pi']['pi'].min()):.1f}; loss at w {l0:.4f}; τ = {plan['tau']}.",

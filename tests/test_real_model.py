@@ -186,6 +186,13 @@ def test_one_step_ratio_is_the_progress_ratio_per_forward():
     assert one_step.ratio(4.0, d, 1.0, d, 2) == pytest.approx((4.0, 0.0))
 
 
+def test_rloo_second_moment_has_the_cross_terms_in_ghg():
+    one_step = load_one_step()
+    # q = 4, ‖g‖² = 1, tr H = 3, gᵀHg = 0: tr H / 3 = 1; gᵀHg = 1 adds 2/4 + (3/4)(1 + 1/9) = 4/3
+    assert one_step.rloo_moment(4, 3.0, 0.0, 1.0) == pytest.approx(1.0)
+    assert one_step.rloo_moment(4, 3.0, 1.0, 1.0) == pytest.approx(1.0 + 4 / 3)
+
+
 @pytest.mark.slow
 def test_one_step_ci_config_end_to_end(tiny_model, tmp_path):
     one_step = load_one_step()
@@ -204,6 +211,7 @@ def test_one_step_ci_config_end_to_end(tiny_model, tmp_path):
         rows = {line.split(" | ")[0].strip("| "): line for line in section.splitlines() if line.startswith("| ")}
         assert set(one_step.ARMS) <= set(rows)
         assert "| 1.000 ± 0.000 |" in rows["mezo"] and rows["rloo-4"].startswith("| rloo-4 | 4 |")
+        assert "tr H (mean zᵀHz over 2 draws" in section and section.count("| RLOO q = 4 ratio") == 1
     # a rerun takes the draws from the cache: no forward is run again
     before = sorted(p.stat().st_mtime_ns for p in tmp_path.glob("draws-*.jsonl"))
     one_step.main(["--config", "ci", "--model", tiny_model, "--out", str(tmp_path)])
