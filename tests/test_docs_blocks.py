@@ -21,6 +21,7 @@ import json
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 
 import pytest
@@ -125,6 +126,12 @@ PYTHON_PRELUDES = {
     "docs/integrations.md:64": "from curvzo_ds.shard.distributed import init_distributed\ninit_distributed()\n"
                                + _DATA + "train, dev = rows[:48], rows[48:]\n",
 }
+# What a Python block must have done, checked after it (its own code has no assertions).
+PYTHON_CHECKS = {
+    "docs/integrations.md:10": "\nassert engine.step_count == 2, engine.step_count  # 64 rows, batches of 32\n",
+    "docs/integrations.md:64": "\nimport os\nassert trainer.state.global_step == 4, trainer.state.global_step\n"
+                               "assert os.path.isdir('out/checkpoint-4'), os.listdir('out')\n",
+}
 
 
 def substituted(block: Block, text: str) -> str:
@@ -161,7 +168,7 @@ def test_every_command_block_is_run_or_marked():
         for old, _ in subs:
             assert old in text, f"{doc} no longer holds {old!r}: update SUBSTITUTIONS"
     python = [b.id for b in found if b.lang.startswith("py") and None not in b.not_run]
-    assert sorted(python) == sorted(PYTHON_PRELUDES), "a Python block without a prelude (or a prelude without one)"
+    assert sorted(python) == sorted(PYTHON_PRELUDES) == sorted(PYTHON_CHECKS), "a Python block without a prelude"
 
 
 def test_commands_run_elsewhere_are_run_there_as_written():
@@ -178,6 +185,8 @@ def run_command(command: str, cwd: pathlib.Path) -> None:
         proc = cli(*shlex.split(first)[1:], env=ENV, cwd=cwd)
         assert proc.returncode == 0, f"{first}\nexited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
         if pipe:
+            if pipe.startswith("jq ") and shutil.which("jq") is None:
+                pytest.fail("jq is not installed (apt-get install jq; tools/test.sh does it)")
             piped = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", pipe], input=proc.stdout, cwd=str(cwd),
                                    env=ENV, capture_output=True, text=True, timeout=60)
             assert piped.returncode == 0 and piped.stdout.strip() not in ("", "null"), \
@@ -204,11 +213,14 @@ def test_doc_block_runs(block_id, tmp_path):
     write_captioned_files(block.doc, tmp_path)
     if block.lang.startswith("py"):
         script = tmp_path / "block.py"
-        script.write_text(PYTHON_PRELUDES[block_id] + substituted(block, block.text))
+        script.write_text(PYTHON_PRELUDES[block_id] + substituted(block, block.text) + PYTHON_CHECKS[block_id])
         proc = cli(script=script, env=ENV, cwd=tmp_path)
         assert proc.returncode == 0, f"{block_id} exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-5000:]}"
         return
-    for command in to_run(block):
-        run_command(substituted(block, command), tmp_path)
-    for summary in tmp_path.rglob("summary.json"):  # each run finished and wrote its contract
-        assert json.loads(summary.read_text())["steps"] > 0
+    commands = [substituted(block, c) for c in to_run(block)]
+    for command in commands:
+        run_command(command, tmp_path)
+    trained = [c for c in commands if c.startswith("curvzo-ds train")]
+    summaries = sorted(tmp_path.rglob("summary.json"))  # each training run finished and wrote its summary
+    assert len(summaries) == len(trained), (summaries, trained)
+    assert all(json.loads(s.read_text())["steps"] == 6 for s in summaries), summaries
