@@ -38,6 +38,7 @@ FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 class Block:
     doc: pathlib.Path
     line: int  # of the opening fence, 1-based
+    number: int  # the block's place among the doc's fenced blocks, 1-based: its id, which edits elsewhere keep
     lang: str
     text: str
     not_run: dict[int | None, str]  # command number (None: the whole block) -> reason
@@ -45,7 +46,7 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"{self.doc.relative_to(ROOT)}:{self.line}"
+        return f"{self.doc.relative_to(ROOT)}#{self.number}"
 
     def commands(self) -> list[str]:
         """The block's shell commands: continuations joined, comments and blank lines dropped."""
@@ -58,7 +59,7 @@ def blocks() -> list[Block]:
     found = []
     for doc in DOCS:
         text = doc.read_text()
-        for m in FENCE.finditer(text):
+        for number, m in enumerate(FENCE.finditer(text), 1):
             before = text[:m.start()].splitlines()
             not_run: dict[int | None, str] = {}
             caption = ""
@@ -68,7 +69,8 @@ def blocks() -> list[Block]:
                     caption = prev.strip()
                     break
                 not_run[int(mark.group(1)) if mark.group(1) else None] = mark.group(2)
-            found.append(Block(doc, len(before) + 1, (m.group(1).split() or [""])[0], m.group(2), not_run, caption))
+            found.append(Block(doc, len(before) + 1, number, (m.group(1).split() or [""])[0], m.group(2), not_run,
+                               caption))
     return found
 
 
@@ -120,16 +122,16 @@ rows = [{"input_ids": ids, "attention_mask": torch.ones(16, dtype=torch.long), "
         for ids in torch.randint(10, 18, (64, 16), generator=g)]
 """
 PYTHON_PRELUDES = {
-    "docs/integrations.md:10": _DATA + "train_set = rows\n",
+    "docs/integrations.md#1": _DATA + "train_set = rows\n",
     # TrainingArguments holds a live ZeRO-3 config, under which the model is built: DeepSpeed needs the process
     # group first, which Accelerate starts only on GPUs (tests/multirank/integ_worker.py says the same).
-    "docs/integrations.md:64": "from curvzo_ds.shard.distributed import init_distributed\ninit_distributed()\n"
+    "docs/integrations.md#2": "from curvzo_ds.shard.distributed import init_distributed\ninit_distributed()\n"
                                + _DATA + "train, dev = rows[:48], rows[48:]\n",
 }
 # What a Python block must have done, checked after it (its own code has no assertions).
 PYTHON_CHECKS = {
-    "docs/integrations.md:10": "\nassert engine.step_count == 2, engine.step_count  # 64 rows, batches of 32\n",
-    "docs/integrations.md:64": "\nimport os\nassert trainer.state.global_step == 4, trainer.state.global_step\n"
+    "docs/integrations.md#1": "\nassert engine.step_count == 2, engine.step_count  # 64 rows, batches of 32\n",
+    "docs/integrations.md#2": "\nimport os\nassert trainer.state.global_step == 4, trainer.state.global_step\n"
                                "assert os.path.isdir('out/checkpoint-4'), os.listdir('out')\n",
 }
 
@@ -159,10 +161,10 @@ def test_every_command_block_is_run_or_marked():
     assert len(found) > 10, "no fenced blocks found: the extractor is broken"
     for b in found:
         if b.lang not in COMMAND_LANGS or b.lang.startswith("py"):
-            assert set(b.not_run) <= {None}, f"{b.id}: a per-line mark on a block that is not shell commands"
+            assert set(b.not_run) <= {None}, f"{b.id} (line {b.line}): a per-line mark on a block of no commands"
             continue
         n = len(b.commands())
-        assert all(k is None or 1 <= k <= n for k in b.not_run), f"{b.id}: a mark names a command it lacks"
+        assert all(k is None or 1 <= k <= n for k in b.not_run), f"{b.id} (line {b.line}): no such command"
     for doc, subs in SUBSTITUTIONS.items():
         text = (ROOT / doc).read_text()
         for old, _ in subs:
