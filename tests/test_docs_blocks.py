@@ -191,7 +191,7 @@ def run_command(command: str, cwd: pathlib.Path) -> None:
                 pytest.fail("jq is not installed (apt-get install jq; tools/test.sh does it)")
             piped = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", pipe], input=proc.stdout, cwd=str(cwd),
                                    env=ENV, capture_output=True, text=True, timeout=60)
-            assert piped.returncode == 0 and piped.stdout.strip() not in ("", "null"), \
+            assert piped.returncode == 0 and json.loads(piped.stdout or "null") is not None, \
                 f"| {pipe} gave {piped.stdout!r}, exit {piped.returncode}:\n{piped.stderr}"
         return
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", command], cwd=str(cwd), env=ENV,
