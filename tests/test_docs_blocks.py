@@ -122,17 +122,14 @@ rows = [{"input_ids": ids, "attention_mask": torch.ones(16, dtype=torch.long), "
 """
 PYTHON_PRELUDES = {
     "docs/integrations.md#1": _DATA + "train_set = rows\n",
-    # TrainingArguments holds a live ZeRO-3 config, under which the model is built: DeepSpeed needs the process
-    # group first, which Accelerate starts only on GPUs (tests/multirank/integ_worker.py says the same).
-    "docs/integrations.md#2": "from curvzo_ds.shard.distributed import init_distributed\ninit_distributed()\n"
-                               + _DATA + "train, dev = rows[:48], rows[48:]\n",
+    "docs/integrations.md#2": _DATA + "train, dev = rows[:48], rows[48:]\n",
 }
 # What a Python block must have done, checked after it (its own code has no assertions).
 PYTHON_CHECKS = {
     "docs/integrations.md#1": "\nassert engine.step_count == 2, engine.step_count  # 64 rows, batches of 32\n",
     "docs/integrations.md#2": "\nimport os\nassert trainer.state.global_step == 4, trainer.state.global_step\n"
                                "assert os.path.isdir('out/checkpoint-4'), os.listdir('out')\n"
-                              "assert trainer.is_deepspeed_enabled  # under ds_configs/zero3.json, as written\n",
+                               "assert trainer.is_deepspeed_enabled  # under ds_configs/zero3.json, as written\n",
 }
 
 
