@@ -4,19 +4,21 @@
 #   bash tools/test.sh -m "not slow"    # the unit tier (README.md and docs/testing.md have the measurements)
 # The last line gives the suite's wall time. CURVZO_RECORD_LAUNCHES=1 records each test's launches in
 # tests/launches.json instead of checking them against it (tests/launches.py).
-# The suite starts real mpirun and SLURM jobs: Open MPI, SLURM and munge come from apt (as root). The tests that
-# need them fail, never skip, when they are missing.
+# The suite starts real mpirun and SLURM jobs: Open MPI, SLURM and munge come from apt (as root), and runs the
+# README's `curvzo-ds eval ... | jq` (tests/test_docs_blocks.py): jq too. The tests that need them fail, never skip,
+# when they are missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore DEBIAN_FRONTEND=noninteractive
 
-if ! command -v mpirun >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
+if ! command -v mpirun >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null \
+        || ! command -v jq >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         apt-get update -qq
-        apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev slurmctld slurmd slurm-client munge >/dev/null
+        apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev slurmctld slurmd slurm-client munge jq >/dev/null
     else
         echo "tools/test.sh: Open MPI and SLURM are missing and cannot be installed here (needs root and apt);" \
-             "the mpirun and SLURM tests will fail. Install openmpi-bin slurmctld slurmd slurm-client munge." >&2
+             "the mpirun, SLURM and README-pipe tests will fail. Install openmpi-bin slurmctld slurmd slurm-client munge jq." >&2
     fi
 fi
 
