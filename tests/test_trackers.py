@@ -174,3 +174,20 @@ def test_tensorboard_of_the_same_run_is_where_it_was(tracked_run):
         got = [(e.step, e.value) for e in events.Scalars(name)]
         assert [s for s, _ in got] == [s for s, _ in points], name
         assert [v for _, v in got] == pytest.approx([v for _, v in points], rel=1e-6, abs=1e-30), name
+
+
+def test_report_to_from_the_command_line_a_file_and_an_old_run_config(tmp_path):
+    from curvzo_ds.config.load import load_config
+    from curvzo_ds.config.schema import to_dict
+
+    assert load_config(None, ["report_to=tensorboard,wandb"], None).report_to == "tensorboard,wandb"
+    assert load_config(None, ["report_to=[tensorboard, mlflow]"], None).report_to == ["tensorboard", "mlflow"]
+    (tmp_path / "c.yaml").write_text("report_to:\n  - tensorboard\n  - wandb\n")
+    cfg = load_config(str(tmp_path / "c.yaml"), [], None)
+    assert resolve_report_to(cfg.report_to) == ["tensorboard", "wandb"]
+    # run_config.json keeps the value as given; one written before lists were accepted holds a plain name
+    again = json.loads(json.dumps(to_dict(cfg)))
+    assert load_config(None, [f"report_to={again['report_to']}"], None).report_to == ["tensorboard", "wandb"]
+    assert load_config(None, ["report_to=tensorboard"], None).report_to == "tensorboard"
+    with pytest.raises(ConfigError, match="'nosuch' is not a tracker"):
+        load_config(None, ["report_to=nosuch"], None)
