@@ -74,7 +74,7 @@ CASES = [
     ("lora-not-bool", ["train", "--set", "lora=maybe"], "lora"),
     ("granularity", ["train", "--set", "block_granularity=row"], "block_granularity"),
     ("save-total-limit", ["train", "--set", "save_total_limit=0"], "save_total_limit"),
-    ("report-to", ["train", "--set", "report_to=wandb"], "report_to"),
+    ("report-to", ["train", "--set", "report_to=nosuch"], "report_to"),
     ("trust-remote-code", ["train", "--set", "trust_remote_code=yes please"], "trust_remote_code"),
     ("config-missing", ["train", "--config", "{tmp}/none.yaml"], "none.yaml: no such file"),
     ("config-is-dir", ["train", "--config", "{tmp}"], "is a directory"),

@@ -28,6 +28,25 @@ def test_last_line_says_fits_or_does_not_fit(capsys):
     assert code == 0 and out.strip().splitlines()[-1].startswith("does not fit: ")
 
 
+def test_a_plan_that_does_not_fit_says_whether_offloading_makes_it_fit(capsys):
+    args = ["--model", "llama2-13b", "--world-size", "1"]
+    code, out, _ = run_plan(capsys, *args, "--gpu-memory", "24GiB")
+    *_, hint, verdict = out.strip().splitlines()
+    assert code == 0 and verdict.startswith("does not fit: ")
+    assert hint.startswith("offload: with --offload cpu it fits (train with --set offload_param=cpu): "), hint
+    offloaded = plan_memory(model="llama2-13b", world_size=1, offload="cpu", gpu_memory="24GiB")
+    # the bf16 weights (26 GB) move to the host; ZeRO-3 fetches them to the GPU module by module even at K = 1
+    assert offloaded.fits and offloaded.host > 24 * GiB and 0 < offloaded.gathered < offloaded.total < 24 * GiB
+    assert f"{offloaded.total / GiB:.2f} GiB of 24.0 GiB per rank on the GPU" in hint
+    code, out, _ = run_plan(capsys, *args, "--gpu-memory", "1GiB")
+    *_, hint, verdict = out.strip().splitlines()
+    assert code == 0 and verdict.startswith("does not fit: ")
+    assert hint.startswith("offload: --offload cpu does not make it fit either: "), hint
+    for fitting in (["--gpu-memory", "80GiB"], ["--offload", "cpu", "--gpu-memory", "1GiB"]):
+        code, out, _ = run_plan(capsys, *args, *fitting)
+        assert code == 0 and "offload:" not in out
+
+
 @pytest.mark.parametrize("args", [["--world-size", "0"], ["--world-size", "-8"],
                                   ["--world-size", "8", "--shard-group-size", "3"],
                                   ["--world-size", "2", "--gpu-memory", "lots"],

@@ -62,8 +62,29 @@ def plan(num_directions: int = 1, gpus_per_node: int | None = None, **kwargs) ->
         raise ConfigError(f"--num-directions {num_directions} / --gpus-per-node {gpus_per_node}: use integers >= 1")
     result = plan_memory(**kwargs)
     *body, verdict = result.format().split("\n")
-    print("\n".join([*body, *layout_lines(result, num_directions, gpus_per_node, kwargs), verdict]))
+    layouts = layout_lines(result, num_directions, gpus_per_node, kwargs)
+    print("\n".join([*body, *layouts, *offload_lines(result, kwargs), verdict]))
     return result
+
+
+def offload_lines(result: Plan, kwargs: dict) -> list[str]:
+    """A GPU plan that does not fit without offloading: one line that says whether `--offload cpu` (the run's
+    `offload_param: cpu`) makes it fit, planned again with it; none when the plan fits, already offloads, or
+    its DeepSpeed config decides the offload."""
+    from curvzo_ds.shard.memory import GiB, plan_memory
+
+    if result.fits or result.device != "gpu" or result.offload != "none":
+        return []
+    offloaded = plan_memory(**{**kwargs, "offload": "cpu"})
+    if offloaded.offload != "cpu":  # the DeepSpeed config's offload_param wins over --offload
+        return []
+    if offloaded.fits:
+        return [f"offload: with --offload cpu it fits (train with --set offload_param=cpu): "
+                f"{offloaded.total / GiB:.2f} GiB of {offloaded.memory / GiB:.1f} GiB per rank on the GPU, "
+                f"{offloaded.host / GiB:.2f} GiB of host memory per rank beside it"]
+    return [f"offload: --offload cpu does not make it fit either: {offloaded.total / GiB:.2f} GiB of "
+            f"{offloaded.memory / GiB:.1f} GiB per rank on the GPU (largest batch at {offloaded.seq_len} tokens: "
+            f"{offloaded.max_batch})"]
 
 
 def layout_lines(result: Plan, num_directions: int, gpus_per_node: int | None, kwargs: dict) -> list[str]:

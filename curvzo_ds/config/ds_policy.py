@@ -78,7 +78,7 @@ DROPPED = {
 }
 MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet")
 MONITOR_REASON = ("DeepSpeed's monitors log optimizer steps, which CurvZO does not take: metrics go to metrics.jsonl, "
-                  "and to TensorBoard with report_to=tensorboard")
+                  "and to TensorBoard, W&B, MLflow and the like with report_to (report_to=tensorboard,wandb)")
 
 # Keys that only configure gradients, DeepSpeed's optimizer, data loader or checkpoint engine.
 QUIET_DROP = ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "prescale_gradients",

@@ -105,7 +105,7 @@ def coerce(cls, key: str, value: Any) -> Any:
     if key in ("zero_stage", "shard_group_size") and isinstance(value, float) and value.is_integer():
         return int(value)  # "auto" or a number
     if value is None or default is None or isinstance(default, str) and key in (
-            "score_init", "fp32_master_weights", "zero_stage", "shard_group_size"):
+            "score_init", "fp32_master_weights", "zero_stage", "shard_group_size", "report_to"):
         return value
     if isinstance(default, bool):
         if not isinstance(value, bool):

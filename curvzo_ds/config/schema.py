@@ -18,6 +18,7 @@ from typing import Any
 from curvzo_ds.algo.estimators import ESTIMATORS
 from curvzo_ds.algo.sampling import Method
 from curvzo_ds.config.ds_policy import REFUSAL_BY_KEY
+from curvzo_ds.config.report_to import resolve_report_to
 from curvzo_ds.errors import ConfigError
 
 
@@ -232,7 +233,10 @@ class TrainConfig(ZOConfig):
     save_total_limit: int | None = key(3, "newest checkpoints kept (the best-dev one is always kept); null keeps all")
     eval_steps: int = key(500, "evaluate on dev every N steps (0: only at the end)")
     logging_steps: int = key(1, "write a metrics.jsonl line every N steps")
-    report_to: str = key("auto", "auto (tensorboard if installed), tensorboard, none")
+    report_to: str | list = key("auto", "trackers that mirror metrics.jsonl, as Accelerate names them: tensorboard, "
+                                        "wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio; a list "
+                                        "or comma-separated (tensorboard,wandb); auto: tensorboard if installed; "
+                                        "all: every installed one; none")
     disable_tqdm: bool = key(False, "no progress bar or progress lines")
     progress_interval: float = key(30.0, "seconds between progress log lines when stderr is not a terminal")
     overwrite_output_dir: bool = key(False, "replace the run in output_dir (its checkpoints, metrics and summary); "
@@ -288,7 +292,7 @@ class TrainConfig(ZOConfig):
         need(self.zero_stage in ("auto", 0, 3) and not isinstance(self.zero_stage, bool), "zero_stage",
              "auto, 0 or 3")
         need(self.offload_param in ("none", "cpu"), "offload_param", "none or cpu")
-        need(self.report_to in ("auto", "tensorboard", "none"), "report_to", "auto, tensorboard or none")
+        resolve_report_to(self.report_to)  # an unknown tracker, or one not installed: one line with the fix
         for key_name in ("consistency_steps", "flat_loss_steps"):
             need(isinstance(getattr(self, key_name), int) and getattr(self, key_name) >= 0, key_name,
                  "an integer >= 0 (0: never)")

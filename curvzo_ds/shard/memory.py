@@ -79,10 +79,11 @@ class Plan:
     persistent_elements: int  # elements of the tensors at or under the persistence threshold
     largest_module: int  # elements of the largest module's own parameters (what ZeRO-3 gathers at once)
     shard: int  # w * sum over tensors of ceil(numel / K)
-    persistent: int  # w * persistent_elements: whole on every rank from the second forward on (0 at K = 1)
+    persistent: int  # w * persistent_elements: whole on every rank from the second forward on (0 at K = 1 unless
+    #                  offloaded)
     master: int  # 4 * region of each bf16/fp16 tensor with an fp32 copy (region: its shard, or all if persistent)
     master_rule: str
-    gathered: int  # the peak of gathered parameters over one forward at K > 1 (`gather_peak`)
+    gathered: int  # the peak of gathered parameters over one forward at K > 1 or offloaded (`gather_peak`)
     allocator: int  # CPU: the high-water mark of gathered blocks under SMALL_BLOCK, kept by the allocator
     tied: int  # w * shard of each tied duplicate: from_pretrained partitions it, then ties it away; its shard
     #            stays in a reference cycle until Python's next full collection
@@ -262,7 +263,10 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
     largest_module = max((sum(numels[i] for i in m) for m in module_sizes), default=0)
 
     shard = width * sum(shard_elements(k, group) for k in numels)
-    whole = width * sum(numels[i] for i in persistent) if group > 1 else 0
+    # Offloaded parameters are fetched to the GPU module by module even at K = 1 (ZeRO-3's partitioned_param_
+    # coordinator copies from the host instead of all-gathering), and the persistent ones stay there whole.
+    fetched = group > 1 or offload == "cpu" and device == "gpu"
+    whole = width * sum(numels[i] for i in persistent) if fetched else 0
 
     masters = []
     if dtype != "float32" and fp32_master:
@@ -273,7 +277,7 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
         rule = "none: float32 is edited exactly"
 
     gathered = allocator = 0
-    if group > 1:
+    if fetched:
         calls = [[ids[id(p)] for p in m.parameters(recurse=False)] for m in net.modules()]
         gathered, small = gather_peak(calls, numels, persistent, group, zero, width, gloo=device == "cpu")
         allocator = small if device == "cpu" else 0

@@ -1,5 +1,6 @@
-"""`metrics.jsonl` (one strict-JSON object per line, docs/outputs.md) and its TensorBoard mirror; console and
-file logging; progress. `RunLog` is what a training run records as it goes (metrics, the pi side file, progress).
+"""`metrics.jsonl` (one strict-JSON object per line, docs/outputs.md) and its mirror in the trackers of report_to;
+console and file logging; progress. `RunLog` is what a training run records as it goes (metrics, the pi side file,
+progress).
 
 Only rank 0 writes: other ranks build a `MetricsWriter(..., enabled=False)`, whose calls do nothing.
 """
@@ -14,38 +15,45 @@ import os
 import sys
 import time
 
+from curvzo_ds.config.report_to import resolve_report_to
+from curvzo_ds.config.schema import to_dict
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.jsonio import dumps, replace_atomic
 from curvzo_ds.startup import take_captured
 from curvzo_ds.train.pilog import PiWriter
+from curvzo_ds.train.trackers import Trackers
 
 METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger("curvzo_ds")
 
 
 class MetricsWriter:
-    """Appends rows to `<output_dir>/metrics.jsonl`, flushed per line, and mirrors numbers to TensorBoard.
+    """Appends rows to `<output_dir>/metrics.jsonl`, flushed per line, and mirrors their numbers to the trackers of
+    `report_to` (train/trackers.py).
 
-    A row with `"split": "dev"` is logged to TensorBoard as `dev/<key>`, any other row as
-    `train/<key>`, at the row's `step`. TensorBoard files go to `tensorboard_dir`
-    (default `<output_dir>/tensorboard`).
+    A row with a `split` is logged to the trackers as `<split>/<key>`, any other row as `train/<key>`, at the row's
+    `step`. TensorBoard files go to `tensorboard_dir` (default `<output_dir>/tensorboard`). `tensorboard=True`
+    is `trackers=["tensorboard"]`; `run_config` is given to the trackers other than TensorBoard as hyperparameters.
     """
 
     def __init__(self, output_dir: str, enabled: bool = True, tensorboard: bool = False,
-                 tensorboard_dir: str | None = None):
+                 tensorboard_dir: str | None = None, trackers: list[str] | None = None,
+                 run_config: dict | None = None):
         self.path = os.path.join(output_dir, METRICS_FILE)
         self.enabled = enabled
-        self.tensorboard = tensorboard and enabled
+        names = list(trackers or [])
+        if tensorboard and "tensorboard" not in names:
+            names.insert(0, "tensorboard")
+        self.tensorboard = "tensorboard" in names and enabled
         self.tensorboard_dir = tensorboard_dir or os.path.join(output_dir, "tensorboard")
         self._file = None
-        self._summary = None
-        self._purge_step: int | None = None
+        self.trackers = Trackers(names if enabled else [], output_dir, self.tensorboard_dir, run_config)
         if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # noqa: F401
             except ImportError:
                 raise ConfigError("report_to=tensorboard needs the tensorboard package: pip install tensorboard, "
-                                  "or set report_to=none") from None
+                                  "or remove tensorboard from report_to") from None
 
     def write(self, row: dict) -> None:
         if not self.enabled:
@@ -56,23 +64,7 @@ class MetricsWriter:
             self._file = open(self.path, "a", encoding="utf-8")  # kept open for the run
         self._file.write(line + "\n")
         self._file.flush()
-        if self.tensorboard:
-            self._log_tensorboard(json.loads(line))
-
-    def _log_tensorboard(self, row: dict) -> None:
-        step = row.get("step")
-        if not isinstance(step, int):
-            return
-        if self._summary is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._summary = SummaryWriter(log_dir=self.tensorboard_dir, purge_step=self._purge_step)
-        prefix = row.get("split") or "train"
-        for key, value in row.items():
-            if key in ("step", "split") or isinstance(value, bool) or not isinstance(value, int | float):
-                continue
-            self._summary.add_scalar(f"{prefix}/{key}", value, global_step=step)
-        self._summary.flush()
+        self.trackers.log(json.loads(line))  # the values as written: a non-finite number is null, left out
 
     def truncate_after(self, step: int) -> int:
         """On resume from `step`: keep the lines with step <= `step`, drop the rest; return how many went.
@@ -87,7 +79,7 @@ class MetricsWriter:
         if not self.enabled:
             return 0
         self.close()
-        self._purge_step = step + 1
+        self.trackers.purge_after(step)
         if not os.path.exists(self.path):
             return 0
         kept, dropped = [], 0
@@ -112,9 +104,7 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._summary is not None:
-            self._summary.close()
-            self._summary = None
+        self.trackers.close()
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -238,19 +228,6 @@ def terminal_columns() -> int:
         return 0
 
 
-def tensorboard_wanted(cfg) -> bool:
-    """report_to: tensorboard (an error without the package), auto (when the package is installed), none."""
-    if cfg.report_to == "none":
-        return False
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        if cfg.report_to == "tensorboard":
-            raise
-        return False
-    return True
-
-
 class RunLog:
     """What a training run records as it goes, on rank 0 (docs/outputs.md): a metrics.jsonl line every
     `logging_steps`, at the last step and at a stop; the pi side file on the same logging steps (not for MeZO,
@@ -260,7 +237,8 @@ class RunLog:
     def __init__(self, cfg, rank: int, block_names: list[str], start: int):
         self.logging_steps, self.max_steps = cfg.logging_steps, cfg.max_steps
         self.metrics = MetricsWriter(cfg.output_dir, enabled=rank == 0,
-                                     tensorboard=rank == 0 and tensorboard_wanted(cfg))
+                                     trackers=resolve_report_to(cfg.report_to) if rank == 0 else [],
+                                     run_config=to_dict(cfg) if rank == 0 else None)
         self.metrics.truncate_after(start)
         self.pi = PiWriter(cfg.output_dir, block_names, enabled=rank == 0 and cfg.method != "mezo")
         self.pi.truncate_after(start)
