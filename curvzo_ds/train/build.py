@@ -27,6 +27,7 @@ from curvzo_ds.checkpoint.manager import CheckpointManager
 from curvzo_ds.config.ds_config import load_ds_config
 from curvzo_ds.config.resolve import resolve, resolve_run, zo_part
 from curvzo_ds.config.schema import TrainConfig, resolve_presets, sources_of
+from curvzo_ds.config.sections import section
 from curvzo_ds.data.stream import MicroBatches, micro_batch_indices
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.errors import ConfigError, RanksDisagree
@@ -79,9 +80,8 @@ class Job:
         """The run's checkpoint manager: the model files and the tokenizer go into every checkpoint, and
         run_config.json, which `--resume`, `eval --resume` and export read."""
         cfg = self.cfg
-        return CheckpointManager(cfg.output_dir, save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
-                                 metric=self.task.metrics[0], tokenizer=self.tokenizer, states=states,
-                                 write_extra=lambda directory: write_run_config(cfg, directory))
+        return CheckpointManager.of(section(cfg, "checkpoint"), metric=self.task.metrics[0], tokenizer=self.tokenizer,
+                                    states=states, write_extra=lambda directory: write_run_config(cfg, directory))
 
 
 def build(cfg: TrainConfig) -> Job:
@@ -100,14 +100,14 @@ def build(cfg: TrainConfig) -> Job:
         warn_idle_ranks(cfg, topology.shard.world_size)
     try:  # the task and its data are the user's: their errors are one line (exit 2), on every rank
         with main_process_first(topology.job):  # rank 0 fills the download and tokenizer caches first
-            task, tokenizer, train_data, eval_data = load_data(cfg)
+            task, tokenizer, train_data, eval_data = load_data(section(cfg, "data"), section(cfg, "model"), cfg.seed)
         warn_cut(cfg, train_data, eval_data)
         check_batch_fits(cfg, task, train_data)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     shard_group = topology.shard.group
     mpu = GroupMPU(shard_group) if shard_group is not None else None
-    model, keep_alive = build_model(cfg, ds_config, shard_group, mpu)
+    model, keep_alive = build_model(section(cfg, "model"), cfg.seed, ds_config, shard_group, mpu)
     if topology.replica_group is not None:
         ds_compat.sync_replicas(model, topology.replica_group)
     ds_engine, *_ = deepspeed.initialize(model=model, config=ds_config, mpu=mpu)
@@ -128,8 +128,8 @@ def build_plain(cfg: TrainConfig) -> Job:
     splits, micro-batches and loss as `build`, so that its steps are those of a one-rank training run. A static
     mask (static_mask=true) is fitted here, as `curvzo-ds train` fits it before step 1."""
     cfg = resolve(cfg)
-    task, tokenizer, train_data, eval_data = load_data(cfg)
-    model, keep_alive = build_model(cfg, {})
+    task, tokenizer, train_data, eval_data = load_data(section(cfg, "data"), section(cfg, "model"), cfg.seed)
+    model, keep_alive = build_model(section(cfg, "model"), cfg.seed, {})
     loss = D.loss_fn_for(task, cfg.train_as_classification)
     engine = engine_for(model, loss, zo_part(cfg))
     device = torch.device("cpu")
@@ -233,8 +233,9 @@ def resolve_config(cfg: TrainConfig, topology: Topology, decided: dict, user_ds:
     # Each replica group processes the whole global batch: DeepSpeed's data-parallel world is the shard group.
     # A mapped key given explicitly (--set or the YAML) that the DeepSpeed config sets otherwise is refused. A
     # config the CLI resolved is not validated again (config.resolve): the mapping checks what it sets.
+    hidden_size = model_hidden_size(section(resolve_presets(cfg), "model"))
     cfg, ds_config, notes = resolve_run(
-        cfg, world_size=topology.shard.world_size, hidden_size=model_hidden_size(resolve_presets(cfg)),
+        cfg, world_size=topology.shard.world_size, hidden_size=hidden_size,
         user_ds=user_ds, where=f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config",
         chosen=decided)
     for note in notes:
@@ -246,13 +247,16 @@ def resolve_config(cfg: TrainConfig, topology: Topology, decided: dict, user_ds:
     return cfg, ds_config
 
 
-def load_data(cfg: TrainConfig) -> tuple:
-    """(task, tokenizer, encoded train examples, {"dev"/"test": encoded examples}) as `curvzo-ds train` uses them."""
-    task = get_task(cfg.task)
-    tokenizer = load_tokenizer(cfg)
-    splits = load_splits(task, cfg.seed, cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.data_dir)
-    enc = lambda ex, cls: D.encode(task, tokenizer, ex, cfg.max_length, cls, cfg.max_new_tokens)  # noqa: E731
-    return (task, tokenizer, [enc(ex, cfg.train_as_classification) for ex in splits["train"]],
+def load_data(data_cfg, model_cfg, seed: int) -> tuple:
+    """(task, tokenizer, encoded train examples, {"dev"/"test": encoded examples}) as `curvzo-ds train` uses them.
+    `data_cfg`: the config's `data` section (the task, its sizes, the encoding); `model_cfg`: its `model` section
+    (the tokenizer); `seed`: the engine section's, which draws the splits."""
+    task = get_task(data_cfg.task)
+    tokenizer = load_tokenizer(model_cfg)
+    splits = load_splits(task, seed, data_cfg.num_train, data_cfg.num_dev, data_cfg.num_eval, data_cfg.data_dir)
+    enc = lambda ex, cls: D.encode(task, tokenizer, ex, data_cfg.max_length, cls,  # noqa: E731
+                                   data_cfg.max_new_tokens)
+    return (task, tokenizer, [enc(ex, data_cfg.train_as_classification) for ex in splits["train"]],
             {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]})
 
 
