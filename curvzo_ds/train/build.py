@@ -1,8 +1,12 @@
-"""The composition root: `build(cfg)` makes the `Job` that `curvzo-ds train`, `eval` and `bench` run, on every rank
-alike; `build_plain(cfg)` makes the one-process, DeepSpeed-free Job of `diagnose` (PlainRun) and experiments/.
+"""The composition root, the one place a run is put together:
+- `build(cfg)` makes the `Job` that `curvzo-ds train`, `eval` and `bench` run, on every rank alike;
+- `build_plain(cfg)` makes the one-process, DeepSpeed-free Job of `diagnose` and experiments/;
+- `engine_for(model, loss_fn, config)` puts the ZOEngine on a model that its caller built and prepared: both
+  builds end with it, and the front ends (`from_accelerator`, `ZOTrainer`) call it with the user's model, which
+  they own with the data and the loop (docs/architecture.md says why they do not call `build`).
 
-Both share the data (`load_data`, `step_batch`), the task's loss and `integrations.engine_for`, the step that
-`from_accelerator` and `ZOTrainer` take too once they have the user's model. Nothing here trains or writes to
+Each component is built from its own config section (config.sections). The builds share the data (`load_data`,
+`step_batch`) and the task's loss. Nothing here trains or writes to
 output_dir (the Job's CheckpointManager, created by `Job.checkpoints`, writes run_config.json into each checkpoint);
 `build` starts the process group, the logging to stderr and the thread pinning, and the model, tokenizer and data
 loaders fill their download caches.
@@ -10,6 +14,7 @@ loaders fill their download caches.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -20,13 +25,14 @@ from typing import Any
 
 import deepspeed
 import torch
+from accelerate.utils import DeepSpeedPlugin
 from deepspeed.accelerator import get_accelerator
 
 from curvzo_ds import data as D
 from curvzo_ds.checkpoint.manager import CheckpointManager
 from curvzo_ds.config.ds_config import load_ds_config
 from curvzo_ds.config.resolve import resolve, resolve_run, zo_part
-from curvzo_ds.config.schema import TrainConfig, resolve_presets, sources_of
+from curvzo_ds.config.schema import TrainConfig, ZOConfig, resolve_presets, sources_of
 from curvzo_ds.config.sections import section
 from curvzo_ds.data.stream import MicroBatches, micro_batch_indices
 from curvzo_ds.engine import ZOEngine
@@ -39,7 +45,6 @@ from curvzo_ds.shard.memory import Layout, group_candidates, plan_layouts
 from curvzo_ds.tasks import get_task, load_splits
 from curvzo_ds.tasks.splits import data_source
 from curvzo_ds.train.evaluate import Evaluator
-from curvzo_ds.train.integrations import accelerate_ds_config, engine_for
 from curvzo_ds.train.logs import setup_logging
 from curvzo_ds.train.outputs import write_run_config
 
@@ -140,6 +145,72 @@ def build_plain(cfg: TrainConfig) -> Job:
     if cfg.static_mask:
         engine.fit_static_mask([job.batch(t) for t in range(cfg.static_mask_batches)])
     return job
+
+
+def accelerate_ds_config() -> dict | None:
+    """The DeepSpeed config of the Accelerate config that `accelerate launch` started this process with
+    (its ACCELERATE_* variables: zero_stage, offload devices, deepspeed_config_file, mixed_precision), as
+    Accelerate builds it; None when the launch is not a DeepSpeed one. `curvzo-ds train` maps it like a
+    `--deepspeed` file."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    plugin = DeepSpeedPlugin()
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision in ("bf16", "fp16"):
+        plugin.set_mixed_precision(precision)  # adds the bf16/fp16 section, as the Accelerator does
+    elif precision != "no":
+        raise ConfigError(f"mixed_precision={precision!r} in the Accelerate config: use no, bf16 or fp16")
+    config = copy.deepcopy(plugin.deepspeed_config)
+    if "ACCELERATE_DEEPSPEED_ZERO_STAGE" not in os.environ:  # no zero_stage in the Accelerate config (Accelerate's
+        config.get("zero_optimization", {}).pop("stage", None)  # default, 2): curvzo-ds train's own, auto
+    return config
+
+
+def refuse_optimizer(ds_engine) -> None:
+    opt = ds_compat.optimizer_of(ds_engine)
+    if opt is not None:
+        raise ValueError(f"this DeepSpeed engine was created with an optimizer ({type(opt).__name__}), which "
+                         "holds fp32 master weights and Adam state that CurvZO never uses. Prepare the model alone, "
+                         "with no optimizer in the DeepSpeed config, or pass the unprepared model to "
+                         "curvzo_ds.from_accelerator.")
+
+
+def engine_for(model, loss_fn, config: ZOConfig | None = None, **options) -> ZOEngine:
+    """The ZOEngine on a model its caller built and prepared: the step of the composition root that every front
+    end takes (`build`, `build_plain`, `from_accelerator`, `ZOTrainer`). A DeepSpeed engine that holds an optimizer
+    is refused, and a DeepSpeed engine's `save_checkpoint` / `load_checkpoint` are routed to this project's
+    checkpoint (`install_checkpoint_hooks`). `options` are ZOEngine's keyword arguments (`topology`, `group`,
+    ZOConfig keys)."""
+    is_ds = ds_compat.is_ds_engine(model)
+    if is_ds:
+        refuse_optimizer(model)
+    engine = ZOEngine(model, loss_fn, config, **options)
+    if is_ds:
+        install_checkpoint_hooks(model, engine)
+    return engine
+
+
+def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
+    """Route `ds_engine.save_checkpoint` / `load_checkpoint` to the shard-local ZO checkpoint.
+
+    The signatures are DeepSpeed's: `save_checkpoint(save_dir, tag=None, client_state=None, ...)`
+    writes `save_dir/tag` (tag defaults to `global_step<N>`) and a `latest` file;
+    `load_checkpoint(load_dir, tag=None, ...)` returns `(path, client_state)`.
+    """
+    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **_ignored):
+        tag = str(tag) if tag is not None else f"global_step{engine.step_count}"
+        CheckpointManager(save_dir).save(engine, path=os.path.join(save_dir, tag), mark_latest=save_latest,
+                                         extra_state={"client_state": client_state or {}})
+        return True
+
+    def load_checkpoint(load_dir, tag=None, **_ignored):
+        manager = CheckpointManager(load_dir)
+        path = manager.tagged_latest() if tag is None else os.path.join(load_dir, str(tag))
+        trainer = manager.load(engine, path)
+        return path, trainer.get("client_state", {})
+
+    ds_engine.save_checkpoint = save_checkpoint
+    ds_engine.load_checkpoint = load_checkpoint
 
 
 def choose_layout(cfg: TrainConfig, user_ds: dict | None) -> tuple[Layout, dict]:
