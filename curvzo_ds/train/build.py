@@ -76,7 +76,7 @@ class Job:
         return self.topology.job.rank if self.topology is not None else 0
 
     def batch(self, step: int) -> MicroBatches:
-        return step_batch(self.cfg, self.train_data, self.tokenizer.pad_token_id, step)
+        return step_batch(section(self.cfg, "data"), self.cfg.seed, self.train_data, self.tokenizer.pad_token_id, step)
 
     def evaluate(self, split: str) -> dict:
         return self.evaluator.evaluate(split)
@@ -102,12 +102,12 @@ def build(cfg: TrainConfig) -> Job:
     topology.check_directions(cfg.num_directions)
     cfg, ds_config = resolve_config(cfg, topology, decided, user_ds)
     if topology.job.rank == 0:
-        warn_idle_ranks(cfg, topology.shard.world_size)
+        warn_idle_ranks(section(cfg, "data"), topology.shard.world_size)
     try:  # the task and its data are the user's: their errors are one line (exit 2), on every rank
         with main_process_first(topology.job):  # rank 0 fills the download and tokenizer caches first
             task, tokenizer, train_data, eval_data = load_data(section(cfg, "data"), section(cfg, "model"), cfg.seed)
-        warn_cut(cfg, train_data, eval_data)
-        check_batch_fits(cfg, task, train_data)
+        warn_cut(section(cfg, "data"), train_data, eval_data)
+        check_batch_fits(section(cfg, "data"), task, train_data)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     shard_group = topology.shard.group
@@ -331,55 +331,56 @@ def load_data(data_cfg, model_cfg, seed: int) -> tuple:
             {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]})
 
 
-def step_batch(cfg: TrainConfig, train_data: list[dict], pad_token_id: int, step: int) -> MicroBatches:
-    """The global batch of update `step` (0-based): the same examples and micro-batches at any world size."""
-    parts = micro_batch_indices(step, len(train_data), cfg.global_batch_size, cfg.micro_batch_size, cfg.seed)
+def step_batch(data_cfg, seed: int, train_data: list[dict], pad_token_id: int, step: int) -> MicroBatches:
+    """The global batch of update `step` (0-based): the same examples and micro-batches at any world size.
+    `data_cfg`: the `data` section (the batch sizes); `seed`: the engine section's, which orders the examples."""
+    parts = micro_batch_indices(step, len(train_data), data_cfg.global_batch_size, data_cfg.micro_batch_size, seed)
     return MicroBatches([D.collate([train_data[i] for i in part], pad_token_id) for part in parts])
 
 
-def warn_idle_ranks(cfg: TrainConfig, group_size: int) -> None:
+def warn_idle_ranks(data_cfg, group_size: int) -> None:
     """A global batch of fewer micro-batches than the ranks that share it leaves ranks with no examples: they run
     zero-weight forwards only (ZeRO-3's gathers are collective), so the job is as slow as one with more data."""
-    parts = -(-cfg.global_batch_size // cfg.micro_batch_size)
+    parts = -(-data_cfg.global_batch_size // data_cfg.micro_batch_size)
     if parts < group_size:
         log.warning("global_batch_size=%d in micro-batches of %d is %d micro-batch%s per step for %d ranks: %d of "
                     "them get no examples and only keep ZeRO-3's gathers in step: give each rank a micro-batch "
-                    "(global_batch_size >= %d x micro_batch_size), or start fewer ranks", cfg.global_batch_size,
-                    cfg.micro_batch_size, parts, "" if parts == 1 else "es", group_size, group_size - parts,
+                    "(global_batch_size >= %d x micro_batch_size), or start fewer ranks", data_cfg.global_batch_size,
+                    data_cfg.micro_batch_size, parts, "" if parts == 1 else "es", group_size, group_size - parts,
                     group_size)
 
 
-def warn_cut(cfg: TrainConfig, train_data: list[dict], eval_data: dict) -> None:
+def warn_cut(data_cfg, train_data: list[dict], eval_data: dict) -> None:
     """One warning when examples were cut to max_length; a ConfigError when it cut away every training example's
     prompt (the model would learn its label tokens from nothing)."""
     if train_data and not any(ex["prompt_kept"] for ex in train_data):
         needs = max(ex["needs"] for ex in train_data)
-        raise ConfigError(f"max_length={cfg.max_length} cuts away the prompt of every training example (only the "
+        raise ConfigError(f"max_length={data_cfg.max_length} cuts away the prompt of every training example (only the "
                           f"label tokens are left): raise max_length to at least {needs}, or leave it at its "
                           f"default ({TrainConfig.max_length})")
     cut = sum(ex["cut"] for data in (train_data, *eval_data.values()) for ex in data)
     if cut:
         total = len(train_data) + sum(len(d) for d in eval_data.values())
         log.warning("%d of %d examples are longer than max_length=%d tokens and were cut from the left "
-                    "(their label tokens kept); raise max_length to keep them whole", cut, total, cfg.max_length)
+                    "(their label tokens kept); raise max_length to keep them whole", cut, total, data_cfg.max_length)
 
 
-def check_batch_fits(cfg: TrainConfig, task, train_data: list[dict]) -> None:
+def check_batch_fits(data_cfg, task, train_data: list[dict]) -> None:
     """A global batch larger than the training pool: one line naming the pool's size and what sets it."""
     n = len(train_data)
-    if n >= cfg.global_batch_size:
+    if n >= data_cfg.global_batch_size:
         return
-    source = data_source(task, cfg.data_dir)
-    where = {"hub": "the hub dataset", "files": "the bundled samples" if cfg.data_dir == "samples" else
-             f"the files of task {task.name}", "dir": f"data_dir={cfg.data_dir}"}[source]
-    if n >= cfg.num_train:
+    source = data_source(task, data_cfg.data_dir)
+    where = {"hub": "the hub dataset", "files": "the bundled samples" if data_cfg.data_dir == "samples" else
+             f"the files of task {task.name}", "dir": f"data_dir={data_cfg.data_dir}"}[source]
+    if n >= data_cfg.num_train:
         fix = "lower global_batch_size or raise num_train"
     else:
         fix = (f"only {n} are left after dev and test are drawn: lower global_batch_size, or give more "
-               "training data" + (" (leave data_dir unset for the hub dataset)" if cfg.data_dir == "samples"
+               "training data" + (" (leave data_dir unset for the hub dataset)" if data_cfg.data_dir == "samples"
                                   else ""))
-    raise ConfigError(f"global_batch_size={cfg.global_batch_size} is larger than the {n} training examples "
-                      f"(num_train={cfg.num_train}, from {where}): {fix}")
+    raise ConfigError(f"global_batch_size={data_cfg.global_batch_size} is larger than the {n} training examples "
+                      f"(num_train={data_cfg.num_train}, from {where}): {fix}")
 
 
 def check_data_agrees(job, train_data: list[dict], eval_data: dict) -> None:
