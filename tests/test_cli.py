@@ -61,32 +61,42 @@ def test_importing_the_cli_imports_neither_deepspeed_nor_transformers():
 
 
 
-@pytest.mark.parametrize("outcome", [0, 2, 1, RuntimeError("unexpected")], ids=["done", "bad-input", "run-ended",
-                                                                              "unexpected"])
-def test_entry_leaves_the_process_group_on_every_path(outcome, monkeypatch, tmp_path, capfd):
+# Run in a child process: pytest's own process may hold the session's process group (conftest.one_rank_group, or
+# the one DeepSpeedPlugin starts in tests/test_ds_config.py), which this test must neither meet nor destroy, so
+# that the files pass in any order.
+ENTRY_CHILD = """
+import json, sys
+import torch.distributed as dist
+from curvzo_ds import cli
+
+store = sys.argv[1]
+seen = {}
+for outcome in ("0", "2", "1", "unexpected"):
+    def main(outcome=outcome):
+        dist.init_process_group("gloo", init_method=f"file://{store}-{outcome}", rank=0, world_size=1)
+        if outcome == "unexpected":
+            raise RuntimeError("unexpected")
+        return int(outcome)
+    cli.main = main
+    try:
+        cli.entry()
+    except SystemExit as e:
+        seen[outcome] = [e.code, dist.is_initialized()]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+print(json.dumps(seen))
+"""
+
+
+def test_entry_leaves_the_process_group_on_every_path(tmp_path):
     """A return from main (done, a bad input, a RunEnded) destroys the process group; an unexpected exception prints
     its traceback, aborts the group (no collective) and exits 1, as an uncaught exception does."""
-    import torch.distributed as dist
-
-    from curvzo_ds import cli
-
-    def main():
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    monkeypatch.setattr(cli, "main", main)
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            cli.entry()
-        assert exit_info.value.code == (1 if isinstance(outcome, Exception) else outcome)
-        assert not dist.is_initialized()
-        if isinstance(outcome, Exception):
-            assert "Traceback" in capfd.readouterr().err
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    proc = subprocess.run([sys.executable, "-c", ENTRY_CHILD, str(tmp_path / "store")], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"0": [0, False], "2": [2, False], "1": [1, False], "unexpected": [1, False]}, proc.stderr
+    assert proc.stderr.count("Traceback") == 1 and "RuntimeError: unexpected" in proc.stderr
 
 def eval_checkpoint(out: pathlib.Path, step: int) -> dict:
     """`curvzo-ds eval --resume out/checkpoint-<step>` with the run's settings; its eval.json."""

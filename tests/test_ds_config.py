@@ -287,7 +287,7 @@ def test_shipped_accelerate_configs_give_the_clis_global_batch(name, monkeypatch
     gradient_accumulation_steps. The GPU config sets no zero_stage either: the run's layout is then `auto`."""
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from curvzo_ds.train.integrations import accelerate_ds_config
+    from curvzo_ds.train.build import accelerate_ds_config
 
     config = load_config_from_file(str(SHIPPED / name))
     assert "gradient_accumulation_steps" not in config.deepspeed_config

@@ -53,6 +53,7 @@ def test_lora_export_and_merge(lora_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from curvzo_ds.config.schema import TrainConfig, resolve_presets
+    from curvzo_ds.config.sections import section
     from curvzo_ds.models import build_model
 
     out, _ = lora_run
@@ -62,7 +63,8 @@ def test_lora_export_and_merge(lora_run, tmp_path):
     assert (adapter / "adapter_model.safetensors").exists() and (adapter / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(str(export)).eval()
 
-    base, _ = build_model(resolve_presets(TrainConfig()), {})  # the demo base model, same seed as the run
+    base_cfg = resolve_presets(TrainConfig())
+    base, _ = build_model(section(base_cfg, "model"), base_cfg.seed, {})  # the demo base model, same seed as the run
     ids = torch.randint(0, base.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base_logits = base.eval()(ids).logits

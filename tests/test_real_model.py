@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from curvzo_ds.config.sections import section
 from curvzo_ds.tasks import demo_model_config, load_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -120,7 +121,8 @@ def test_oracle_sampler_keeps_the_energies_it_is_given(tiny_model, tmp_path):
     script = load_script()
     run = plain_run(script, tiny_model, tmp_path, "oracle")
     engine = run.engine
-    engine.sampler = script.OracleSampler(engine.cfg, engine.sizes, engine.noise.mask_uniforms)
+    engine.sampler = script.OracleSampler(section(engine.cfg, "sampler"), section(engine.cfg, "engine"), engine.sizes,
+                                          engine.noise.mask_uniforms)
     energy = run.block_energy(run.batch(0))
     engine.sampler.scores = energy.clone()
     engine.step(run.batch(0))

@@ -17,6 +17,7 @@ import torch
 from curvzo_ds.algo import estimators, sampling
 from curvzo_ds.algo.sampling import CurvZOSampler, StepPlan
 from curvzo_ds.config.schema import ZOConfig
+from curvzo_ds.config.sections import section
 
 SIZES = (3, 5, 2, 6)
 N = 200_000
@@ -34,7 +35,9 @@ def layout(sizes=SIZES, seed=0):
 def sampler_with(scores, sizes, **cfg) -> CurvZOSampler:
     base = dict(method="fixed", budget=0.5, score_init=1.0, score_warmup_steps=0, budget_floor=0.1)
     base.update(cfg)
-    s = CurvZOSampler(ZOConfig(**base), sizes, lambda step, g: torch.rand(g, dtype=torch.float64))
+    cfg = ZOConfig(**base)
+    s = CurvZOSampler(section(cfg, "sampler"), section(cfg, "engine"), sizes,
+                      lambda step, g: torch.rand(g, dtype=torch.float64))
     s.scores = torch.tensor(scores, dtype=torch.float64)
     return s
 
@@ -214,7 +217,8 @@ def test_effective_support_and_entropy_use_the_square_root():
 def test_observe_averages_the_warmup_then_follows_the_ema():
     sizes = torch.ones(3, dtype=torch.float64)
     cfg = ZOConfig(method="curvzo", score_warmup_steps=2, score_beta=0.25)
-    sampler = CurvZOSampler(cfg, sizes, lambda step, g: torch.zeros(g, dtype=torch.float64))  # all drawn
+    sampler = CurvZOSampler(section(cfg, "sampler"), section(cfg, "engine"), sizes,
+                            lambda step, g: torch.zeros(g, dtype=torch.float64))  # all drawn
     first = sampler.plan(0)
     assert first.warmup and torch.allclose(first.pi, torch.full((3,), cfg.budget_max, dtype=torch.float64))
     sampler.observe(first, 2.0, torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64))  # normalised: [1, 1, 2]

@@ -292,8 +292,12 @@ class CurvZOSampler:
     replicated.
     """
 
-    def __init__(self, cfg, sizes: torch.Tensor, mask_uniforms: Callable[[int, int], torch.Tensor]):
+    def __init__(self, cfg, schedule, sizes: torch.Tensor, mask_uniforms: Callable[[int, int], torch.Tensor]):
+        """`cfg`: the config's `sampler` section (config.sections: method, the budget rule, the scores);
+        `schedule`: its `engine` section, of which the learning-rate schedule reads `learning_rate`,
+        `lr_scheduler_type` and `max_steps`. Any object with those attributes serves (a ZOConfig too)."""
         self.cfg = cfg
+        self.schedule = schedule
         self.sizes = sizes.to(torch.float64)
         self.num_blocks = self.sizes.numel()
         self.mask_uniforms = mask_uniforms
@@ -307,7 +311,7 @@ class CurvZOSampler:
                         "again (pi = 0 is absorbing). A floor > 0 is recommended.")
 
     def learning_rate(self, step: int) -> float:
-        cfg = self.cfg
+        cfg = self.schedule
         return lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, cfg.max_steps)
 
     def in_warmup(self, step: int) -> bool:

@@ -90,6 +90,14 @@ class CheckpointManager:
     def path_for(self, step: int) -> str:
         return checkpoint_dir(self.output_dir, step)
 
+    @classmethod
+    def of(cls, checkpoint_cfg, **options) -> CheckpointManager:
+        """The manager of a run's `checkpoint` section (config.sections: output_dir, save_steps,
+        save_total_limit; overwrite_output_dir is the output-directory policy's, train/outputs.py). `options`:
+        the other keyword arguments of the constructor."""
+        return cls(checkpoint_cfg.output_dir, save_steps=checkpoint_cfg.save_steps,
+                   save_total_limit=checkpoint_cfg.save_total_limit, **options)
+
     def is_better(self, metrics: dict) -> bool:
         value = metrics.get(self.metric) if self.metric else None
         if value is None:

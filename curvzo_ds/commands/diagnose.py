@@ -23,6 +23,7 @@ import torch
 from curvzo_ds.algo.estimators import ESTIMATORS, expected_scores
 from curvzo_ds.algo.sampling import CurvZOSampler, adaptive_budget
 from curvzo_ds.config.schema import TrainConfig
+from curvzo_ds.config.sections import section
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.jsonio import write_json_atomic
@@ -44,7 +45,8 @@ def corr_log(x, y) -> float:
 def _sampler(cfg, sizes: torch.Tensor, uniforms=None) -> CurvZOSampler:
     cfg = copy.deepcopy(cfg)
     cfg = dataclasses.replace(cfg, score_init=0.0)  # the callers set the scores themselves
-    return CurvZOSampler(cfg, sizes, uniforms or (lambda step, g: torch.zeros(g, dtype=torch.float64)))
+    return CurvZOSampler(section(cfg, "sampler"), section(cfg, "engine"), sizes,
+                         uniforms or (lambda step, g: torch.zeros(g, dtype=torch.float64)))
 
 
 def fixed_point(sizes: torch.Tensor, energy: torch.Tensor, cfg, iters: int = 100, draws: int = 2000,
@@ -77,7 +79,8 @@ def simulate(sizes: torch.Tensor, energy: torch.Tensor, cfg, steps: int, seed: i
     g = sizes.numel()
     root = energy.to(torch.float64).sqrt()
     rest = (sizes - 1).clamp(min=0).numpy()
-    sampler = CurvZOSampler(copy.deepcopy(cfg), sizes, lambda step, k: torch.from_numpy(rng.random(k)))
+    sampler = CurvZOSampler(section(cfg, "sampler"), section(cfg, "engine"), sizes,
+                            lambda step, k: torch.from_numpy(rng.random(k)))
     pis, budgets, d_effs, hs = [], [], [], []
     for t in range(steps):
         plan = sampler.plan(t)

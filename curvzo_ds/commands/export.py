@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from curvzo_ds.checkpoint.format import consolidated_state_dict, publish_dir, read_manifest
 from curvzo_ds.config.schema import DEMO_MODELS, TrainConfig, field_names, resolve_presets
+from curvzo_ds.config.sections import section
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.hub import offline_unless_reachable
 from curvzo_ds.jsonio import honour_umask
@@ -159,9 +160,10 @@ def _base_model(recorded: str | None, cfg: TrainConfig | None, staging: str, out
     if recorded is None and cfg is not None and cfg.model in DEMO_MODELS:
         from curvzo_ds.models import build_model, load_tokenizer
 
-        base, _ = build_model(resolve_presets(dataclasses.replace(cfg, lora=False)), {})
+        base_cfg = resolve_presets(dataclasses.replace(cfg, lora=False))
+        base, _ = build_model(section(base_cfg, "model"), base_cfg.seed, {})
         base.save_pretrained(os.path.join(staging, "base"))
-        load_tokenizer(cfg).save_pretrained(os.path.join(staging, "base"))
+        load_tokenizer(section(cfg, "model")).save_pretrained(os.path.join(staging, "base"))
         base_dir = os.path.join(out, "base")
         return os.path.relpath(base_dir, adapter_dir), base, base_dir
     if recorded is not None and os.path.isdir(recorded):

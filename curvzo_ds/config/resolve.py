@@ -56,19 +56,15 @@ def resolve_run(cfg: TrainConfig, *, world_size: int, hidden_size: int | None, u
 
 
 def zo_part(cfg: TrainConfig) -> ZOConfig:
-    """The engine's keys of `cfg`, validated if `cfg` is (TrainConfig's checks include ZOConfig's)."""
+    """The engine's keys of `cfg`, resolved if `cfg` is (TrainConfig's checks include ZOConfig's)."""
     names = set(field_names(ZOConfig))
     part = ZOConfig(**{k: v for k, v in to_dict(cfg).items() if k in names})
-    if cfg.resolved:
-        return freeze(part)
-    if cfg.validated:
-        part._valid = dataclasses.astuple(part)
-    return part
+    return freeze(part) if cfg.resolved else part
 
 
 def engine_config(config: ZOConfig | None, overrides: dict[str, Any]) -> ZOConfig:
-    """ZOEngine's own copy of `config` (default: ZOConfig()) with its keyword `overrides`. It is validated unless it
-    was resolved (config.resolve validated it once) or validate() passed on these very values already; a public
+    """ZOEngine's own copy of `config` (default: ZOConfig()) with its keyword `overrides`, resolved: validated
+    unless it was resolved already (config.resolve validated it once), then frozen. A public
     `ZOEngine(model, loss_fn, ZOConfig(...))` with a bad value fails here, naming it."""
     cfg = copy.deepcopy(config) if config is not None else ZOConfig()
     names = set(field_names(type(cfg)))
@@ -81,6 +77,6 @@ def engine_config(config: ZOConfig | None, overrides: dict[str, Any]) -> ZOConfi
     if missing:
         raise ValueError(f"{', '.join(missing)} unset: a TrainConfig's presets are resolved by the CLI "
                          "(config.resolve); set them or pass a ZOConfig")
-    if not (cfg.resolved or cfg.validated):
+    if not cfg.resolved:
         cfg.validate()
-    return cfg
+    return freeze(cfg)

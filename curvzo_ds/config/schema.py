@@ -58,13 +58,15 @@ def key_fields(cls=None) -> list[dataclasses.Field]:
 class ZOConfig:
     """Hyper-parameters of the zeroth-order optimizer (paper Section 3, docs/algorithm.md).
 
-    A config that `config.resolve` returned is *resolved*: validated once and frozen (assigning a key raises
-    dataclasses.FrozenInstanceError). `dataclasses.replace` and `zo_part` of a resolved config: see `freeze`.
+    A config that `config.resolve` returned (or ZOEngine's own copy) is *resolved*: validated once and frozen
+    (assigning a key raises dataclasses.FrozenInstanceError); `resolved` is its one mark. `dataclasses.replace`
+    and `zo_part` of a resolved config: see `freeze`.
     """
 
     @property
     def resolved(self) -> bool:
-        """True for a config that `config.resolve` validated and froze; the engine does not validate it again."""
+        """True for a config that `config.resolve` (or `engine_config`) validated and froze; nothing validates it
+        again."""
         return self.__dict__.get("_resolved", False)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -125,15 +127,9 @@ class ZOConfig:
     static_mask_batches: int = key(4, "training batches of the static_mask's backprop probe")
 
     def validate(self) -> None:
-        """Raise ConfigError naming the first bad value, its valid range and the fix. A config that passes is
-        `validated` until one of its values changes."""
+        """Raise ConfigError naming the first bad value, its valid range and the fix. It marks nothing: the one
+        mark is `resolved` (`freeze`), set after the one validation."""
         self._check()
-        self._valid = dataclasses.astuple(self)
-
-    @property
-    def validated(self) -> bool:
-        """Whether validate() passed on exactly the current values (ZOEngine then does not check them again)."""
-        return getattr(self, "_valid", None) == dataclasses.astuple(self)
 
     def _check(self) -> None:
         need = functools.partial(_need, self)
@@ -376,9 +372,9 @@ def to_dict(cfg) -> dict[str, Any]:
 
 
 def freeze(cfg: ZOConfig) -> ZOConfig:
-    """Mark `cfg` resolved: validated, and frozen from now on. Only `config.resolve` (after its one validation)
-    and `zo_part` (of a resolved config) call it. Not a field: `dataclasses.replace` of a resolved config gives an
-    unresolved, mutable one, which the engine validates again."""
+    """Mark `cfg` resolved: validated, and frozen from now on. Only `config.resolve` and `engine_config` (after
+    their one validation) and `zo_part` (of a resolved config) call it. Not a field: `dataclasses.replace` of a
+    resolved config gives an unresolved, mutable one, which the engine validates again."""
     object.__setattr__(cfg, "_resolved", True)
     return cfg
 

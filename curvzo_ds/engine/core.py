@@ -15,6 +15,7 @@ import torch
 from curvzo_ds.algo.sampling import CurvZOSampler, StepPlan
 from curvzo_ds.config.resolve import engine_config
 from curvzo_ds.config.schema import ZOConfig
+from curvzo_ds.config.sections import section
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.engine.result import LossFn, StepResult, StepTimer
 from curvzo_ds.errors import NonFiniteLossError
@@ -70,7 +71,8 @@ class ZOEngine:
         self.noise = NoiseSource(cfg.seed)
         # Statistics and losses meet on the collectives' device, or with one rank on the weights' (no group needed).
         self.device = self.comm.device if self.comm.world_size > 1 else ds_compat.storage_device(self.entries[0].param)
-        self.sampler = CurvZOSampler(cfg, self.sizes, self.noise.mask_uniforms)
+        self.sampler = CurvZOSampler(section(cfg, "sampler"), section(cfg, "engine"), self.sizes,
+                                     self.noise.mask_uniforms)
         self.perturber: StepPasses = Perturber(self.entries, self.blocks, self.noise, self.device)
         self.static_mask: StaticMask | None = None  # static_mask: set by fit_static_mask or a checkpoint
         self.visibility = VisibilityMonitor(self.entries, self.blocks, self.device, cfg.visibility_steps,

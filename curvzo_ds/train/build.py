@@ -1,8 +1,12 @@
-"""The composition root: `build(cfg)` makes the `Job` that `curvzo-ds train`, `eval` and `bench` run, on every rank
-alike; `build_plain(cfg)` makes the one-process, DeepSpeed-free Job of `diagnose` (PlainRun) and experiments/.
+"""The composition root, the one place a run is put together:
+- `build(cfg)` makes the `Job` that `curvzo-ds train`, `eval` and `bench` run, on every rank alike;
+- `build_plain(cfg)` makes the one-process, DeepSpeed-free Job of `diagnose` and experiments/;
+- `engine_for(model, loss_fn, config)` puts the ZOEngine on a model that its caller built and prepared: both
+  builds end with it, and the front ends (`from_accelerator`, `ZOTrainer`) call it with the user's model, which
+  they own with the data and the loop (docs/architecture.md says why they do not call `build`).
 
-Both share the data (`load_data`, `step_batch`), the task's loss and `integrations.engine_for`, the step that
-`from_accelerator` and `ZOTrainer` take too once they have the user's model. Nothing here trains or writes to
+Each component is built from its own config section (config.sections). The builds share the data (`load_data`,
+`step_batch`) and the task's loss. Nothing here trains or writes to
 output_dir (the Job's CheckpointManager, created by `Job.checkpoints`, writes run_config.json into each checkpoint);
 `build` starts the process group, the logging to stderr and the thread pinning, and the model, tokenizer and data
 loaders fill their download caches.
@@ -10,6 +14,7 @@ loaders fill their download caches.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -20,13 +25,15 @@ from typing import Any
 
 import deepspeed
 import torch
+from accelerate.utils import DeepSpeedPlugin
 from deepspeed.accelerator import get_accelerator
 
 from curvzo_ds import data as D
 from curvzo_ds.checkpoint.manager import CheckpointManager
 from curvzo_ds.config.ds_config import load_ds_config
 from curvzo_ds.config.resolve import resolve, resolve_run, zo_part
-from curvzo_ds.config.schema import TrainConfig, resolve_presets, sources_of
+from curvzo_ds.config.schema import TrainConfig, ZOConfig, resolve_presets, sources_of
+from curvzo_ds.config.sections import section
 from curvzo_ds.data.stream import MicroBatches, micro_batch_indices
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.errors import ConfigError, RanksDisagree
@@ -38,7 +45,6 @@ from curvzo_ds.shard.memory import Layout, group_candidates, plan_layouts
 from curvzo_ds.tasks import get_task, load_splits
 from curvzo_ds.tasks.splits import data_source
 from curvzo_ds.train.evaluate import Evaluator
-from curvzo_ds.train.integrations import accelerate_ds_config, engine_for
 from curvzo_ds.train.logs import setup_logging
 from curvzo_ds.train.outputs import write_run_config
 
@@ -70,7 +76,7 @@ class Job:
         return self.topology.job.rank if self.topology is not None else 0
 
     def batch(self, step: int) -> MicroBatches:
-        return step_batch(self.cfg, self.train_data, self.tokenizer.pad_token_id, step)
+        return step_batch(section(self.cfg, "data"), self.cfg.seed, self.train_data, self.tokenizer.pad_token_id, step)
 
     def evaluate(self, split: str) -> dict:
         return self.evaluator.evaluate(split)
@@ -79,9 +85,8 @@ class Job:
         """The run's checkpoint manager: the model files and the tokenizer go into every checkpoint, and
         run_config.json, which `--resume`, `eval --resume` and export read."""
         cfg = self.cfg
-        return CheckpointManager(cfg.output_dir, save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
-                                 metric=self.task.metrics[0], tokenizer=self.tokenizer, states=states,
-                                 write_extra=lambda directory: write_run_config(cfg, directory))
+        return CheckpointManager.of(section(cfg, "checkpoint"), metric=self.task.metrics[0], tokenizer=self.tokenizer,
+                                    states=states, write_extra=lambda directory: write_run_config(cfg, directory))
 
 
 def build(cfg: TrainConfig) -> Job:
@@ -97,17 +102,17 @@ def build(cfg: TrainConfig) -> Job:
     topology.check_directions(cfg.num_directions)
     cfg, ds_config = resolve_config(cfg, topology, decided, user_ds)
     if topology.job.rank == 0:
-        warn_idle_ranks(cfg, topology.shard.world_size)
+        warn_idle_ranks(section(cfg, "data"), topology.shard.world_size)
     try:  # the task and its data are the user's: their errors are one line (exit 2), on every rank
         with main_process_first(topology.job):  # rank 0 fills the download and tokenizer caches first
-            task, tokenizer, train_data, eval_data = load_data(cfg)
-        warn_cut(cfg, train_data, eval_data)
-        check_batch_fits(cfg, task, train_data)
+            task, tokenizer, train_data, eval_data = load_data(section(cfg, "data"), section(cfg, "model"), cfg.seed)
+        warn_cut(section(cfg, "data"), train_data, eval_data)
+        check_batch_fits(section(cfg, "data"), task, train_data)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     shard_group = topology.shard.group
     mpu = GroupMPU(shard_group) if shard_group is not None else None
-    model, keep_alive = build_model(cfg, ds_config, shard_group, mpu)
+    model, keep_alive = build_model(section(cfg, "model"), cfg.seed, ds_config, shard_group, mpu)
     if topology.replica_group is not None:
         ds_compat.sync_replicas(model, topology.replica_group)
     ds_engine, *_ = deepspeed.initialize(model=model, config=ds_config, mpu=mpu)
@@ -128,8 +133,8 @@ def build_plain(cfg: TrainConfig) -> Job:
     splits, micro-batches and loss as `build`, so that its steps are those of a one-rank training run. A static
     mask (static_mask=true) is fitted here, as `curvzo-ds train` fits it before step 1."""
     cfg = resolve(cfg)
-    task, tokenizer, train_data, eval_data = load_data(cfg)
-    model, keep_alive = build_model(cfg, {})
+    task, tokenizer, train_data, eval_data = load_data(section(cfg, "data"), section(cfg, "model"), cfg.seed)
+    model, keep_alive = build_model(section(cfg, "model"), cfg.seed, {})
     loss = D.loss_fn_for(task, cfg.train_as_classification)
     engine = engine_for(model, loss, zo_part(cfg))
     device = torch.device("cpu")
@@ -140,6 +145,72 @@ def build_plain(cfg: TrainConfig) -> Job:
     if cfg.static_mask:
         engine.fit_static_mask([job.batch(t) for t in range(cfg.static_mask_batches)])
     return job
+
+
+def accelerate_ds_config() -> dict | None:
+    """The DeepSpeed config of the Accelerate config that `accelerate launch` started this process with
+    (its ACCELERATE_* variables: zero_stage, offload devices, deepspeed_config_file, mixed_precision), as
+    Accelerate builds it; None when the launch is not a DeepSpeed one. `curvzo-ds train` maps it like a
+    `--deepspeed` file."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    plugin = DeepSpeedPlugin()
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision in ("bf16", "fp16"):
+        plugin.set_mixed_precision(precision)  # adds the bf16/fp16 section, as the Accelerator does
+    elif precision != "no":
+        raise ConfigError(f"mixed_precision={precision!r} in the Accelerate config: use no, bf16 or fp16")
+    config = copy.deepcopy(plugin.deepspeed_config)
+    if "ACCELERATE_DEEPSPEED_ZERO_STAGE" not in os.environ:  # no zero_stage in the Accelerate config (Accelerate's
+        config.get("zero_optimization", {}).pop("stage", None)  # default, 2): curvzo-ds train's own, auto
+    return config
+
+
+def refuse_optimizer(ds_engine) -> None:
+    opt = ds_compat.optimizer_of(ds_engine)
+    if opt is not None:
+        raise ValueError(f"this DeepSpeed engine was created with an optimizer ({type(opt).__name__}), which "
+                         "holds fp32 master weights and Adam state that CurvZO never uses. Prepare the model alone, "
+                         "with no optimizer in the DeepSpeed config, or pass the unprepared model to "
+                         "curvzo_ds.from_accelerator.")
+
+
+def engine_for(model, loss_fn, config: ZOConfig | None = None, **options) -> ZOEngine:
+    """The ZOEngine on a model its caller built and prepared: the step of the composition root that every front
+    end takes (`build`, `build_plain`, `from_accelerator`, `ZOTrainer`). A DeepSpeed engine that holds an optimizer
+    is refused, and a DeepSpeed engine's `save_checkpoint` / `load_checkpoint` are routed to this project's
+    checkpoint (`install_checkpoint_hooks`). `options` are ZOEngine's keyword arguments (`topology`, `group`,
+    ZOConfig keys)."""
+    is_ds = ds_compat.is_ds_engine(model)
+    if is_ds:
+        refuse_optimizer(model)
+    engine = ZOEngine(model, loss_fn, config, **options)
+    if is_ds:
+        install_checkpoint_hooks(model, engine)
+    return engine
+
+
+def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
+    """Route `ds_engine.save_checkpoint` / `load_checkpoint` to the shard-local ZO checkpoint.
+
+    The signatures are DeepSpeed's: `save_checkpoint(save_dir, tag=None, client_state=None, ...)`
+    writes `save_dir/tag` (tag defaults to `global_step<N>`) and a `latest` file;
+    `load_checkpoint(load_dir, tag=None, ...)` returns `(path, client_state)`.
+    """
+    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **_ignored):
+        tag = str(tag) if tag is not None else f"global_step{engine.step_count}"
+        CheckpointManager(save_dir).save(engine, path=os.path.join(save_dir, tag), mark_latest=save_latest,
+                                         extra_state={"client_state": client_state or {}})
+        return True
+
+    def load_checkpoint(load_dir, tag=None, **_ignored):
+        manager = CheckpointManager(load_dir)
+        path = manager.tagged_latest() if tag is None else os.path.join(load_dir, str(tag))
+        trainer = manager.load(engine, path)
+        return path, trainer.get("client_state", {})
+
+    ds_engine.save_checkpoint = save_checkpoint
+    ds_engine.load_checkpoint = load_checkpoint
 
 
 def choose_layout(cfg: TrainConfig, user_ds: dict | None) -> tuple[Layout, dict]:
@@ -233,8 +304,9 @@ def resolve_config(cfg: TrainConfig, topology: Topology, decided: dict, user_ds:
     # Each replica group processes the whole global batch: DeepSpeed's data-parallel world is the shard group.
     # A mapped key given explicitly (--set or the YAML) that the DeepSpeed config sets otherwise is refused. A
     # config the CLI resolved is not validated again (config.resolve): the mapping checks what it sets.
+    hidden_size = model_hidden_size(section(resolve_presets(cfg), "model"))
     cfg, ds_config, notes = resolve_run(
-        cfg, world_size=topology.shard.world_size, hidden_size=model_hidden_size(resolve_presets(cfg)),
+        cfg, world_size=topology.shard.world_size, hidden_size=hidden_size,
         user_ds=user_ds, where=f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config",
         chosen=decided)
     for note in notes:
@@ -246,65 +318,69 @@ def resolve_config(cfg: TrainConfig, topology: Topology, decided: dict, user_ds:
     return cfg, ds_config
 
 
-def load_data(cfg: TrainConfig) -> tuple:
-    """(task, tokenizer, encoded train examples, {"dev"/"test": encoded examples}) as `curvzo-ds train` uses them."""
-    task = get_task(cfg.task)
-    tokenizer = load_tokenizer(cfg)
-    splits = load_splits(task, cfg.seed, cfg.num_train, cfg.num_dev, cfg.num_eval, cfg.data_dir)
-    enc = lambda ex, cls: D.encode(task, tokenizer, ex, cfg.max_length, cls, cfg.max_new_tokens)  # noqa: E731
-    return (task, tokenizer, [enc(ex, cfg.train_as_classification) for ex in splits["train"]],
+def load_data(data_cfg, model_cfg, seed: int) -> tuple:
+    """(task, tokenizer, encoded train examples, {"dev"/"test": encoded examples}) as `curvzo-ds train` uses them.
+    `data_cfg`: the config's `data` section (the task, its sizes, the encoding); `model_cfg`: its `model` section
+    (the tokenizer); `seed`: the engine section's, which draws the splits."""
+    task = get_task(data_cfg.task)
+    tokenizer = load_tokenizer(model_cfg)
+    splits = load_splits(task, seed, data_cfg.num_train, data_cfg.num_dev, data_cfg.num_eval, data_cfg.data_dir)
+    enc = lambda ex, cls: D.encode(task, tokenizer, ex, data_cfg.max_length, cls,  # noqa: E731
+                                   data_cfg.max_new_tokens)
+    return (task, tokenizer, [enc(ex, data_cfg.train_as_classification) for ex in splits["train"]],
             {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]})
 
 
-def step_batch(cfg: TrainConfig, train_data: list[dict], pad_token_id: int, step: int) -> MicroBatches:
-    """The global batch of update `step` (0-based): the same examples and micro-batches at any world size."""
-    parts = micro_batch_indices(step, len(train_data), cfg.global_batch_size, cfg.micro_batch_size, cfg.seed)
+def step_batch(data_cfg, seed: int, train_data: list[dict], pad_token_id: int, step: int) -> MicroBatches:
+    """The global batch of update `step` (0-based): the same examples and micro-batches at any world size.
+    `data_cfg`: the `data` section (the batch sizes); `seed`: the engine section's, which orders the examples."""
+    parts = micro_batch_indices(step, len(train_data), data_cfg.global_batch_size, data_cfg.micro_batch_size, seed)
     return MicroBatches([D.collate([train_data[i] for i in part], pad_token_id) for part in parts])
 
 
-def warn_idle_ranks(cfg: TrainConfig, group_size: int) -> None:
+def warn_idle_ranks(data_cfg, group_size: int) -> None:
     """A global batch of fewer micro-batches than the ranks that share it leaves ranks with no examples: they run
     zero-weight forwards only (ZeRO-3's gathers are collective), so the job is as slow as one with more data."""
-    parts = -(-cfg.global_batch_size // cfg.micro_batch_size)
+    parts = -(-data_cfg.global_batch_size // data_cfg.micro_batch_size)
     if parts < group_size:
         log.warning("global_batch_size=%d in micro-batches of %d is %d micro-batch%s per step for %d ranks: %d of "
                     "them get no examples and only keep ZeRO-3's gathers in step: give each rank a micro-batch "
-                    "(global_batch_size >= %d x micro_batch_size), or start fewer ranks", cfg.global_batch_size,
-                    cfg.micro_batch_size, parts, "" if parts == 1 else "es", group_size, group_size - parts,
+                    "(global_batch_size >= %d x micro_batch_size), or start fewer ranks", data_cfg.global_batch_size,
+                    data_cfg.micro_batch_size, parts, "" if parts == 1 else "es", group_size, group_size - parts,
                     group_size)
 
 
-def warn_cut(cfg: TrainConfig, train_data: list[dict], eval_data: dict) -> None:
+def warn_cut(data_cfg, train_data: list[dict], eval_data: dict) -> None:
     """One warning when examples were cut to max_length; a ConfigError when it cut away every training example's
     prompt (the model would learn its label tokens from nothing)."""
     if train_data and not any(ex["prompt_kept"] for ex in train_data):
         needs = max(ex["needs"] for ex in train_data)
-        raise ConfigError(f"max_length={cfg.max_length} cuts away the prompt of every training example (only the "
+        raise ConfigError(f"max_length={data_cfg.max_length} cuts away the prompt of every training example (only the "
                           f"label tokens are left): raise max_length to at least {needs}, or leave it at its "
                           f"default ({TrainConfig.max_length})")
     cut = sum(ex["cut"] for data in (train_data, *eval_data.values()) for ex in data)
     if cut:
         total = len(train_data) + sum(len(d) for d in eval_data.values())
         log.warning("%d of %d examples are longer than max_length=%d tokens and were cut from the left "
-                    "(their label tokens kept); raise max_length to keep them whole", cut, total, cfg.max_length)
+                    "(their label tokens kept); raise max_length to keep them whole", cut, total, data_cfg.max_length)
 
 
-def check_batch_fits(cfg: TrainConfig, task, train_data: list[dict]) -> None:
+def check_batch_fits(data_cfg, task, train_data: list[dict]) -> None:
     """A global batch larger than the training pool: one line naming the pool's size and what sets it."""
     n = len(train_data)
-    if n >= cfg.global_batch_size:
+    if n >= data_cfg.global_batch_size:
         return
-    source = data_source(task, cfg.data_dir)
-    where = {"hub": "the hub dataset", "files": "the bundled samples" if cfg.data_dir == "samples" else
-             f"the files of task {task.name}", "dir": f"data_dir={cfg.data_dir}"}[source]
-    if n >= cfg.num_train:
+    source = data_source(task, data_cfg.data_dir)
+    where = {"hub": "the hub dataset", "files": "the bundled samples" if data_cfg.data_dir == "samples" else
+             f"the files of task {task.name}", "dir": f"data_dir={data_cfg.data_dir}"}[source]
+    if n >= data_cfg.num_train:
         fix = "lower global_batch_size or raise num_train"
     else:
         fix = (f"only {n} are left after dev and test are drawn: lower global_batch_size, or give more "
-               "training data" + (" (leave data_dir unset for the hub dataset)" if cfg.data_dir == "samples"
+               "training data" + (" (leave data_dir unset for the hub dataset)" if data_cfg.data_dir == "samples"
                                   else ""))
-    raise ConfigError(f"global_batch_size={cfg.global_batch_size} is larger than the {n} training examples "
-                      f"(num_train={cfg.num_train}, from {where}): {fix}")
+    raise ConfigError(f"global_batch_size={data_cfg.global_batch_size} is larger than the {n} training examples "
+                      f"(num_train={data_cfg.num_train}, from {where}): {fix}")
 
 
 def check_data_agrees(job, train_data: list[dict], eval_data: dict) -> None:

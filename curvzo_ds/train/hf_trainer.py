@@ -22,7 +22,8 @@ from transformers.trainer_utils import TrainOutput, set_seed
 from curvzo_ds.checkpoint.manager import CheckpointManager
 from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.engine import StepResult, ZOEngine
-from curvzo_ds.train.integrations import align_accelerate_state, clean_deepspeed_config, engine_for, hidden_size
+from curvzo_ds.train.build import engine_for
+from curvzo_ds.train.integrations import align_accelerate_state, clean_deepspeed_config, hidden_size
 
 log = logging.getLogger("curvzo_ds")
 

@@ -6,33 +6,32 @@
   with no optimizer) and returns a ZOEngine whose checkpoints go through `accelerator.save_state()`
   / `load_state()`.
 - DeepSpeed's `engine.save_checkpoint` needs an optimizer: without one, rank 0 waits in a collective
-  the other ranks never enter (docs/deepspeed.md). `install_checkpoint_hooks` replaces the engine's
+  the other ranks never enter (docs/deepspeed.md). `build.install_checkpoint_hooks` replaces the engine's
   `save_checkpoint` / `load_checkpoint` with this project's shard-local checkpoint, so Accelerate,
   the Trainer and users' own calls all work, at any world size.
-- `engine_for(model, loss_fn, config)` is the step that every front end shares once it has a model
-  (the CLI's train/build.py, `from_accelerator`, `ZOTrainer`, `diagnose`'s PlainRun): the optimizer
-  check, the ZOEngine, and a DeepSpeed engine's checkpoint hooks.
+- The engine comes from the composition root, `train.build.engine_for(model, loss_fn, config)`, as
+  for `build(cfg)`, `build_plain(cfg)` and `ZOTrainer`: the optimizer check, the ZOEngine, and a
+  DeepSpeed engine's checkpoint hooks (`install_checkpoint_hooks`).
 - `split_batch` (data/stream.py) cuts one global batch into `MicroBatches` (micro-batch j on rank
   j mod W), which makes a loop with an unsharded data loader independent of the number of ranks.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DeepSpeedPlugin, DistributedType
+from accelerate.utils import DistributedType
 
 from curvzo_ds.checkpoint.manager import CheckpointManager
 from curvzo_ds.config.ds_config import resolve_ds_config
 from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.engine import ZOEngine
-from curvzo_ds.errors import ConfigError
 from curvzo_ds.shard import ds_compat
 from curvzo_ds.shard.shapes import hidden_size_of
+from curvzo_ds.train.build import engine_for, install_checkpoint_hooks
 
 log = logging.getLogger("curvzo_ds")
 ZO_CHECKPOINT = "zo_checkpoint"  # the sub-directory of an accelerate.save_state() directory (no DeepSpeed)
@@ -51,25 +50,6 @@ def clean_deepspeed_config(config: dict, world_size: int, micro_batch_size: int,
         log.warning("deepspeed config: %s", note)
     config.clear()
     config.update(cleaned)
-    return config
-
-
-def accelerate_ds_config() -> dict | None:
-    """The DeepSpeed config of the Accelerate config that `accelerate launch` started this process with
-    (its ACCELERATE_* variables: zero_stage, offload devices, deepspeed_config_file, mixed_precision), as
-    Accelerate builds it; None when the launch is not a DeepSpeed one. `curvzo-ds train` maps it like a
-    `--deepspeed` file."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
-        return None
-    plugin = DeepSpeedPlugin()
-    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if precision in ("bf16", "fp16"):
-        plugin.set_mixed_precision(precision)  # adds the bf16/fp16 section, as the Accelerator does
-    elif precision != "no":
-        raise ConfigError(f"mixed_precision={precision!r} in the Accelerate config: use no, bf16 or fp16")
-    config = copy.deepcopy(plugin.deepspeed_config)
-    if "ACCELERATE_DEEPSPEED_ZERO_STAGE" not in os.environ:  # no zero_stage in the Accelerate config (Accelerate's
-        config.get("zero_optimization", {}).pop("stage", None)  # default, 2): curvzo-ds train's own, auto
     return config
 
 
@@ -95,15 +75,6 @@ def align_accelerate_state(accelerator=None) -> None:
         obj.num_processes, obj.process_index, obj.local_process_index = world, rank, local
 
 
-def refuse_optimizer(ds_engine) -> None:
-    opt = ds_compat.optimizer_of(ds_engine)
-    if opt is not None:
-        raise ValueError(f"this DeepSpeed engine was created with an optimizer ({type(opt).__name__}), which "
-                         "holds fp32 master weights and Adam state that CurvZO never uses. Prepare the model alone, "
-                         "with no optimizer in the DeepSpeed config, or pass the unprepared model to "
-                         "curvzo_ds.from_accelerator.")
-
-
 def from_accelerator(accelerator, model, loss_fn, config: ZOConfig | None = None, *, micro_batch_size: int = 1,
                      **overrides) -> ZOEngine:
     """A ZOEngine for an Accelerate loop: `model` (unprepared) is prepared with no optimizer.
@@ -127,43 +98,6 @@ def from_accelerator(accelerator, model, loss_fn, config: ZOConfig | None = None
     return engine
 
 
-def engine_for(model, loss_fn, config: ZOConfig | None = None, **options) -> ZOEngine:
-    """The ZOEngine on a model its caller built and prepared, the step every front end shares (train/build.py,
-    `from_accelerator`, `ZOTrainer`, `diagnose`'s PlainRun). A DeepSpeed engine that holds an optimizer is refused,
-    and a DeepSpeed engine's `save_checkpoint` / `load_checkpoint` are routed to this project's checkpoint
-    (`install_checkpoint_hooks`). `options` are ZOEngine's keyword arguments (`topology`, `group`, ZOConfig keys)."""
-    is_ds = ds_compat.is_ds_engine(model)
-    if is_ds:
-        refuse_optimizer(model)
-    engine = ZOEngine(model, loss_fn, config, **options)
-    if is_ds:
-        install_checkpoint_hooks(model, engine)
-    return engine
-
-
-def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
-    """Route `ds_engine.save_checkpoint` / `load_checkpoint` to the shard-local ZO checkpoint.
-
-    The signatures are DeepSpeed's: `save_checkpoint(save_dir, tag=None, client_state=None, ...)`
-    writes `save_dir/tag` (tag defaults to `global_step<N>`) and a `latest` file;
-    `load_checkpoint(load_dir, tag=None, ...)` returns `(path, client_state)`.
-    """
-    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **_ignored):
-        tag = str(tag) if tag is not None else f"global_step{engine.step_count}"
-        CheckpointManager(save_dir).save(engine, path=os.path.join(save_dir, tag), mark_latest=save_latest,
-                                         extra_state={"client_state": client_state or {}})
-        return True
-
-    def load_checkpoint(load_dir, tag=None, **_ignored):
-        manager = CheckpointManager(load_dir)
-        path = manager.tagged_latest() if tag is None else os.path.join(load_dir, str(tag))
-        trainer = manager.load(engine, path)
-        return path, trainer.get("client_state", {})
-
-    ds_engine.save_checkpoint = save_checkpoint
-    ds_engine.load_checkpoint = load_checkpoint
-
-
 def _register_accelerate_hooks(accelerator, engine: ZOEngine) -> None:
     """Without DeepSpeed, save_state/load_state carry the ZO checkpoint in `<dir>/zo_checkpoint`."""
     def save(models, weights, output_dir):
@@ -174,3 +108,8 @@ def _register_accelerate_hooks(accelerator, engine: ZOEngine) -> None:
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
+
+
+# install_checkpoint_hooks is documented here (docs/integrations.md) for users' own engines; it lives in the root.
+__all__ = ["from_accelerator", "install_checkpoint_hooks", "engine_for", "clean_deepspeed_config",
+           "align_accelerate_state", "hidden_size", "ZO_CHECKPOINT"]

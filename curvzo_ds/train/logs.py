@@ -16,7 +16,6 @@ import sys
 import time
 
 from curvzo_ds.config.report_to import resolve_report_to
-from curvzo_ds.config.schema import to_dict
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.jsonio import dumps, replace_atomic
 from curvzo_ds.startup import take_captured
@@ -208,16 +207,17 @@ def progress_logging(bar):
     return logging_redirect_tqdm()
 
 
-def make_progress(cfg, rank: int, start: int):
+def make_progress(logging_cfg, max_steps: int, rank: int, start: int):
     """A tqdm bar on rank 0 when stderr is a terminal with a width, else log lines (every `progress_interval`
-    seconds): a terminal that reports 0 columns (some container and CI consoles) shows no tqdm bar at all."""
-    if rank != 0 or cfg.disable_tqdm:
+    seconds): a terminal that reports 0 columns (some container and CI consoles) shows no tqdm bar at all.
+    `logging_cfg`: the config's `logging` section (its `disable_tqdm`, `progress_interval`)."""
+    if rank != 0 or logging_cfg.disable_tqdm:
         return None
     if not sys.stderr.isatty() or terminal_columns() == 0:
-        return LogProgress(cfg.max_steps, start, cfg.progress_interval)
+        return LogProgress(max_steps, start, logging_cfg.progress_interval)
     from tqdm.auto import tqdm
 
-    return tqdm(total=cfg.max_steps, initial=start, desc="curvzo", unit="step", dynamic_ncols=True)
+    return tqdm(total=max_steps, initial=start, desc="curvzo", unit="step", dynamic_ncols=True)
 
 
 def terminal_columns() -> int:
@@ -232,17 +232,23 @@ class RunLog:
     """What a training run records as it goes, on rank 0 (docs/outputs.md): a metrics.jsonl line every
     `logging_steps`, at the last step and at a stop; the pi side file on the same logging steps (not for MeZO,
     whose pi is all 1); eval lines; the progress bar or progress lines. On resume from `start` the files drop
-    what came after it. Build it only once the output directory has been checked: it writes there."""
+    what came after it. Build it only once the output directory has been checked: it writes there.
 
-    def __init__(self, cfg, rank: int, block_names: list[str], start: int):
-        self.logging_steps, self.max_steps = cfg.logging_steps, cfg.max_steps
-        self.metrics = MetricsWriter(cfg.output_dir, enabled=rank == 0,
-                                     trackers=resolve_report_to(cfg.report_to) if rank == 0 else [],
-                                     run_config=to_dict(cfg) if rank == 0 else None)
+    `logging_cfg` is the config's `logging` section (config.sections: logging_steps, report_to, the progress
+    keys); the keys of other sections it needs are passed as values: `output_dir` (checkpoint), `max_steps`
+    (engine), `pi_file` (false for the sampler's method mezo), `run_config` (the whole run's keys, which trackers
+    other than TensorBoard record as hyperparameters)."""
+
+    def __init__(self, logging_cfg, *, output_dir: str, max_steps: int, pi_file: bool, rank: int,
+                 block_names: list[str], start: int, run_config: dict | None = None):
+        self.logging_steps, self.max_steps = logging_cfg.logging_steps, max_steps
+        self.metrics = MetricsWriter(output_dir, enabled=rank == 0,
+                                     trackers=resolve_report_to(logging_cfg.report_to) if rank == 0 else [],
+                                     run_config=run_config if rank == 0 else None)
         self.metrics.truncate_after(start)
-        self.pi = PiWriter(cfg.output_dir, block_names, enabled=rank == 0 and cfg.method != "mezo")
+        self.pi = PiWriter(output_dir, block_names, enabled=rank == 0 and pi_file)
         self.pi.truncate_after(start)
-        self.bar = make_progress(cfg, rank, start)
+        self.bar = make_progress(logging_cfg, max_steps, rank, start)
 
     def step(self, r, seconds: float) -> None:
         """A finished update (an engine StepResult)."""

@@ -15,6 +15,7 @@ import time
 from curvzo_ds.checkpoint.manager import CheckpointManager, load_checkpoint, verify_checkpoint
 from curvzo_ds.config.load import RESUME_MAY_CHANGE, differences
 from curvzo_ds.config.schema import TrainConfig, field_names, to_dict
+from curvzo_ds.config.sections import section
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.shard.digest import params_digest
 from curvzo_ds.train.build import Job, build
@@ -40,7 +41,9 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
     clock = Clock()
     manager = job.checkpoints(states={"clock": clock})
     resumed_from = start(job, manager, resume)
-    record = RunLog(cfg, job.rank, [b.name for b in engine.blocks], engine.step_count)
+    record = RunLog(section(cfg, "logging"), output_dir=cfg.output_dir, max_steps=cfg.max_steps,
+                    pi_file=cfg.method != "mezo", rank=job.rank, block_names=[b.name for b in engine.blocks],
+                    start=engine.step_count, run_config=to_dict(cfg))
     try:
         with record.progress(), StopRequest() as stop:
             train_loop(job, manager, record, clock, stop)
