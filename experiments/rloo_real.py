@@ -41,20 +41,9 @@ def settings_of(model: str, task: str, arm: str, lr: float, seed: int) -> dict:
 
 def one_run(model: str, task: str, task_dir: str, arm: str, lr: float, seed: int, log: Log) -> dict:
     settings = settings_of(model, task, arm, lr, seed)
-    path = os.path.join(OUT, "runs", digest(settings) + ".json")
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
     cfg = dataclasses.replace(R.run_config(model, task_dir, "mezo", lr, seed, settings["steps"]), difference="rloo",
                               num_directions=ARMS[arm])
-    start = time.time()
-    result = dict(settings=settings, **R.train(cfg, "mezo", settings["eval_every"]))
-    result["seconds"] = time.time() - start
-    write_json_atomic(path, result)
-    final = result["curve"][-1]
-    log(f"run {task} {arm} lr={lr:g} seed={seed}: dev loss {final['loss']:.4f} acc {final['accuracy']:.3f}, "
-        f"test acc {result['test']['accuracy']:.3f} ({result['seconds']:.0f}s, {result['step_seconds']:.2f}s/step)")
-    return result
+    return cached_run(settings, cfg, "mezo", log)
 
 
 def stable_run(model: str, task: str, task_dir: str, lr: float, seed: int, log: Log) -> dict:
@@ -62,19 +51,26 @@ def stable_run(model: str, task: str, task_dir: str, lr: float, seed: int, log: 
     settings = dict(model=os.path.basename(model), task=task, arm="curvzo-stable",
                     spec=dict(method="curvzo", rate_correction="max_weight"), lr=lr, seed=seed, steps=FORWARDS // 2,
                     eval_every=25, data=R.DATA)
+    cfg = dataclasses.replace(R.run_config(model, task_dir, "curvzo", lr, seed, settings["steps"]),
+                              rate_correction="max_weight")
+    return cached_run(settings, cfg, "curvzo", log)
+
+
+def cached_run(settings: dict, cfg, train_arm: str, log: Log) -> dict:
+    """runs/<hash of settings>.json, or real_model.py's `train` of `cfg` (with `train_arm`'s additions, none for
+    mezo and curvzo) written there."""
     path = os.path.join(OUT, "runs", digest(settings) + ".json")
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
-    cfg = dataclasses.replace(R.run_config(model, task_dir, "curvzo", lr, seed, settings["steps"]),
-                              rate_correction="max_weight")
     start = time.time()
-    result = dict(settings=settings, **R.train(cfg, "curvzo", settings["eval_every"]))
+    result = dict(settings=settings, **R.train(cfg, train_arm, settings["eval_every"]))
     result["seconds"] = time.time() - start
     write_json_atomic(path, result)
     final = result["curve"][-1]
-    log(f"run {task} curvzo-stable lr={lr:g} seed={seed}: dev loss {final['loss']:.4f} acc {final['accuracy']:.3f}"
-        f" ({result['seconds']:.0f}s)")
+    log(f"run {settings['task']} {settings['arm']} lr={settings['lr']:g} seed={settings['seed']}: dev loss "
+        f"{final['loss']:.4f} acc {final['accuracy']:.3f}, test acc {result['test']['accuracy']:.3f} "
+        f"({result['seconds']:.0f}s, {result['step_seconds']:.2f}s/step)")
     return result
 
 
