@@ -84,9 +84,10 @@ def test_a_launch_script_exits_3_when_the_ranks_stopped_on_a_signal(tmp_path):
     assert "(the launcher exited 1): exit 3" in text, text[-3000:]
     saved = checkpoints(out)
     assert saved and 20 <= saved[-1] < TOTAL and saved[-1] % SAVE != 0, saved
-    # Issue 38 §6: a bad input is one line and exit 2 before any rank starts (the script's `train --check`); one
-    # that only the ranks see (max_length against the data) is exit 2 too, from their marks; any other failure
-    # keeps the launcher's code.
+    # Issue 38 §6: a bad input is one line and exit 2 before any rank starts (the script's `train --check`), the
+    # data's (max_length against the examples) and float16's included; one that only the ranks see (LoRA's target
+    # modules against the built model) is exit 2 too, from their marks; any other failure keeps the launcher's
+    # code.
     def script(*args, **extra):
         run_env = {**env, "MASTER_PORT": str(free_port()), **extra}
         return subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), *args], env=run_env, cwd=str(ROOT),
@@ -96,7 +97,13 @@ def test_a_launch_script_exits_3_when_the_ranks_stopped_on_a_signal(tmp_path):
     lines = [line for line in bad.stderr.splitlines() if line.strip()]
     assert bad.returncode == 2, bad.stderr[-3000:]
     assert lines == ["curvzo-ds train: error: max_steps='abc' is invalid: it must be an integer >= 0"], lines
-    seen_by_ranks = script(*COMMON, "--set", f"output_dir={tmp_path / 'short'}", "--set", "max_length=2")
+    for setting, words in (("max_length=2", "cuts away the prompt"), ("dtype=float16", "has no float16")):
+        data = script(*COMMON, "--set", f"output_dir={tmp_path / 'short'}", "--set", setting)
+        lines = [line for line in data.stderr.splitlines() if line.strip() and "Setting accelerator" not in line]
+        assert data.returncode == 2 and len(lines) == 1 and words in lines[0], data.stderr[-3000:]
+        assert not (tmp_path / "short").exists()  # no rank started
+    seen_by_ranks = script(*COMMON, "--set", f"output_dir={tmp_path / 'short'}", "--set", "lora=true", "--set",
+                           "lora_target_modules=foo")
     assert seen_by_ranks.returncode == 2, seen_by_ranks.stderr[-3000:]
     assert "the launcher exited 1): exit 2" in seen_by_ranks.stderr, seen_by_ranks.stderr[-3000:]
     other = script(NPROC="0")

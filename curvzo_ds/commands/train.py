@@ -43,7 +43,32 @@ def register(sub) -> None:
 def handle(args) -> None:
     cfg = load_config(args.config, args.set, args.deepspeed)
     if args.check:
+        preflight(cfg)
         return
     from curvzo_ds.train.run import run_train  # DeepSpeed is imported with it: only when a run starts
 
     run_train(cfg, args.resume)
+
+
+def preflight(cfg) -> None:
+    """`train --check`, beyond the config: what one process can refuse before any rank starts, so that a launcher
+    never starts ranks that would all refuse it (and print its own traceback): float16 where DeepSpeed's
+    accelerator has none, and the task, tokenizer and data with the checks each rank repeats (not the model's,
+    which needs the model built, nor the batch's, which a DeepSpeed file can still set)."""
+    import logging
+
+    from curvzo_ds.config.sections import section
+    from curvzo_ds.errors import ConfigError
+    from curvzo_ds.train.build import check_dtype, load_data, warn_cut
+
+    check_dtype(cfg.dtype)
+    quiet = logging.getLogger("curvzo_ds")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the ranks give the data's warnings; here only refusals
+    try:
+        _, _, train_data, eval_data = load_data(section(cfg, "data"), section(cfg, "model"), cfg.seed)
+        warn_cut(section(cfg, "data"), train_data, eval_data)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    finally:
+        quiet.setLevel(level)

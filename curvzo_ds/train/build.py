@@ -311,11 +311,16 @@ def resolve_config(cfg: TrainConfig, topology: Topology, decided: dict, user_ds:
         chosen=decided)
     for note in notes:
         log.warning("deepspeed config: %s", note)
+    check_dtype(cfg.dtype)
+    return cfg, ds_config
+
+
+def check_dtype(dtype: str) -> None:
+    """float16 where DeepSpeed's accelerator has none: one line (else DeepSpeed's ValueError, later)."""
     accelerator = get_accelerator()
-    if cfg.dtype == "float16" and not accelerator.is_fp16_supported():  # else DeepSpeed's ValueError, later
+    if dtype == "float16" and not accelerator.is_fp16_supported():
         raise ConfigError(f"dtype=float16: DeepSpeed's {accelerator.device_name()} accelerator has no float16 "
                           "on this machine; use dtype=bfloat16 or dtype=float32")
-    return cfg, ds_config
 
 
 def load_data(data_cfg, model_cfg, seed: int) -> tuple:
