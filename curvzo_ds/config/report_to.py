@@ -13,9 +13,6 @@ from typing import Any
 from curvzo_ds.errors import ConfigError
 
 SPECIAL = ("auto", "all", "none")
-# The pip package that brings each tracker, for the refusal's fix.
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "comet_ml": "comet_ml", "aim": "aim",
-            "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab", "trackio": "trackio"}
 
 
 def report_to_names(value: Any) -> list[str]:
@@ -68,6 +65,6 @@ def resolve_report_to(value: Any) -> list[str]:
     installed = installed_trackers()
     for name in names:
         if name not in installed:
-            raise ConfigError(f"report_to={value!r}: {name} is not installed: pip install {PACKAGES.get(name, name)}, "
+            raise ConfigError(f"report_to={value!r}: {name} is not installed: pip install {name}, "
                               f"or remove {name} from report_to")
     return names

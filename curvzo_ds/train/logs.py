@@ -63,7 +63,8 @@ class MetricsWriter:
             self._file = open(self.path, "a", encoding="utf-8")  # kept open for the run
         self._file.write(line + "\n")
         self._file.flush()
-        self.trackers.log(json.loads(line))  # the values as written: a non-finite number is null, left out
+        if self.trackers.names:  # the values as written: a non-finite number is null, left out
+            self.trackers.log(json.loads(line))
 
     def truncate_after(self, step: int) -> int:
         """On resume from `step`: keep the lines with step <= `step`, drop the rest; return how many went.
