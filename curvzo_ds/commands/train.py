@@ -57,18 +57,13 @@ def preflight(cfg) -> None:
     which needs the model built, nor the batch's, which a DeepSpeed file can still set)."""
     import logging
 
-    from curvzo_ds.config.sections import section
-    from curvzo_ds.errors import ConfigError
-    from curvzo_ds.train.build import check_dtype, load_data, warn_cut
+    from curvzo_ds.train.inputs import check_dtype, checked_data
 
     check_dtype(cfg.dtype)
     quiet = logging.getLogger("curvzo_ds")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the ranks give the data's warnings; here only refusals
     try:
-        _, _, train_data, eval_data = load_data(section(cfg, "data"), section(cfg, "model"), cfg.seed)
-        warn_cut(section(cfg, "data"), train_data, eval_data)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+        checked_data(cfg)
     finally:
         quiet.setLevel(level)

@@ -158,7 +158,7 @@ def data_disagree(rank: int) -> dict:
     """build's check that every rank tokenized the same data: the same data passes; rank 1's other data stops every
     rank (the error each rank raised, gathered)."""
     from curvzo_ds.shard.comm import Comm
-    from curvzo_ds.train.build import check_data_agrees
+    from curvzo_ds.train.inputs import check_data_agrees
 
     train, dev = [{"input_ids": [1, 2]}], {"dev": [{"input_ids": [3]}]}
     check_data_agrees(Comm(), train, dev)  # the same data everywhere: no error
