@@ -124,7 +124,7 @@ def test_plan_recommends_the_layout_auto_takes(capsys):
 
 
 def test_auto_prefers_groups_inside_a_node():
-    from curvzo_ds.shard.memory import group_candidates
+    from curvzo_ds.shard.layouts import group_candidates
 
     assert group_candidates(16, 8) == [1, 2, 4, 8, 16]
     assert group_candidates(12, 4) == [1, 2, 4, 3, 6, 12]

@@ -91,7 +91,8 @@ def layout_lines(result: Plan, num_directions: int, gpus_per_node: int | None, k
     """`layout: ...` (what `zero_stage: auto` takes at --batch and --seq-len in --gpu-memory, `plan_layouts`) and one
     line per other layout that fits: its per-rank memory, the parameter bytes it all-gathers per rank per step, and
     the replicas it offers for directions."""
-    from curvzo_ds.shard.memory import GiB, plan_layouts
+    from curvzo_ds.shard.layouts import plan_layouts
+    from curvzo_ds.shard.memory import GiB
 
     world = result.world_size
     rest = {k: v for k, v in kwargs.items() if k not in ("world_size", "shard_group_size", "gpu_memory")}

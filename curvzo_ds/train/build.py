@@ -39,7 +39,7 @@ from curvzo_ds.models import build_model, model_hidden_size
 from curvzo_ds.shard import ds_compat
 from curvzo_ds.shard.comm import Comm, main_process_first
 from curvzo_ds.shard.distributed import GroupMPU, Topology, init_distributed, pin_threads
-from curvzo_ds.shard.memory import Layout, group_candidates, plan_layouts
+from curvzo_ds.shard.layouts import Layout, group_candidates, plan_layouts
 from curvzo_ds.train.evaluate import Evaluator
 from curvzo_ds.train.inputs import (
     check_batch_fits,
