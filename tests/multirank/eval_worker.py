@@ -82,11 +82,11 @@ def zero_init_scenario(world: int) -> dict:
 
 
 def run_scenario(task: str, rank: int) -> dict:
-    import curvzo_ds.train.build
+    import curvzo_ds.train.inputs
     from curvzo_ds.train.build import build
 
     times = []
-    real_tok, real_splits = curvzo_ds.train.build.load_tokenizer, curvzo_ds.train.build.load_splits
+    real_tok, real_splits = curvzo_ds.train.inputs.load_tokenizer, curvzo_ds.train.inputs.load_splits
 
     def timed(fn, delay):
         def wrapper(*args, **kwargs):
@@ -98,8 +98,8 @@ def run_scenario(task: str, rank: int) -> dict:
             return out
         return wrapper
 
-    curvzo_ds.train.build.load_tokenizer = timed(real_tok, 0.3)  # the names build() looks up
-    curvzo_ds.train.build.load_splits = timed(real_splits, 0.3)
+    curvzo_ds.train.inputs.load_tokenizer = timed(real_tok, 0.3)  # the names load_data() looks up
+    curvzo_ds.train.inputs.load_splits = timed(real_splits, 0.3)
     try:
         num_train, num_dev = {"sst2": (4, 7), "squad": (2, 5)}[task]  # test: the whole validation file
         cfg = TrainConfig(model="demo", task=task, data_dir="samples", num_train=num_train, num_dev=num_dev,
@@ -108,7 +108,7 @@ def run_scenario(task: str, rank: int) -> dict:
                           zero_stage=3)  # ZeRO-3 evaluation: collective gathers, synced generate(), boost_newline
         run = build(cfg)
     finally:
-        curvzo_ds.train.build.load_tokenizer, curvzo_ds.train.build.load_splits = real_tok, real_splits
+        curvzo_ds.train.inputs.load_tokenizer, curvzo_ds.train.inputs.load_splits = real_tok, real_splits
     calls = []
     if task == "squad":
         boost_newline(run.model.module, run.tokenizer, 3.0)
