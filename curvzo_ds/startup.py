@@ -33,6 +33,25 @@ def extensions_dir() -> str:
 
 
 @contextlib.contextmanager
+def environment_ninja_first():
+    """For the body: the `ninja` of this Python environment (pip's, which DeepSpeed requires) comes first on PATH.
+
+    torch builds DeepSpeed's CPU op with whichever `ninja` PATH finds, and two ninja versions hash a command line
+    differently: each one rebuilds the other's build (1-2 minutes) in the shared TORCH_EXTENSIONS_DIR. `mpirun`
+    puts its own bin directory (often /usr/bin, with the system's ninja) first on its ranks' PATH, so a run under
+    mpirun and one under torchrun rebuilt the op in turn. With this, every launcher uses the same ninja.
+    """
+    own = os.path.join(os.path.dirname(sys.executable), "ninja")
+    saved = os.environ.get("PATH", "")
+    if os.access(own, os.X_OK):
+        os.environ["PATH"] = os.path.dirname(own) + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
+
+
+@contextlib.contextmanager
 def stdout_to_log():
     """For the body: Python's stdout is kept for the log (take_captured), file descriptor 1 goes to stderr."""
     sys.stdout.flush()

@@ -265,3 +265,17 @@ def test_mpirun_ranks_take_rank_0s_master_port(tmp_path):
     proc = subprocess.run(cmd, env=BASE_ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [(said / str(r)).read_text() for r in (0, 1)] == [f"2 {port}"] * 2
+
+
+def test_deepspeeds_op_is_built_with_this_environments_ninja(monkeypatch):
+    """mpirun puts its own bin directory first on its ranks' PATH (/usr/bin here, with ninja 1.11 beside pip's
+    1.13): each ninja rebuilt the other's build of DeepSpeed's CPU op, a minute or more per switch of launcher.
+    init_distributed builds it with this environment's ninja, whatever PATH the launcher gave."""
+    from curvzo_ds.startup import environment_ninja_first
+
+    own = pathlib.Path(sys.executable).with_name("ninja")
+    assert own.exists(), "pip's ninja (a DeepSpeed requirement) is missing from this environment"
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with environment_ninja_first():
+        assert shutil.which("ninja") == str(own)
+    assert os.environ["PATH"] == "/usr/bin:/bin"

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from curvzo_ds.errors import ConfigError, RanksDisagree
 from curvzo_ds.shard.comm import Comm
-from curvzo_ds.startup import extensions_dir, stdout_to_log
+from curvzo_ds.startup import environment_ninja_first, extensions_dir, stdout_to_log
 
 log = logging.getLogger("curvzo_ds")
 
@@ -93,7 +93,7 @@ def init_distributed(timeout_seconds: float = 1800):
             print(f"curvzo-ds: building DeepSpeed's CPU communication op, once for this Python environment (1-2 "
                   f"minutes; cached in {os.path.dirname(os.path.dirname(built))})", file=sys.stderr, flush=True)
 
-        with stdout_to_log():
+        with stdout_to_log(), environment_ninja_first():
             port = int(env.get("MASTER_PORT", "29500"))
             if kind == "mpi":  # MPI discovery ignores MASTER_PORT (always 29500): use rank 0's, as for MASTER_ADDR
                 from mpi4py import MPI
