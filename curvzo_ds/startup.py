@@ -41,7 +41,12 @@ def environment_ninja_first():
     puts its own bin directory (often /usr/bin, with the system's ninja) first on its ranks' PATH, so a run under
     mpirun and one under torchrun rebuilt the op in turn. With this, every launcher uses the same ninja.
     """
-    own = os.path.join(os.path.dirname(sys.executable), "ninja")
+    try:
+        import ninja  # the pip package: its binary, also from a venv with --system-site-packages
+
+        own = os.path.join(ninja.BIN_DIR, "ninja")
+    except (ImportError, AttributeError):
+        own = os.path.join(os.path.dirname(sys.executable), "ninja")
     saved = os.environ.get("PATH", "")
     if os.access(own, os.X_OK):
         os.environ["PATH"] = os.path.dirname(own) + os.pathsep + saved

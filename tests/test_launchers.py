@@ -273,8 +273,10 @@ def test_deepspeeds_op_is_built_with_this_environments_ninja(monkeypatch):
     init_distributed builds it with this environment's ninja, whatever PATH the launcher gave."""
     from curvzo_ds.startup import environment_ninja_first
 
-    own = pathlib.Path(sys.executable).with_name("ninja")
-    assert own.exists(), "pip's ninja (a DeepSpeed requirement) is missing from this environment"
+    import ninja  # pip's, a DeepSpeed requirement
+
+    own = pathlib.Path(ninja.BIN_DIR, "ninja")
+    assert own.exists(), own
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     with environment_ninja_first():
         assert shutil.which("ninja") == str(own)
