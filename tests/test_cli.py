@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from curvzo_ds.cli import build_parser, main
-from curvzo_ds.config.schema import TrainConfig, key_fields, resolve_presets
+from curvzo_ds.config.schema import TrainConfig, ZOConfig, key_fields, resolve_presets
 from tests.helpers import CLI, COMMON, ENV, ROOT, eval_cli, logged_eval, run_checked
 
 KEYS = [f.name for f in key_fields(TrainConfig)]
@@ -172,6 +172,11 @@ def test_presets_are_mezos_for_full_and_lora_runs_and_give_way_to_the_user():
     assert (mine.learning_rate, mine.zo_eps, mine.max_steps) == (1e-7, 1e-4, 5)
     given = TrainConfig()
     assert resolve_presets(given) is not given and given.learning_rate is None and given.max_steps is None
+    # Issue 37 §5: at MeZO's rate CurvZO's step is corrected (max_weight); the demo's own rate is the paper's step's.
+    assert (full.rate_correction, lora.rate_correction, demo.rate_correction) == ("max_weight", "max_weight", "none")
+    assert ZOConfig().rate_correction == "max_weight"  # the library's default rate is MeZO's too
+    paper = resolve_presets(TrainConfig(model="facebook/opt-13b", rate_correction="none"))
+    assert paper.rate_correction == "none"
 
 
 def test_the_keys_sources_survive_replace_and_stay_out_of_the_files_and_the_key_list():

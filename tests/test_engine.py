@@ -15,7 +15,7 @@ from tests.toys import Quadratic, TinyNet, ce_loss, quad_loss, toy_task
 
 def _frozen_pi_engine(model, pi_scores, **cfg):
     base = dict(method="fixed", budget=0.5, score_init=1.0, score_warmup_steps=0, budget_floor=0.1,
-                learning_rate=1.0, zo_eps=1e-3)
+                learning_rate=1.0, zo_eps=1e-3, rate_correction="none")  # the paper's step
     base.update(cfg)
     engine = ZOEngine(model, quad_loss, ZOConfig(**base))
     engine.sampler.scores = torch.tensor(pi_scores, dtype=torch.float64)
@@ -323,7 +323,7 @@ def test_weight_decay_scales_selected_tensors_by_one_minus_lr_wd_over_pi():
     lr, wd = 0.1, 0.5
     engine = ZOEngine(net, lambda m, b: (torch.tensor(1.0), 1), ZOConfig(
         method="fixed", budget=0.5, budget_floor=0.2, score_init=1.0, score_warmup_steps=0, learning_rate=lr,
-        zo_eps=1e-2, weight_decay=wd))
+        zo_eps=1e-2, weight_decay=wd, rate_correction="none"))  # the paper's step
     engine.sampler.scores = torch.tensor([4.0, 1.0, 0.25, 0.5, 2.0, 0.1], dtype=torch.float64)
     seen = set()
     for _ in range(10):

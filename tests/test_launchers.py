@@ -271,9 +271,9 @@ def test_deepspeeds_op_is_built_with_this_environments_ninja(monkeypatch):
     """mpirun puts its own bin directory first on its ranks' PATH (/usr/bin here, with ninja 1.11 beside pip's
     1.13): each ninja rebuilt the other's build of DeepSpeed's CPU op, a minute or more per switch of launcher.
     init_distributed builds it with this environment's ninja, whatever PATH the launcher gave."""
-    from curvzo_ds.startup import environment_ninja_first
-
     import ninja  # pip's, a DeepSpeed requirement
+
+    from curvzo_ds.startup import environment_ninja_first
 
     own = pathlib.Path(ninja.BIN_DIR, "ninja")
     assert own.exists(), own

@@ -142,7 +142,8 @@ def directions_of(engine, model_cls, q) -> list[list[torch.Tensor]]:
 def test_engine_update_equals_the_hand_computation_from_its_losses(method):
     """(d) One step of difference=rloo, q = 3, on the float64 quadratic: the losses the engine reduced are
     L(w + eps z_k), and the weights move by -(lr / q) sum_k (L_k - mean_{j != k} L_j) / eps z_k / pi_i, with z_k
-    read from the noise and the coefficient computed here. The step's loss is the mean L_k, loss_plus and
+    read from the noise and the coefficient computed here (the rate times min pi, rate_correction's default: 1 for
+    MeZO). The step's loss is the mean L_k, loss_plus and
     loss_minus are None, loss_spread is max - min."""
     q, lr, eps = 3, 1e-2, 1e-3
     cfg = ZOConfig(method=method, learning_rate=lr, zo_eps=eps, num_directions=q, difference="rloo",
@@ -166,9 +167,9 @@ def test_engine_update_equals_the_hand_computation_from_its_losses(method):
         if not plan.mask[i]:
             assert torch.equal(p.detach(), w)
             continue
-        expected = w - lr / q * sum(c * z[i] for c, z in zip(coef, zs)) / plan.pi[i].item()
+        expected = w - lr * plan.rate_scale / q * sum(c * z[i] for c, z in zip(coef, zs)) / plan.pi[i].item()
         torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-12)
-    assert plan.mask.any()
+    assert plan.mask.any() and plan.rate_scale == (1.0 if method == "mezo" else plan.pi.min().item())
 
 
 def test_scores_read_the_scaled_leave_one_out_delta():

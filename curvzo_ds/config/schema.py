@@ -99,8 +99,9 @@ class ZOConfig:
     budget_unit: str = key("blocks", "or 'params': the budget counts expected perturbed parameters")
     score_beta: float = key(0.1, "EMA rate of the scores (Eq. 8)")
     budget_floor: float = key(0.1, "gamma: pi = (1-gamma) pi_curv + gamma B/G")
-    rate_correction: str = key("none", "none (the paper's: the learning rate as given) or max_weight (times min_i "
-                                       "pi_i each step: stable wherever MeZO's rate is; docs/algorithm.md §2)")
+    rate_correction: str = key("max_weight", "max_weight (the learning rate times min_i pi_i each step: stable "
+                                             "wherever MeZO's rate is; docs/algorithm.md §2) or none (the paper's "
+                                             "step: the learning rate as given)")
     score_estimator: str = key("normalized", "Eq. 27 (paper default), 'raw' (block Eq. 5), 'unbiased' (App. B), "
                                              "'unbiased_element' (App. B / n_i), 'per_element' (Eq. 27 / n_i), 'ht' "
                                              "(Eq. 27 / pi_i); docs/algorithm.md, 'Scores that track curvature?'")
@@ -158,7 +159,8 @@ class ZOConfig:
         need(self.budget_unit in ("blocks", "params"), "budget_unit", "blocks or params")
         need(_finite(self.score_beta) and 0 < self.score_beta <= 1, "score_beta", "in (0, 1]")
         need(_finite(self.budget_floor) and 0 <= self.budget_floor <= 1, "budget_floor", "in [0, 1]")
-        need(self.rate_correction in ("none", "max_weight"), "rate_correction", "none or max_weight")
+        if self.rate_correction is not None:
+            need(self.rate_correction in ("none", "max_weight"), "rate_correction", "none or max_weight")
         need(self.score_estimator in SCORE_ESTIMATORS, "score_estimator", f"one of {', '.join(SCORE_ESTIMATORS)}")
         need(self.score_init == "warmup" or (_finite(self.score_init) and self.score_init >= 0), "score_init",
              "'warmup' or a number >= 0")
@@ -197,6 +199,10 @@ class TrainConfig(ZOConfig):
                                                          "(MeZO)")
     zo_eps: float | None = key(None, "perturbation scale; preset: demo 1e-2, full 1e-3, LoRA 1e-2 (MeZO)")
     max_steps: int | None = key(None, "training steps; preset: demo 300, otherwise 20000 (the paper)")
+    rate_correction: str | None = key(None, "max_weight (the learning rate times min_i pi_i each step: stable "
+                                            "wherever MeZO's rate is) or none (the paper's step); preset: none for "
+                                            "the demo (its own rate), max_weight otherwise (MeZO's rate); "
+                                            "docs/algorithm.md §2")
 
     model: str = key("demo", "hub id, local path, or the built-in 'demo' (tiny Llama) / 'demo-opt'")
     tokenizer: str | None = key(None, "defaults to the model's")
@@ -335,6 +341,8 @@ def preset_values(cfg: TrainConfig) -> dict[str, Any]:
         out["zo_eps"] = 1e-2 if demo or cfg.lora else 1e-3
     if cfg.max_steps is None:
         out["max_steps"] = 300 if demo else 20000
+    if cfg.rate_correction is None:  # the demo's rate was chosen for the paper's step; elsewhere it is MeZO's
+        out["rate_correction"] = "none" if demo else "max_weight"
     if demo and cfg.eval_steps == 500:
         out["eval_steps"] = 100
     if demo and cfg.save_steps == 500:
