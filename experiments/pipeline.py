@@ -135,7 +135,8 @@ def run_config(model: str, task_dir: str, method: str, form: str, lr: float, see
     return TrainConfig(model=model, task=task_dir, method=kind, budget=budget, score_estimator=estimator,
                        learning_rate=lr, zo_eps=DATA["eps"], seed=seed, max_steps=steps, lora=form == "lora",
                        num_train=DATA["num_train"], num_dev=DATA["num_dev"], num_eval=DATA["num_test"],
-                       global_batch_size=DATA["batch"], micro_batch_size=DATA["batch"], max_length=64)
+                       global_batch_size=DATA["batch"], micro_batch_size=DATA["batch"], max_length=64,
+                       rate_correction="none")  # the paper's step, as the cached results ran
 
 
 def train(cfg: TrainConfig, eval_every: int) -> dict:

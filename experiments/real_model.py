@@ -274,7 +274,8 @@ def run_config(model: str, task_dir: str, arm: str, lr: float, seed: int, steps:
     return TrainConfig(model=model, task=task_dir, method=spec["method"], learning_rate=lr, zo_eps=DATA["eps"],
                        seed=seed, max_steps=steps, num_train=DATA["num_train"], num_dev=DATA["num_dev"],
                        num_eval=DATA["num_test"], global_batch_size=DATA["batch"], micro_batch_size=DATA["batch"],
-                       max_length=DATA["max_length"], **extra)
+                       max_length=DATA["max_length"],
+                       rate_correction="none", **extra)  # the paper's step, as the cached runs ran
 
 
 def train(cfg: TrainConfig, arm: str, eval_every: int) -> dict:

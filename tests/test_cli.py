@@ -212,3 +212,15 @@ def test_the_jit_cache_is_per_python_environment_and_the_users_setting_wins(monk
     assert dirs[0] == dirs[2] != dirs[1] and all(d.startswith(str(tmp_path / "torch_extensions")) for d in dirs)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/my/own")
     assert startup.extensions_dir() == "/my/own"
+
+
+def test_a_checkpoint_from_before_rate_correction_counts_as_the_papers_step():
+    """A run_config.json written before the key existed ran the paper's step: resuming it with the preset
+    (max_weight outside the demo) names the change; with rate_correction=none it agrees."""
+    from curvzo_ds.config.load import differences
+    from curvzo_ds.config.schema import to_dict
+
+    hub = to_dict(resolve_presets(TrainConfig(model="facebook/opt-13b")))
+    saved = {k: v for k, v in hub.items() if k != "rate_correction"}
+    assert differences(saved, hub, ["rate_correction"]) == ["rate_correction: 'none' -> 'max_weight'"]
+    assert differences(saved, {**hub, "rate_correction": "none"}, ["rate_correction"]) == []

@@ -145,9 +145,15 @@ RESUME_MAY_CHANGE = ("max_steps", "eval_steps", "save_steps", "save_total_limit"
                      "shard_group_size")
 
 
+# What a run did before the key existed, where that is not the key's default (a preset that depends on the run).
+BEFORE_THE_KEY = {"rate_correction": "none"}
+
+
 def differences(saved: dict[str, Any], values: dict[str, Any], keys) -> list[str]:
     """"key: saved -> new" for each of `keys` whose value in `values` differs from the checkpoint's `saved`. A key
-    that `saved` lacks (one added to curvzo_ds after the checkpoint was written) counts as its default."""
+    that `saved` lacks (one added to curvzo_ds after the checkpoint was written) counts as its default, or as what
+    runs did before it existed (BEFORE_THE_KEY)."""
     defaults = {f.name: f.default for f in key_fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    defaults.update(BEFORE_THE_KEY)
     old = {k: saved.get(k, defaults.get(k)) for k in keys}
     return [f"{k}: {old[k]!r} -> {values[k]!r}" for k in keys if k in values and values[k] != old[k]]
