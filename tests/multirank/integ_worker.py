@@ -28,7 +28,8 @@ from curvzo_ds.shard.ds_compat import optimizer_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ, N_EXAMPLES, GLOBAL, MICRO = 16, 64, 8, 2
-ZO = dict(method="curvzo", learning_rate=1e-3, zo_eps=1e-2, score_warmup_steps=4, seed=7)
+# A rate for the paper's step on the tiny model (ZOConfig's default rate_correction, max_weight, is for MeZO's rate).
+ZO = dict(method="curvzo", learning_rate=1e-3, zo_eps=1e-2, score_warmup_steps=4, seed=7, rate_correction="none")
 
 
 def tiny_model():
