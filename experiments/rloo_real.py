@@ -74,12 +74,29 @@ def cached_run(settings: dict, cfg, train_arm: str, log: Log) -> dict:
     return result
 
 
+def reach(run: dict, per_step: int, target: dict, key: str) -> int | None:
+    """The forwards `run` took to reach `target`'s final dev `key` (loss: at or below; accuracy: at or above)."""
+    goal = target["curve"][-1][key]
+    hit = (lambda c: c[key] <= goal) if key == "loss" else (lambda c: c[key] >= goal)
+    return next((c["step"] * per_step for c in run["curve"] if hit(c)), None)
+
+
+def paired(forwards: int | None, mezos: int | None) -> str:
+    """The forwards and their ratio to MeZO's own forwards to the same target (same seed)."""
+    if forwards is None:
+        return "not reached"
+    return f"{forwards} (x{forwards / mezos:.2f})" if mezos else f"{forwards} (MeZO: at 0)"
+
+
 def report() -> list[str]:
-    """Every cached MeZO and RLOO run of the two tasks: final dev loss and accuracy at 400 forwards, and the forwards
-    each run needed to reach the final dev loss of MeZO's run of the same seed at MeZO's best seed-0 rate (dev loss
-    evaluated every 50 forwards for MeZO, every 40 for RLOO)."""
+    """Every cached MeZO, CurvZO and RLOO run of the two tasks: final dev loss and accuracy at 400 forwards, and the
+    forwards each run needed to reach the final dev loss and the final dev accuracy of MeZO's run of the same seed at
+    MeZO's best seed-0 rate, with their ratio to the forwards MeZO's run took to reach them (dev evaluated every 50
+    forwards for MeZO and CurvZO, every 40 for RLOO). Then, for each task, arm and rate run
+    with more than one seed: the final dev loss's mean ± sd and the paired per-seed figures."""
     rows = ["| task | arm | lr | seed | forwards | final dev loss | final dev accuracy | test accuracy | forwards to "
-            "MeZO's final dev loss (share of 400) | run s |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+            "MeZO's final dev loss (x MeZO's) | forwards to MeZO's final dev accuracy (x MeZO's) | run s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     runs = []
     for name in sorted(os.listdir(os.path.join(OUT, "runs"))):
         with open(os.path.join(OUT, "runs", name)) as f:
@@ -96,16 +113,29 @@ def report() -> list[str]:
     for task, arm, lr, seed, _, run in runs:
         if arm == "mezo" and (task, 0) in best and lr == best[(task, 0)][0]:
             best[(task, seed)] = (lr, run)
+    groups: dict[tuple, list] = {}
     for task, arm, lr, seed, forwards, run in sorted(runs, key=lambda r: r[:4]):
         final = run["curve"][-1]
         per_step = ARMS.get(arm, 2)
-        reach = "-"
+        by_loss = by_acc = "-"
         if (task, seed) in best:
-            target = best[(task, seed)][1]["curve"][-1]["loss"]
-            hit = next((c["step"] * per_step for c in run["curve"] if c["loss"] <= target), None)
-            reach = f"{hit} ({hit / FORWARDS:.2f})" if hit is not None else "not reached"
+            target = best[(task, seed)][1]
+            by_loss, by_acc = (paired(reach(run, per_step, target, key), reach(target, 2, target, key))
+                               for key in ("loss", "accuracy"))
+            groups.setdefault((task, arm, lr), []).append((seed, final["loss"], by_loss, by_acc))
         rows.append(f"| {task} | {arm} | {lr:g} | {seed} | {forwards} | {final['loss']:.4f} | "
-                    f"{final['accuracy']:.3f} | {run['test']['accuracy']:.3f} | {reach} | {run['seconds']:.0f} |")
+                    f"{final['accuracy']:.3f} | {run['test']['accuracy']:.3f} | {by_loss} | {by_acc} | "
+                    f"{run['seconds']:.0f} |")
+    rows += ["", "| task | arm | lr | seeds | final dev loss, mean ± sd | per seed: forwards to MeZO's final dev "
+                 "loss | per seed: forwards to MeZO's final dev accuracy |", "|---|---|---:|---|---|---|---|"]
+    for (task, arm, lr), seeds in groups.items():
+        if len(seeds) > 1:
+            losses = [loss for _, loss, _, _ in seeds]
+            mean = sum(losses) / len(losses)
+            sd = (sum((x - mean) ** 2 for x in losses) / (len(losses) - 1)) ** 0.5
+            rows.append(f"| {task} | {arm} | {lr:g} | {', '.join(str(s) for s, *_ in seeds)} | {mean:.4f} ± "
+                        f"{sd:.4f} | {'; '.join(f'{s}: {a}' for s, _, a, _ in seeds)} | "
+                        f"{'; '.join(f'{s}: {b}' for s, _, _, b in seeds)} |")
     return rows
 
 

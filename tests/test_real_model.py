@@ -219,3 +219,34 @@ def test_one_step_ci_config_end_to_end(tiny_model, tmp_path):
     one_step.main(["--config", "ci", "--model", tiny_model, "--out", str(tmp_path)])
     torch.set_num_threads(threads)
     assert sorted(p.stat().st_mtime_ns for p in tmp_path.glob("draws-*.jsonl")) == before
+
+
+def test_rloo_report_pairs_each_run_with_mezos_run_of_its_seed(tmp_path, monkeypatch):
+    """experiments/rloo_real.py --report on a made-up cache: MeZO's best seed-0 rate sets each seed's targets; an
+    RLOO run's forwards to MeZO's final dev loss and accuracy are divided by MeZO's own forwards to them."""
+    spec = importlib.util.spec_from_file_location("rloo_real", ROOT / "experiments" / "rloo_real.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "OUT", str(tmp_path))
+    (tmp_path / "runs").mkdir()
+
+    def put(name, arm, lr, seed, steps, curve):  # curve: (step, loss, accuracy)
+        run = dict(settings=dict(task="topic", arm=arm, lr=lr, seed=seed, steps=steps),
+                   curve=[dict(step=s, loss=loss, accuracy=acc) for s, loss, acc in curve],
+                   test=dict(accuracy=0.5), seconds=1.0)
+        (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(run))
+
+    put("m0", "mezo", 1e-4, 0, 200, [(0, 1.0, 0.5), (100, 0.4, 0.9), (200, 0.3, 0.9)])
+    put("m0-worse", "mezo", 3e-4, 0, 200, [(0, 1.0, 0.5), (200, 0.8, 0.6)])
+    put("m1", "mezo", 1e-4, 1, 200, [(0, 1.0, 0.5), (150, 0.5, 0.8), (200, 0.5, 0.8)])
+    put("r0", "rloo-4", 2e-4, 0, 100, [(0, 1.0, 0.5), (30, 0.35, 0.9), (60, 0.3, 0.95), (100, 0.2, 0.95)])
+    put("r1", "rloo-4", 2e-4, 1, 100, [(0, 1.0, 0.5), (100, 0.6, 0.7)])
+    rows = module.report()
+    r0 = next(r for r in rows if r.startswith("| topic | rloo-4 | 0.0002 | 0 |"))
+    # loss 0.3 at step 60 (240 forwards) against MeZO's 200 x 2; accuracy 0.9 at step 30 against MeZO's 100 x 2
+    assert "| 240 (x0.60) | 120 (x0.60) |" in r0
+    r1 = next(r for r in rows if r.startswith("| topic | rloo-4 | 0.0002 | 1 |"))
+    assert "| not reached | not reached |" in r1
+    summary = next(r for r in rows if r.startswith("| topic | rloo-4 | 0.0002 | 0, 1 |"))
+    assert "0.4000 ± 0.2828" in summary and "0: 240 (x0.60); 1: not reached" in summary
+    assert not any(r.startswith("| topic | mezo | 0.0003 | 0, ") for r in rows)  # one seed: no summary row
