@@ -177,6 +177,10 @@ def test_presets_are_mezos_for_full_and_lora_runs_and_give_way_to_the_user():
     assert ZOConfig().rate_correction == "max_weight"  # the library's default rate is MeZO's too
     paper = resolve_presets(TrainConfig(model="facebook/opt-13b", rate_correction="none"))
     assert paper.rate_correction == "none"
+    from curvzo_ds.config.resolve import engine_config
+
+    with pytest.raises(ValueError, match="^rate_correction unset"):  # an engine never takes an unfilled preset
+        engine_config(TrainConfig(learning_rate=1e-6, zo_eps=1e-3, max_steps=5), {})
 
 
 def test_the_keys_sources_survive_replace_and_stay_out_of_the_files_and_the_key_list():

@@ -73,7 +73,7 @@ def engine_config(config: ZOConfig | None, overrides: dict[str, Any]) -> ZOConfi
             raise ValueError(f"unknown ZOEngine option {name!r}")
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)  # a new, unresolved config: validated below
-    missing = [k for k in ("learning_rate", "zo_eps", "max_steps") if getattr(cfg, k) is None]
+    missing = [k for k in ("learning_rate", "zo_eps", "max_steps", "rate_correction") if getattr(cfg, k) is None]
     if missing:
         raise ValueError(f"{', '.join(missing)} unset: a TrainConfig's presets are resolved by the CLI "
                          "(config.resolve); set them or pass a ZOConfig")
