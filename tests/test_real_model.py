@@ -19,8 +19,8 @@ from curvzo_ds.tasks import demo_model_config, load_tokenizer
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("real_model", ROOT / "experiments" / "real_model.py")
+def load_script(name: str = "real_model"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -224,9 +224,7 @@ def test_one_step_ci_config_end_to_end(tiny_model, tmp_path):
 def test_rloo_report_pairs_each_run_with_mezos_run_of_its_seed(tmp_path, monkeypatch):
     """experiments/rloo_real.py --report on a made-up cache: MeZO's best seed-0 rate sets each seed's targets; an
     RLOO run's forwards to MeZO's final dev loss and accuracy are divided by MeZO's own forwards to them."""
-    spec = importlib.util.spec_from_file_location("rloo_real", ROOT / "experiments" / "rloo_real.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("rloo_real")
     monkeypatch.setattr(module, "OUT", str(tmp_path))
     (tmp_path / "runs").mkdir()
 
