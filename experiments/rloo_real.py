@@ -3,6 +3,7 @@ MeZO on SmolLM2-135M, at a matched number of forwards.
 
     nice -n 19 python experiments/rloo_real.py --arm rloo-4 --task sentiment --runs 1e-4:0 2e-4:0 4e-4:0
     nice -n 19 python experiments/rloo_real.py --arm mezo --task topic --runs 1e-4:1
+    nice -n 19 python experiments/rloo_real.py --arm curvzo --task topic --runs 1e-5:0   # the paper's CurvZO
     python experiments/rloo_real.py --report          # the cached runs of every arm, in forwards
 
 The model, tasks, data sizes, batches and evaluation are experiments/real_model.py's (its `train`, through the
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -88,62 +90,85 @@ def paired(forwards: int | None, mezos: int | None) -> str:
     return f"{forwards} (x{forwards / mezos:.2f})" if mezos else f"{forwards} (MeZO: at 0)"
 
 
+def mezo_references(runs: list) -> dict:
+    """Each task's MeZO reference rate under two rules: "seed-0", the rate with the lowest final dev loss over MeZO's
+    seed-0 grid, and "3-seed", the rate with the lowest mean final dev loss over 3 or more seeds (a diverged seed
+    counts as infinite and the mean of a rate with a far worse seed is dominated by it)."""
+    finals: dict[tuple, dict] = {}  # (task, lr) -> {seed: final dev loss}
+    for task, arm, lr, seed, _, run in runs:
+        if arm == "mezo":
+            loss = run["curve"][-1]["loss"]
+            finals.setdefault((task, lr), {})[seed] = loss if math.isfinite(loss) else math.inf
+    refs: dict[str, dict] = {"seed-0": {}, "3-seed": {}}
+    for (task, lr), seeds in sorted(finals.items()):
+        for rule, score in (("seed-0", seeds.get(0)), ("3-seed", sum(seeds.values()) / len(seeds)
+                                                         if len(seeds) >= 3 else None)):
+            if score is not None and (task not in refs[rule] or score < refs[rule][task][1]):
+                refs[rule][task] = (lr, score)
+    return {rule: {task: lr for task, (lr, _) in ref.items()} for rule, ref in refs.items()}
+
+
 def report() -> list[str]:
     """Every cached MeZO, CurvZO and RLOO run of the two tasks: final dev loss and accuracy at 400 forwards, and the
     forwards each run needed to reach the final dev loss and the final dev accuracy of MeZO's run of the same seed at
     MeZO's best seed-0 rate, with their ratio to the forwards MeZO's run took to reach them (dev evaluated every 50
-    forwards for MeZO and CurvZO, every 40 for RLOO). Then, for each task, arm and rate run
-    with more than one seed: the final dev loss's mean ± sd and the paired per-seed figures."""
-    rows = ["| task | arm | lr | seed | forwards | final dev loss | final dev accuracy | test accuracy | forwards to "
-            "MeZO's final dev loss (x MeZO's) | forwards to MeZO's final dev accuracy (x MeZO's) | run s |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+    forwards for MeZO and CurvZO, every 40 for RLOO). Then, for each task, arm and rate run with more than one seed:
+    the final dev loss's mean ± sd and the paired per-seed figures, against each of `mezo_references`' rates."""
     runs = []
     for name in sorted(os.listdir(os.path.join(OUT, "runs"))):
         with open(os.path.join(OUT, "runs", name)) as f:
             run = json.load(f)
         s = run["settings"]
         if s["arm"] in ("mezo", "curvzo", "curvzo-stable", *ARMS):
-            per_step = ARMS.get(s["arm"], 2)
-            runs.append((s["task"], s["arm"], s["lr"], s["seed"], per_step * s["steps"], run))
-    best = {}  # (task, seed) -> MeZO's run at the rate with the lowest final dev loss over its seed-0 grid
-    for task, arm, lr, seed, _, run in runs:
-        if arm == "mezo" and seed == 0:
-            if (task, 0) not in best or run["curve"][-1]["loss"] < best[(task, 0)][1]["curve"][-1]["loss"]:
-                best[(task, 0)] = (lr, run)
-    for task, arm, lr, seed, _, run in runs:
-        if arm == "mezo" and (task, 0) in best and lr == best[(task, 0)][0]:
-            best[(task, seed)] = (lr, run)
-    groups: dict[tuple, list] = {}
-    for task, arm, lr, seed, forwards, run in sorted(runs, key=lambda r: r[:4]):
+            runs.append((s["task"], s["arm"], s["lr"], s["seed"], ARMS.get(s["arm"], 2) * s["steps"], run))
+    runs.sort(key=lambda r: r[:4])
+    refs = mezo_references(runs)
+
+    def against(task: str, seed: int, arm: str, run: dict, rule: str) -> tuple[str, str] | None:
+        """Forwards to the final dev loss and accuracy of MeZO's run of `seed` at `rule`'s rate, paired."""
+        target = next((r for t, a, lr, s, _, r in runs if (t, a, s) == (task, "mezo", seed)
+                       and lr == refs[rule].get(task)), None)
+        if target is None:
+            return None
+        return tuple(paired(reach(run, ARMS.get(arm, 2), target, key), reach(target, 2, target, key))
+                     for key in ("loss", "accuracy"))
+
+    rows = ["| task | arm | lr | seed | forwards | final dev loss | final dev accuracy | test accuracy | forwards to "
+            "MeZO's final dev loss (x MeZO's) | forwards to MeZO's final dev accuracy (x MeZO's) | run s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+    for task, arm, lr, seed, forwards, run in runs:
         final = run["curve"][-1]
-        per_step = ARMS.get(arm, 2)
-        by_loss = by_acc = "-"
-        if (task, seed) in best:
-            target = best[(task, seed)][1]
-            by_loss, by_acc = (paired(reach(run, per_step, target, key), reach(target, 2, target, key))
-                               for key in ("loss", "accuracy"))
-            groups.setdefault((task, arm, lr), []).append((seed, final["loss"], by_loss, by_acc))
+        by_loss, by_acc = against(task, seed, arm, run, "seed-0") or ("-", "-")
         rows.append(f"| {task} | {arm} | {lr:g} | {seed} | {forwards} | {final['loss']:.4f} | "
                     f"{final['accuracy']:.3f} | {run['test']['accuracy']:.3f} | {by_loss} | {by_acc} | "
                     f"{run['seconds']:.0f} |")
-    rows += ["", "| task | arm | lr | seeds | final dev loss, mean ± sd | per seed: forwards to MeZO's final dev "
+    for rule in refs:
+        rates = ", ".join(f"{task} {lr:g}" for task, lr in sorted(refs[rule].items()))
+        rows += ["", f"Against MeZO's {rule} rate ({rates}):",
+                 "", "| task | arm | lr | seeds | final dev loss, mean ± sd | per seed: forwards to MeZO's final dev "
                  "loss | per seed: forwards to MeZO's final dev accuracy |", "|---|---|---:|---|---|---|---|"]
-    for (task, arm, lr), seeds in groups.items():
-        if len(seeds) > 1:
-            losses = [loss for _, loss, _, _ in seeds]
-            mean = sum(losses) / len(losses)
-            sd = (sum((x - mean) ** 2 for x in losses) / (len(losses) - 1)) ** 0.5
-            rows.append(f"| {task} | {arm} | {lr:g} | {', '.join(str(s) for s, *_ in seeds)} | {mean:.4f} ± "
-                        f"{sd:.4f} | {'; '.join(f'{s}: {a}' for s, _, a, _ in seeds)} | "
-                        f"{'; '.join(f'{s}: {b}' for s, _, _, b in seeds)} |")
+        groups: dict[tuple, list] = {}
+        for task, arm, lr, seed, _, run in runs:
+            pair = against(task, seed, arm, run, rule)
+            if pair:
+                groups.setdefault((task, arm, lr), []).append((seed, run["curve"][-1]["loss"], *pair))
+        for (task, arm, lr), seeds in groups.items():
+            if len(seeds) > 1:
+                losses = [loss for _, loss, _, _ in seeds]
+                mean = sum(losses) / len(losses)
+                sd = (sum((x - mean) ** 2 for x in losses) / (len(losses) - 1)) ** 0.5
+                rows.append(f"| {task} | {arm} | {lr:g} | {', '.join(str(s) for s, *_ in seeds)} | {mean:.4f} ± "
+                            f"{sd:.4f} | {'; '.join(f'{s}: {a}' for s, _, a, _ in seeds)} | "
+                            f"{'; '.join(f'{s}: {b}' for s, _, _, b in seeds)} |")
     return rows
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arm", choices=["mezo", "curvzo-stable", *ARMS], default="rloo-4",
-                        help="mezo runs real_model.py's own MeZO run (200 steps), cached with its runs; "
-                             "curvzo-stable is the paper's CurvZO with rate_correction=max_weight (200 steps)")
+    parser.add_argument("--arm", choices=["mezo", "curvzo", "curvzo-stable", *ARMS], default="rloo-4",
+                        help="mezo and curvzo run real_model.py's own MeZO and paper's CurvZO runs (200 steps), "
+                             "cached with its runs; curvzo-stable is the paper's CurvZO with "
+                             "rate_correction=max_weight (200 steps)")
     parser.add_argument("--task", choices=["sentiment", "topic"], default="sentiment")
     parser.add_argument("--runs", nargs="*", default=[], metavar="LR:SEED")
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/curvzo_ds/real_model"))
@@ -162,8 +187,8 @@ def main(argv=None) -> None:
         lr, seed = item.split(":")
         if args.arm == "curvzo-stable":
             stable_run(model, args.task, task_dir, float(lr), int(seed), log)
-        elif args.arm == "mezo":
-            R.one_run(OUT, R.CONFIGS["full"], model, args.task, task_dir, "mezo", float(lr), int(seed), log)
+        elif args.arm in ("mezo", "curvzo"):
+            R.one_run(OUT, R.CONFIGS["full"], model, args.task, task_dir, args.arm, float(lr), int(seed), log)
         else:
             one_run(model, args.task, task_dir, args.arm, float(lr), int(seed), log)
 
