@@ -92,8 +92,8 @@ def paired(forwards: int | None, mezos: int | None) -> str:
 
 def mezo_references(runs: list) -> dict:
     """Each task's MeZO reference rate under two rules: "seed-0", the rate with the lowest final dev loss over MeZO's
-    seed-0 grid, and "3-seed", the rate with the lowest mean final dev loss over 3 or more seeds (a diverged seed
-    counts as infinite and the mean of a rate with a far worse seed is dominated by it)."""
+    seed-0 grid, and "3-seed", the rate with the lowest mean final dev loss over 3 or more seeds (a NaN final loss
+    counts as infinite, so one diverged seed dominates its rate's mean)."""
     finals: dict[tuple, dict] = {}  # (task, lr) -> {seed: final dev loss}
     for task, arm, lr, seed, _, run in runs:
         if arm == "mezo":
