@@ -123,22 +123,23 @@ def report() -> list[str]:
             runs.append((s["task"], s["arm"], s["lr"], s["seed"], ARMS.get(s["arm"], 2) * s["steps"], run))
     runs.sort(key=lambda r: r[:4])
     refs = mezo_references(runs)
+    mezo = {(task, lr, seed): run for task, arm, lr, seed, _, run in runs if arm == "mezo"}
 
     def against(task: str, seed: int, arm: str, run: dict, rule: str) -> tuple[str, str] | None:
         """Forwards to the final dev loss and accuracy of MeZO's run of `seed` at `rule`'s rate, paired."""
-        target = next((r for t, a, lr, s, _, r in runs if (t, a, s) == (task, "mezo", seed)
-                       and lr == refs[rule].get(task)), None)
+        target = mezo.get((task, refs[rule].get(task), seed))
         if target is None:
             return None
         return tuple(paired(reach(run, ARMS.get(arm, 2), target, key), reach(target, 2, target, key))
                      for key in ("loss", "accuracy"))
 
+    pairs = {rule: [against(task, seed, arm, run, rule) for task, arm, _, seed, _, run in runs] for rule in refs}
     rows = ["| task | arm | lr | seed | forwards | final dev loss | final dev accuracy | test accuracy | forwards to "
             "MeZO's final dev loss (x MeZO's) | forwards to MeZO's final dev accuracy (x MeZO's) | run s |",
             "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
-    for task, arm, lr, seed, forwards, run in runs:
+    for (task, arm, lr, seed, forwards, run), pair in zip(runs, pairs["seed-0"]):
         final = run["curve"][-1]
-        by_loss, by_acc = against(task, seed, arm, run, "seed-0") or ("-", "-")
+        by_loss, by_acc = pair or ("-", "-")
         rows.append(f"| {task} | {arm} | {lr:g} | {seed} | {forwards} | {final['loss']:.4f} | "
                     f"{final['accuracy']:.3f} | {run['test']['accuracy']:.3f} | {by_loss} | {by_acc} | "
                     f"{run['seconds']:.0f} |")
@@ -148,8 +149,7 @@ def report() -> list[str]:
                  "", "| task | arm | lr | seeds | final dev loss, mean ± sd | per seed: forwards to MeZO's final dev "
                  "loss | per seed: forwards to MeZO's final dev accuracy |", "|---|---|---:|---|---|---|---|"]
         groups: dict[tuple, list] = {}
-        for task, arm, lr, seed, _, run in runs:
-            pair = against(task, seed, arm, run, rule)
+        for (task, arm, lr, seed, _, run), pair in zip(runs, pairs[rule]):
             if pair:
                 groups.setdefault((task, arm, lr), []).append((seed, run["curve"][-1]["loss"], *pair))
         for (task, arm, lr), seeds in groups.items():
