@@ -29,14 +29,18 @@ from curvzo_ds.startup import extensions_dir
 COMMANDS = (train, evaluate, export, plot, bench, plan, diagnose)
 # A directory or run that is not what the command needs is the user's to fix: one line (exit 2), not a traceback.
 VALUE_ERRORS_ARE_THE_USERS = ("export", "plot")
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped at once (KeyboardInterrupt), as a shell reports a Ctrl-C
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `curvzo-ds` parser: one subcommand per front end, every option with its help text."""
-    parser = argparse.ArgumentParser(prog="curvzo-ds", description="CurvZO zeroth-order fine-tuning on ZeRO-3.")
+    parser = argparse.ArgumentParser(prog="curvzo-ds", description="CurvZO zeroth-order fine-tuning on ZeRO-3.",
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)
+    for command_parser in sub.choices.values():  # `--resum` is a typo, not --resume: no prefix of an option is taken
+        command_parser.allow_abbrev = False
     return parser
 
 
@@ -45,10 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # The deepspeed launcher inserts --local_rank=N (before the subcommand); LOCAL_RANK has it too.
     argv = [a for a in argv if not re.match(r"--local[-_]rank=\d+$", a)]
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # one line, naming the option it resembles (no prefix is taken for an option: allow_abbrev)
+        hint = _did_you_mean(parser, args, unknown)
+        _say(f"curvzo-ds {args.command}: error: unrecognized arguments: {' '.join(unknown)}{hint}")
+        return EXIT_BAD_INPUT
     extensions_dir()  # a JIT build cache per Python environment, unless TORCH_EXTENSIONS_DIR is set (startup.py)
     try:
-        args.handler(args)
+        code = args.handler(args)  # a handler may return its exit code (plan: 1 when the plan does not fit)
     except (ConfigError, FileNotFoundError) as e:
         _say(f"curvzo-ds {args.command}: error: {e}")
         return EXIT_BAD_INPUT
@@ -60,7 +68,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _say(f"curvzo-ds {args.command}: error: {e}")
         return EXIT_BAD_INPUT
-    return EXIT_OK
+    return code if isinstance(code, int) else EXIT_OK
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, args, unknown: list[str]) -> str:
+    """` (did you mean --resume?)` for the first unknown option that is close to one of the command's."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+    options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    for given in unknown:
+        near = difflib.get_close_matches(given.split("=", 1)[0], options, n=1, cutoff=0.6) if given.startswith("--") \
+            else []
+        if near:
+            return f" (did you mean {near[0]}? options are never abbreviated)"
+    return ""
 
 
 def _say(line: str) -> None:
@@ -128,14 +150,24 @@ def entry() -> None:
     #   and exit 1 as an uncaught exception does. The others then fail their collective (gloo: the connection
     #   closed; NCCL: the watchdog's timeout) or the launcher ends them on this rank's exit (torchrun,
     #   srun --kill-on-bad-exit, deepspeed).
-    # - KeyboardInterrupt, or a SystemExit from a command: aborted likewise, and re-raised unchanged. argparse's
-    #   --help and usage errors exit before any group exists: nothing to do.
+    # - KeyboardInterrupt (a Ctrl-C before training, or a second SIGINT or SIGTERM well after the first:
+    #   train/signals.py): aborted likewise, one line, exit 130 as a shell reports a Ctrl-C.
+    # - a SystemExit from a command: aborted likewise, and re-raised unchanged. argparse's --help and usage errors
+    #   exit before any group exists: nothing to do.
     try:
         code = main()
     except Exception:
         sys.excepthook(*sys.exc_info())  # as the interpreter prints it
         abort_process_group()
         sys.exit(EXIT_FAILED)
+    except KeyboardInterrupt:
+        abort_process_group()
+        _say("curvzo-ds: interrupted: stopped at once, saving nothing (a run's checkpoints so far are intact; "
+             "--resume continues from the newest)")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)  # no interpreter teardown: it can wait in the aborted group's threads
     except BaseException:
         abort_process_group()
         raise

@@ -4,17 +4,27 @@
 # that it returns 3 when the ranks stopped cleanly on a signal after saving a checkpoint, and 2 when they refused a
 # bad input that only the ranks can see (the data, the model), as `curvzo-ds train` does (docs/reliability.md):
 # the launchers themselves exit 1 then. Each rank that stops that way leaves a file in CURVZO_DS_EXIT_DIR.
-# SIGTERM and SIGINT sent to the script are passed to the launcher, which passes them to the ranks.
+# SIGTERM and SIGINT sent to the script are passed to the launcher, which passes them to the ranks; SIGHUP (the
+# terminal closed) is passed on as SIGTERM. The launcher runs in a session of its own (setsid), so that a
+# terminal's Ctrl-C, which goes to the whole foreground process group, reaches this script alone: the launcher
+# then gets one signal, from here, not two at once (torchrun, given a second while it stops its workers, leaves
+# them running). Signals that come together are passed on once; one that comes STOP_AGAIN seconds or more later
+# is passed on too: the ranks take it as "stop now" (curvzo_ds/train/signals.py, STOP_NOW_AFTER = 5 s).
+STOP_AGAIN=6  # whole seconds ($SECONDS): more than the ranks' 5
 run_job() {
-    local own=0 code=0 pid
+    local own=0 code=0 pid last_forward=-100
     if [ -z "${CURVZO_DS_EXIT_DIR:-}" ]; then
         CURVZO_DS_EXIT_DIR=$(mktemp -d) && own=1
         export CURVZO_DS_EXIT_DIR
     fi
-    "$@" &
+    if command -v setsid >/dev/null 2>&1; then
+        setsid -w "$@" &  # a child of a script is no group leader: setsid execs the launcher, $! is its pid
+    else
+        "$@" &
+    fi
     pid=$!
-    trap 'kill -TERM "$pid" 2>/dev/null || true' TERM
-    trap 'kill -INT "$pid" 2>/dev/null || true' INT
+    trap 'forward TERM' TERM HUP
+    trap 'forward INT' INT
     wait "$pid" || code=$?
     while kill -0 "$pid" 2>/dev/null; do  # wait was cut short by a trap: wait for the launcher's own exit
         code=0
@@ -33,6 +43,29 @@ run_job() {
     return "$code"
 }
 
+# Pass signal $1 to run_job's launcher, unless one went less than STOP_AGAIN seconds ago.
+forward() {
+    if (( SECONDS - last_forward >= STOP_AGAIN )); then
+        last_forward=$SECONDS
+        kill -"$1" "$pid" 2>/dev/null || true
+    fi
+}
+
+# The scripts' own settings, then `curvzo-ds train --check` (which checks MASTER_PORT with the configuration).
 preflight() {
+    local name value
+    for name in NPROC NNODES NODE_RANK; do
+        value="${!name:-}"
+        if [ -n "$value" ] && ! [[ "$value" =~ ^[0-9]+$ && ( "$name" = NODE_RANK || "$value" -ge 1 ) ]]; then
+            echo "curvzo-ds train: error: $name=$value is not a whole number$([ "$name" = NODE_RANK ] || echo ' >= 1')"\
+                 "(NPROC: ranks on this node, NNODES: nodes, NODE_RANK: this node's index from 0)" >&2
+            return 2
+        fi
+    done
+    if [ -n "${NODE_RANK:-}" ] && [ "$NODE_RANK" -ge "${NNODES:-1}" ]; then
+        echo "curvzo-ds train: error: NODE_RANK=$NODE_RANK is not below NNODES=${NNODES:-1}: the nodes are" \
+             "0..$(( ${NNODES:-1} - 1 ))" >&2
+        return 2
+    fi
     DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" "${PYTHON:-python}" -m curvzo_ds.cli train --check "$@"
 }

@@ -29,7 +29,9 @@ HOOK_DIR = pathlib.Path(__file__).with_name("launch_log")  # put on PYTHONPATH b
 # decision to make CI slower, taken in review, not by a test that happens to fit.
 # 2026-11-27: started 200 -> 210 for the launch scripts' one-process `train --check` before their ranks (issue 38
 # item 6: a bad input is exit 2 before any rank starts): 6 launches of about 2 s each.
-BUDGET = {"started": 210, "forked": 260}
+# 2026-11-28: started 210 -> 225 for issue 45's Ctrl-C to a launch script's whole process group, repeated 5 times
+# in one test as the issue asks (20 launches: launch/torchrun.sh's check, torchrun and its 2 ranks, and a resume).
+BUDGET = {"started": 225, "forked": 260}
 
 counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 owner: list[str] = ["<session>"]  # who is launching now: a test id or fixture:<name>

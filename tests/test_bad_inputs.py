@@ -144,6 +144,41 @@ CASES = [
     ("task-bad-metric", ["train", "--set", "task={tmp}/tasks/bad-metric"], "metric 'f1'"),
     ("output-dir-empty", ["train", "--set", "output_dir="], "output_dir=None is invalid"),
     ("task-misspelt-key", ["train", "--set", "task={tmp}/tasks/misspelt-key"], "did you mean 'label_words'"),
+    # a user's own generation data (issue 48 §1): completion and chat task directories, each line checked
+    ("task-kind-unknown", ["train", "--set", "task={tmp}/tasks/kind-unknown"],
+     "kind 'compleition' is not one of classification, completion, chat (did you mean 'completion'?)"),
+    ("completion-template-field", ["train", "--set", "task={tmp}/tasks/completion-template-field"],
+     "unknown field 'template'; the known fields of a completion task are name, kind"),
+    ("completion-missing-field", ["train", "--set", "task={tmp}/tasks/completion-missing-field"],
+     "train.jsonl line 2: missing field 'completion'"),
+    ("completion-empty", ["train", "--set", "task={tmp}/tasks/completion-empty"],
+     "train.jsonl line 3: the completion is empty"),
+    ("completion-prompt-cut-away", ["train", "--set", "task={tmp}/tasks/completion-long", "--set", "max_length=32",
+                                    "--set", "max_new_tokens=8"],
+     "train.jsonl line 5: max_length=32 cuts the prompt to nothing"),
+    ("chat-bad-role", ["train", "--set", "task={tmp}/tasks/chat-bad-role", "--set", "tokenizer={tmp}/chat-tokenizer"],
+     "train.jsonl line 2: message 1 has role 'human', not one of system, user, assistant"),
+    ("chat-ends-with-user", ["train", "--set", "task={tmp}/tasks/chat-ends-with-user", "--set",
+                             "tokenizer={tmp}/chat-tokenizer"],
+     "train.jsonl line 4: the conversation ends with a user turn; it must end with an assistant turn"),
+    ("chat-messages-not-a-list", ["train", "--set", "task={tmp}/tasks/chat-messages-text", "--set",
+                                  "tokenizer={tmp}/chat-tokenizer"],
+     "train.jsonl line 1: field 'messages' must be a non-empty list"),
+    ("chat-assistant-turns", ["train", "--set", "task={tmp}/tasks/chat-assistant-turns"],
+     "\"assistant_turns\" is 'every', not one of 'last', 'all'"),
+    ("chat-no-template", ["train", "--set", "task={tmp}/tasks/chat-good"],
+     "is a chat task, but the tokenizer"),
+    # objective (issue 48 §3): the metric must fit the task
+    ("objective-unknown", ["train", "--set", "objective=bleu"],
+     "objective='bleu' is invalid: it must be loss, accuracy or f1"),
+    ("objective-accuracy-generation", ["train", "--set", "task=squad", "--set", "data_dir=samples", "--set",
+                                       "objective=accuracy"], "objective=accuracy needs a classification task"),
+    ("objective-f1-classification", ["train", "--set", "objective=f1"],
+     "objective=f1 needs a generation task (squad, drop, or a completion or chat task directory); task demo is a "
+     "classification task"),
+    ("objective-accuracy-chat", ["train", "--set", "task={tmp}/tasks/chat-good", "--set",
+                                 "tokenizer={tmp}/chat-tokenizer", "--set", "objective=accuracy"],
+     "task grocery is a chat task"),
     # --resume
     ("resume-missing", ["train", "--resume", "{tmp}/no-checkpoint"], "no such checkpoint directory"),
     ("resume-not-a-checkpoint", ["train", "--resume", "{done}"], "no manifest.json"),
@@ -158,7 +193,7 @@ CASES = [
      "max_steps=2 is below"),
     # eval
     ("eval-bad-key", ["eval", "--set", "zo_eps=-1"], "zo_eps"),
-    ("eval-no-run-config", ["eval", "--resume", "{done}"], "no run_config.json"),
+    ("eval-not-a-checkpoint", ["eval", "--resume", "{done}"], "no manifest.json"),
     ("eval-checksum", ["eval", "--resume", "{tmp}/corrupt"], "checksum mismatch"),
     ("eval-changes-model", ["eval", "--set", "model=demo-opt", "--resume", "{done}/checkpoint-3"], "model"),
     # eval with no --resume would evaluate the untrained model, next to a finished run (issue 28 §2)
@@ -171,7 +206,7 @@ CASES = [
     ("export-missing", ["export", "{tmp}/no-checkpoint", "--out", "{tmp}/export"], "no-checkpoint"),
     ("export-checksum", ["export", "{tmp}/corrupt", "--out", "{tmp}/export"], "checksum mismatch"),
     # an export over a non-empty directory would mix two exports' files (issue 28 §4)
-    ("export-out-not-empty", ["export", "{done}/checkpoint-3", "--out", "{done}"], "pass --overwrite"),
+    ("export-out-not-empty", ["export", "{done}/checkpoint-3", "--out", "{tmp}/tasks"], "pass --overwrite"),
     # plot
     ("plot-empty-dir", ["plot", "{tmp}/empty"], "holds no metrics.jsonl"),
     ("plot-missing-dir", ["plot", "{tmp}/no-run"], "no such directory"),
@@ -251,6 +286,32 @@ def places(tmp_path_factory):
     _task_dir(tasks, "bad-metric", spec={**GOOD_TASK, "metric": "f1"})
     _task_dir(tasks, "misspelt-key", spec={**GOOD_TASK, "lable_words": [" bad", " good"]})
     _task_dir(tasks, "task-json-non-utf8", spec=None)
+    completion = [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(40)]
+    chat = [{"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}."}]}
+            for i in range(40)]
+    _task_dir(tasks, "kind-unknown", spec={"name": "t", "kind": "compleition"}, train=_lines(*completion))
+    _task_dir(tasks, "completion-template-field", spec={"name": "t", "kind": "completion", "template": "{prompt}"},
+              train=_lines(*completion))
+    _task_dir(tasks, "completion-missing-field", spec={"name": "t", "kind": "completion"},
+              train=_lines(completion[0], {"prompt": "1 + 1 ="}, *completion[2:]))
+    _task_dir(tasks, "completion-empty", spec={"name": "t", "kind": "completion"},
+              train=_lines(*completion[:2], {"prompt": "2 + 1 =", "completion": ""}, *completion[3:]))
+    long = {"prompt": "4 + 1 =", "completion": " five" * 40}  # line 5: a completion longer than max_length
+    _task_dir(tasks, "completion-long", spec={"name": "t", "kind": "completion"},
+              train=_lines(*completion[:4], long, *completion[5:]))
+    _task_dir(tasks, "chat-bad-role", spec={"name": "t", "kind": "chat"},
+              train=_lines(chat[0], {"messages": [{"role": "human", "content": "Hi"},
+                                                  {"role": "assistant", "content": "Hello."}]}, *chat[2:]))
+    _task_dir(tasks, "chat-ends-with-user", spec={"name": "t", "kind": "chat"},
+              train=_lines(*chat[:3], {"messages": chat[3]["messages"][:1]}, *chat[4:]))
+    _task_dir(tasks, "chat-messages-text", spec={"name": "t", "kind": "chat"},
+              train=_lines({"messages": "user: Hi\nassistant: Hello."}, *chat[1:]))
+    _task_dir(tasks, "chat-assistant-turns", spec={"name": "t", "kind": "chat", "assistant_turns": "every"},
+              train=_lines(*chat))
+    _task_dir(tasks, "chat-good", spec={"name": "grocery", "kind": "chat"}, train=_lines(*chat))
+    shutil.copytree(ROOT / "curvzo_ds" / "assets" / "tokenizer-llama", tmp / "chat-tokenizer")  # with a template:
+    (tmp / "chat-tokenizer" / "chat_template.jinja").write_text(  # the refusal is the objective's, not the template's
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}")
     (tasks / "task-json-non-utf8" / "task.json").write_bytes(json.dumps(GOOD_TASK).encode().replace(b"bad", b"b\xffd"))
     corrupt = tmp / "corrupt"
     shutil.copytree(done / "checkpoint-3", corrupt)

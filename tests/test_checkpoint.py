@@ -147,3 +147,83 @@ def test_a_checkpoint_from_before_the_components_resumes_its_best_and_its_second
     manager = ckpt.CheckpointManager(str(tmp_path), metric="accuracy", states={"clock": clock})
     manager.load(e, path)
     assert manager.best == best and 5.0 <= clock.seconds() < 60.0
+
+
+def test_a_damaged_manifest_is_refused_in_one_line_before_any_tensor_is_read(tmp_path):
+    """Issue 45 §3: a manifest without a tensor's entry or a slice, or with a tensor of another shape, was a
+    traceback under --resume; every such manifest (and a rank file whose header disagrees with it) is now a
+    ConfigError naming the file and the problem, from verify_checkpoint and load_checkpoint alike."""
+    import json
+    import shutil
+
+    from curvzo_ds.checkpoint.format import verify_checkpoint
+    from curvzo_ds.errors import ConfigError
+
+    e, x = engine()
+    e.step(x)
+    good = ckpt.write_checkpoint(e, str(tmp_path / "good"))
+    first = sorted(json.loads(open(os.path.join(good, "manifest.json")).read())["tensors"])[0]
+
+    def edit(name, change):
+        path = str(tmp_path / name)
+        shutil.copytree(good, path)
+        with open(os.path.join(path, "manifest.json")) as f:
+            manifest = json.load(f)
+        change(manifest)
+        with open(os.path.join(path, "manifest.json"), "w") as f:
+            json.dump(manifest, f)
+        return path
+
+    cases = {
+        "no-tensor": (lambda m: m["tensors"].pop(first), "which it lists in no tensors entry"),
+        "no-slice": (lambda m: next(iter(m["slices"].values())).pop(first), f"holds elements 0.. of {first}"),
+        "shape": (lambda m: m["tensors"][first].update(shape=[3, 3]), "is not the product of its shape [3, 3]"),
+        "bounds": (lambda m: next(iter(m["slices"].values()))[first].__setitem__(1, 10 ** 9), "is outside its"),
+        "dtype": (lambda m: m["tensors"][first].update(dtype="nosuch"), "has no dtype ('nosuch')"),
+        "step": (lambda m: m.update(step="three"), "step 'three' is not a step number"),
+        "engine": (lambda m: m.pop("engine"), "holds no engine state"),
+    }
+    for name, (change, words) in cases.items():
+        path = edit(name, change)
+        for check in (verify_checkpoint, lambda p: ckpt.load_checkpoint(e, p)):
+            with pytest.raises(ConfigError, match=None) as raised:
+                check(path)
+            assert words in str(raised.value) and "\n" not in str(raised.value), (name, str(raised.value))
+    # a consistent manifest of another shape: the model's check names both shapes
+    other = edit("other-shape", lambda m: m["tensors"]["0.weight"].update(shape=[m["tensors"]["0.weight"]["numel"]]))
+    with pytest.raises(ConfigError, match="0.weight has the shape"):
+        ckpt.load_checkpoint(e, other)
+
+
+def test_only_the_checkpoints_own_files_are_read_and_every_file_is_checksummed(tmp_path):
+    """A rank file that is a link to a file outside the checkpoint is refused (it was followed), and so is any other
+    file the manifest lists (`other_files`: written with every checkpoint) that changed since it was written."""
+    import json
+    import shutil
+
+    from curvzo_ds.checkpoint.format import checkpoint_containing, verify_checkpoint
+    from curvzo_ds.errors import ConfigError
+
+    e, x = engine()
+    e.step(x)
+    good = ckpt.write_checkpoint(e, str(tmp_path / "good"), write_extra=lambda d: open(f"{d}/extra.json", "w").close())
+    manifest = verify_checkpoint(good)
+    assert list(manifest["other_files"]) == ["extra.json"]
+    linked = str(tmp_path / "linked")
+    shutil.copytree(good, linked)
+    rank = os.path.join(linked, sorted(manifest["files"])[0])
+    os.rename(rank, str(tmp_path / "outside.safetensors"))
+    os.symlink(str(tmp_path / "outside.safetensors"), rank)
+    with pytest.raises(ConfigError, match="is a link .*only files inside the checkpoint directory are read"):
+        verify_checkpoint(linked)
+    with pytest.raises(ConfigError, match="is a link"):
+        ckpt.load_checkpoint(e, linked)
+    changed = str(tmp_path / "changed")
+    shutil.copytree(good, changed)
+    with open(os.path.join(changed, "extra.json"), "w") as f:
+        json.dump({"x": 1}, f)
+    with pytest.raises(ConfigError, match="checksum mismatch for .*extra.json"):
+        verify_checkpoint(changed)
+    assert checkpoint_containing(os.path.join(good, "sub", "dir")) == os.path.realpath(good)
+    assert checkpoint_containing(good) == os.path.realpath(good)
+    assert checkpoint_containing(str(tmp_path)) is None

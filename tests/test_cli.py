@@ -228,3 +228,108 @@ def test_a_checkpoint_from_before_rate_correction_counts_as_the_papers_step():
     saved = {k: v for k, v in hub.items() if k != "rate_correction"}
     assert differences(saved, hub, ["rate_correction"]) == ["rate_correction: 'none' -> 'max_weight'"]
     assert differences(saved, {**hub, "rate_correction": "none"}, ["rate_correction"]) == []
+
+
+def test_no_option_is_taken_from_an_abbreviation(tmp_path, capsys):
+    """Issue 45 §2: `curvzo-ds train --resum` was argparse's prefix match for --resume, and started a full default run.
+    Every parser refuses prefixes, and an unknown option is one line naming the one it resembles."""
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert parser.allow_abbrev is False and all(sub.allow_abbrev is False for sub in subcommands.values())
+    for name, sub in subcommands.items():
+        required = [a for a in sub._actions if a.required and a.option_strings]
+        for option in [o for a in sub._actions for o in a.option_strings if o.startswith("--") and len(o) > 4]:
+            given = [x for a in required if option not in a.option_strings for x in (a.option_strings[0], "1")]
+            positionals = ["x"] * len(sub._get_positional_actions())
+            try:
+                _, unknown = sub.parse_known_args([*given, *positionals, option[:-1], "1"])
+            except SystemExit:  # a required option left out: its abbreviation would have been taken for it
+                continue
+            assert option[:-1] in unknown, (name, option)
+    capsys.readouterr()  # argparse's usage lines of the left-out required options
+    out = tmp_path / "runs"
+    assert main(["train", "--resum", "--set", f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["curvzo-ds train: error: unrecognized arguments: --resum (did you mean --resume? options are never "
+                   "abbreviated)"], err
+    assert not out.exists()
+
+
+def test_a_bad_launcher_environment_is_one_line_before_any_process_group(tmp_path, capsys, monkeypatch):
+    """Issue 45 §3: WORLD_SIZE=abc and MASTER_PORT=99999 were tracebacks, RANK=5 with WORLD_SIZE=2 waited for ranks
+    that never come until ddp_timeout (1800 s): each is refused at start, naming the variable."""
+    cases = [({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a whole number >= 1"),
+             ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a whole number >= 1"),
+             ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not a whole number >= 0"),
+             ({"MASTER_PORT": "99999"}, "MASTER_PORT='99999' is not a port (1-65535)"),
+             ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 is not below WORLD_SIZE=2 (the ranks are 0..1)")]
+    for env, words in cases:
+        with monkeypatch.context() as m:
+            for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+                m.delenv(key, raising=False)
+            for key, value in env.items():
+                m.setenv(key, value)
+            assert main(["train", "--set", f"output_dir={tmp_path / 'run'}"]) == 2, env
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("curvzo-ds train: error: the launcher's environment: ") \
+            and words in err[0], (env, err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_interrupt_is_one_line_and_exit_130(monkeypatch, capsys):
+    """A Ctrl-C before training, or a second SIGINT or SIGTERM 5 s after the first (train/signals.py): no traceback,
+    one line, 130 as a shell reports a Ctrl-C, and no interpreter teardown (os._exit)."""
+    from curvzo_ds import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    def leave(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(cli, "main", interrupted)
+    monkeypatch.setattr(cli.os, "_exit", leave)
+    monkeypatch.setattr(cli.faulthandler, "enable", lambda: None)  # pytest's captured stderr has no file descriptor
+    with pytest.raises(SystemExit) as exit_info:
+        cli.entry()
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err
+    assert err.startswith("curvzo-ds: interrupted: stopped at once") and err.count("\n") == 1, err
+
+
+def test_one_reader_of_run_config_json_refuses_a_damaged_one_in_one_line(tmp_path, capsys):
+    """Issue 44/45: resume, `eval --resume` and export read a checkpoint's run_config.json through one function
+    (config.load.read_run_config): keys coerced, unknown keys left out, and a file that is not JSON, not an object,
+    or holds a value of the wrong type is one line; `eval --resume` of it is exit 2 before anything is built."""
+    import torch
+
+    from curvzo_ds.checkpoint import manager as ckpt
+    from curvzo_ds.config.load import read_run_config, saved_config
+    from curvzo_ds.engine import ZOEngine
+    from curvzo_ds.errors import ConfigError
+
+    def checkpoint(name: str, text: str) -> str:
+        engine = ZOEngine(torch.nn.Linear(2, 1), lambda m, b: (m(b).sum(), 1), method="mezo")
+
+        def run_config(directory):
+            with open(os.path.join(directory, "run_config.json"), "w") as f:
+                f.write(text)
+
+        return ckpt.save_checkpoint(engine, str(tmp_path / name), write_extra=run_config)
+
+    good = checkpoint("good", json.dumps({"learning_rate": 1, "seed": 3.0, "from_a_later_version": 1}))
+    assert read_run_config(good) == {"learning_rate": 1.0, "seed": 3}
+    assert saved_config(good).seed == 3
+    for name, text, words in (("not-json", "{not json", "run_config.json is not valid JSON"),
+                              ("a-list", "[1]", "run_config.json holds no JSON object"),
+                              ("bad-type", json.dumps({"seed": "three"}), "run_config.json: seed='three'")):
+        path = checkpoint(name, text)
+        with pytest.raises(ConfigError, match=None) as refused:
+            read_run_config(path)
+        assert words in str(refused.value), str(refused.value)
+        assert main(["eval", "--resume", path]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("curvzo-ds eval: error: ") and words in err[0], err
+    assert read_run_config(str(tmp_path), required=False) is None
+    with pytest.raises(ConfigError, match="no run_config.json there"):
+        read_run_config(str(tmp_path))

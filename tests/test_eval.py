@@ -1,25 +1,54 @@
-"""Evaluation under ZeRO-3 with real processes: no hang in generation, the same metrics at 1, 2, 3 ranks.
+"""Evaluation under ZeRO-3 with real processes: no hang in generation, the same metrics at 1, 2, 3 ranks; and a
+user's own generation data (issue 48), trained end to end by `curvzo-ds train` at 1 and 2 ranks.
 
 One torchrun launch per world size runs every scenario (tests/multirank/eval_worker.py).
 """
 
+import json
 import pathlib
+import re
+import shutil
+import sys
 
 import pytest
 
 from curvzo_ds.data.stream import round_robin_slots
+from curvzo_ds.tasks.task import EXAMPLES
 from tests.helpers import ROOT, run_worker
 
 WORKER = ROOT / "tests" / "multirank" / "eval_worker.py"
+# The bundled completion and chat examples (the chat one with docs/tasks.md's template on the demo tokenizer), and
+# objective=f1 on SQuAD's samples: each a `curvzo-ds train` at 1 and 2 ranks in the launches below. Three micro-
+# batches a step: at 2 ranks one rank runs a zero-weight forward (f1: greedy generation padded to as many calls).
+OWN_COMMON = ["--set", "max_steps=4", "--set", "eval_steps=4", "--set", "save_steps=4", "--set", "global_batch_size=6",
+              "--set", "micro_batch_size=2", "--set", "max_new_tokens=8", "--set", "disable_tqdm=true",
+              "--set", "report_to=none", "--set", "log_level=warning",
+              "--deepspeed", str(ROOT / "ds_configs" / "zero3.json")]
+
+
+def own_runs(tmp: pathlib.Path) -> dict[str, list[str]]:
+    return {"completion": [*OWN_COMMON, "--set", f"task={EXAMPLES['completion']}"],
+            "chat": [*OWN_COMMON, "--set", f"task={EXAMPLES['chat']}", "--set", f"tokenizer={tmp / 'chat-tokenizer'}"],
+            "squad_f1": [*OWN_COMMON, "--set", "task=squad", "--set", "data_dir=samples", "--set", "num_train=9",
+                         "--set", "num_dev=2", "--set", "objective=f1"]}
+
+
+def docs_chat_template() -> str:
+    """The chat template docs/tasks.md gives for the demo tokenizer (its `my-tokenizer/chat_template.jinja`)."""
+    text = (ROOT / "docs" / "tasks.md").read_text()
+    return re.search(r"`my-tokenizer/chat_template.jinja`\n```jinja\n(.*?)\n```", text, re.S).group(1)
 
 
 def launch(world: int, tmp: pathlib.Path) -> dict:
-    return run_worker(world, WORKER, tmp / f"out{world}.json", timeout=180)["results"]
+    return run_worker(world, WORKER, tmp / "own-data.json", tmp / f"out{world}.json", timeout=400)["results"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
+    shutil.copytree(ROOT / "curvzo_ds" / "assets" / "tokenizer-llama", tmp / "chat-tokenizer")
+    (tmp / "chat-tokenizer" / "chat_template.jinja").write_text(docs_chat_template())
+    (tmp / "own-data.json").write_text(json.dumps({"directory": str(tmp), "runs": own_runs(tmp)}))
     return {w: launch(w, tmp) for w in (1, 2, 3)}
 
 
@@ -97,3 +126,48 @@ def test_rank_0_prepares_data_first(runs):
             times = runs[w][name]["load_times"]
             assert len(times[0]) == 2 and all(len(t) == 2 for t in times)
             assert all(start >= max(end for _, end in times[0]) for t in times[1:] for start, _ in t)
+
+
+# ---- a user's own generation data, and objective=f1 (issue 48), through `curvzo-ds train` ----
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_own_generation_data_trains_alike_at_1_and_2_ranks(runs):
+    for name in ("completion", "chat", "squad_f1"):
+        one, two = runs[1]["own_data"][name], runs[2]["own_data"][name]
+        assert one["code"] == two["code"] == 0, name
+        assert (one["summary"]["world_size"], two["summary"]["world_size"]) == (1, 2)
+        assert one["summary"]["params_digest"] == two["summary"]["params_digest"], name
+        assert one["summary"]["test"] == two["summary"]["test"] and {"loss", "f1", "exact_match"} <= set(
+            one["summary"]["test"]), name
+    # objective=f1: a step's losses are minus the mean F1 of the batch's greedy answers, an evaluation's loss minus
+    # its f1
+    rows = [json.loads(line) for line in (pathlib.Path(runs[1]["own_data"]["squad_f1"]["dir"]) / "metrics.jsonl")
+            .read_text().splitlines()]
+    steps = [r for r in rows if "split" not in r]
+    assert len(steps) == 4 and all(-1 <= r[k] <= 0 for r in steps for k in ("loss_plus", "loss_minus"))
+    assert all(r["loss"] == pytest.approx(-r["f1"]) for r in rows if "split" in r)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_own_generation_data_exports_and_loads_in_transformers(runs, tmp_path, monkeypatch, capsys):
+    """The 1-rank runs' last checkpoints exported (`curvzo-ds export`), checked against their params_digest
+    (tests/check_run.py --export) and loaded by transformers, the chat one with its chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from curvzo_ds.cli import main
+    from tests import check_run
+
+    for name in ("completion", "chat"):
+        run, export = pathlib.Path(runs[1]["own_data"][name]["dir"]), tmp_path / name
+        assert main(["export", str(run / "checkpoint-4"), "--out", str(export)]) == 0
+        monkeypatch.setattr(sys, "argv", ["check_run.py", str(run), "--export", str(export)])
+        with pytest.raises(SystemExit) as done:
+            check_run.main()
+        assert done.value.code == 0, capsys.readouterr().out
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(str(export)), AutoTokenizer.from_pretrained(str(export))
+        assert bool(tokenizer.chat_template) == (name == "chat")
+        ids = torch.tensor([tokenizer.encode("3 + 5 =")])
+        assert model.generate(input_ids=ids, max_new_tokens=3, do_sample=False).shape[1] > ids.shape[1]

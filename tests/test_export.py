@@ -204,3 +204,44 @@ def test_export_refuses_in_one_line_what_it_cannot_write_faithfully(tmp_path, ca
     (tmp_path / "nameless" / "checkpoint-2" / "manifest.json").write_text(json.dumps(manifest))
     assert "no model record" in export_error(nameless, tmp_path / "x", capsys)
     assert not (tmp_path / "x").exists()
+
+
+def test_export_refuses_a_damaged_checkpoint_and_an_out_that_is_the_checkpoints(tmp_path, capsys):
+    """Issue 45 §3: an export of a checkpoint without config.json reported success and could not be loaded; an --out
+    inside the checkpoint wrote into it (with --overwrite, an --out that holds it would have replaced it); a rank
+    file linked to a file outside the checkpoint was followed; an --out under a file was a traceback. Each is one
+    line and exit 2 now, and the checkpoint is unchanged."""
+    good = checkpoint_of(tiny_llama(), tmp_path / "run")
+    manifest = json.loads(open(os.path.join(good, "manifest.json")).read())
+    before = {name: open(os.path.join(good, name), "rb").read() for name in os.listdir(good)}
+
+    older = str(tmp_path / "older" / "checkpoint-2")  # written before `other_files`: config.json is checked by name
+    shutil.copytree(good, older)
+    with open(os.path.join(older, "manifest.json"), "w") as f:
+        json.dump({k: v for k, v in manifest.items() if k != "other_files"}, f)
+    os.remove(os.path.join(older, "config.json"))
+    assert "config.json is missing: the checkpoint is partial" in export_error(older, tmp_path / "x", capsys)
+    newer = str(tmp_path / "newer" / "checkpoint-2")
+    shutil.copytree(good, newer)
+    os.remove(os.path.join(newer, "config.json"))
+    assert "config.json is missing: the checkpoint is partial" in export_error(newer, tmp_path / "x", capsys)
+
+    (tmp_path / "run.log").write_text("a file")
+    for out, extra, words in ((os.path.join(good, "hf"), (), "is inside the checkpoint"),
+                              (str(tmp_path / "run"), ("--overwrite",), "is a directory that holds"),
+                              (good, ("--overwrite",), "is inside the checkpoint"),
+                              (str(tmp_path / "run.log" / "x"), (), "cannot be written (Not a directory)")):
+        assert words in export_error(good, out, capsys, *extra), out
+    linked = str(tmp_path / "linked" / "checkpoint-2")
+    shutil.copytree(good, linked)
+    rank = os.path.join(linked, sorted(manifest["files"])[0])
+    os.rename(rank, str(tmp_path / "outside.safetensors"))
+    os.symlink(str(tmp_path / "outside.safetensors"), rank)
+    assert "is a link (to " in export_error(linked, tmp_path / "x", capsys)
+    damaged = str(tmp_path / "damaged" / "checkpoint-2")
+    shutil.copytree(good, damaged)
+    with open(os.path.join(damaged, "manifest.json"), "w") as f:
+        json.dump({**manifest, "model": {"kind": "full"}}, f)
+    assert "its model record" in export_error(damaged, tmp_path / "x", capsys)
+    assert not (tmp_path / "x").exists()
+    assert {name: open(os.path.join(good, name), "rb").read() for name in os.listdir(good)} == before

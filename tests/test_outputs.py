@@ -1,6 +1,7 @@
 """Every name a run writes to metrics.jsonl and summary.json is documented in docs/outputs.md."""
 
 import json
+import os
 
 import pytest
 
@@ -61,3 +62,87 @@ def test_summary_provenance_and_one_log_file_per_rank(tmp_path):
     assert json.loads((out / "summary.json").read_text())["config_hash"] != summary["config_hash"]  # max_steps
     replaced = train(2, "--set", "overwrite_output_dir=true")
     assert replaced.count(" INFO done: 2 steps") == 1 and "resumed from" not in replaced
+
+
+class OneRank:
+    """The job's communicator of a one-rank job, for the output-directory policy alone."""
+
+    rank, world_size = 0, 1
+
+    def broadcast_object(self, value):
+        return value
+
+
+def test_a_live_run_is_locked_and_a_killed_ones_lock_is_not_stale(tmp_path):
+    """Issue 45 §2: rank 0 holds an flock on output_dir/.curvzo-ds.lock for the run; a second take is refused in one
+    line naming the holder; the kernel drops the lock of a killed holder, so its left-over file locks nothing."""
+    import signal
+    import subprocess
+
+    from curvzo_ds.errors import ConfigError
+    from curvzo_ds.train.outputs import RunLock
+
+    first = RunLock.take(str(tmp_path))
+    holder = json.loads((tmp_path / RunLock.NAME).read_text())
+    with pytest.raises(ConfigError, match=rf"is in use by a live run \(pid {holder['pid']} on .*kill -INT "
+                                          rf"{holder['pid']} saves a checkpoint") as refused:
+        RunLock.take(str(tmp_path))
+    assert "\n" not in str(refused.value)
+    first.release()
+    assert not (tmp_path / RunLock.NAME).exists()
+    # another process holds it (util-linux's flock, no Python started), then is killed: the file stays, unlocked
+    (tmp_path / RunLock.NAME).write_text('{"pid": 1, "host": "h", "started": "then"}\n')
+    other = subprocess.Popen(["flock", "-o", str(tmp_path / RunLock.NAME), "sleep", "60"],  # -o: sleep holds none
+                             start_new_session=True)
+    try:
+        deadline = 50
+        while deadline and subprocess.run(["flock", "-n", str(tmp_path / RunLock.NAME), "true"]).returncode == 0:
+            deadline -= 1  # until the other process has its lock
+            subprocess.run(["sleep", "0.1"])
+        with pytest.raises(ConfigError, match="in use by a live run"):
+            RunLock.take(str(tmp_path))
+    finally:
+        os.killpg(other.pid, signal.SIGKILL)  # flock and its sleep
+        other.wait()
+    assert (tmp_path / RunLock.NAME).exists()
+    RunLock.take(str(tmp_path)).release()
+
+
+def test_resume_never_overwrites_and_a_run_is_never_written_inside_a_checkpoint(tmp_path):
+    """Issue 45 §2: a bare --resume into a directory that holds a run but no complete checkpoint (only a .tmp) is
+    refused, as is --resume CKPT of another run into a directory that holds one; overwrite_output_dir replaces it
+    knowingly; a directory that holds no run starts fresh. Each refusal leaves the directory as it was (the lock
+    taken for the decision is gone again)."""
+    from curvzo_ds.config.schema import TrainConfig
+    from curvzo_ds.errors import ConfigError
+    from curvzo_ds.train.outputs import prepare_output_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoint-8.tmp").mkdir(parents=True)
+    for name in ("config.json", "metrics.jsonl"):
+        (run / name).write_text("{}\n")
+    before = sorted(p.name for p in run.iterdir())
+    cfg = TrainConfig(output_dir=str(run))
+    refusals = {
+        (True, None): "holds a run (checkpoint-8.tmp, config.json, metrics.jsonl) but no complete checkpoint "
+                      "(checkpoint-8.tmp: partial or damaged)",
+        ("/elsewhere/checkpoint-3", "/elsewhere/checkpoint-3"): "already holds another run",
+        (None, None): "already holds a run",
+    }
+    for (resume, checkpoint), words in refusals.items():
+        with pytest.raises(ConfigError, match=None) as refused:
+            prepare_output_dir(cfg, resume, checkpoint, OneRank())
+        assert words in str(refused.value), str(refused.value)
+        assert sorted(p.name for p in run.iterdir()) == before
+    ckpt_dir = run / "checkpoint-8"
+    ckpt_dir.mkdir()
+    (ckpt_dir / "manifest.json").write_text("{}")
+    (ckpt_dir / "rank-00000-of-00001.safetensors").write_text("")
+    inside = TrainConfig(output_dir=str(ckpt_dir / "again"))
+    with pytest.raises(ConfigError, match="is inside the checkpoint"):
+        prepare_output_dir(inside, None, None, OneRank())
+    prepare_output_dir(cfg, True, str(ckpt_dir), OneRank()).release()  # its own checkpoint: continued
+    lock = prepare_output_dir(TrainConfig(output_dir=str(run), overwrite_output_dir=True), True, None, OneRank())
+    lock.release()
+    assert sorted(p.name for p in run.iterdir()) == []  # replaced knowingly
+    prepare_output_dir(TrainConfig(output_dir=str(tmp_path / "fresh")), True, None, OneRank()).release()

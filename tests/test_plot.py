@@ -307,3 +307,56 @@ def test_pi_of_another_run_is_replaced_and_a_disabled_writer_writes_nothing(tmp_
     off.write(1, np.ones(1))
     assert off.truncate_after(0) == 0
     assert not (tmp_path / "off").exists()
+
+
+def test_the_legend_names_difference_and_q_and_the_axes_start_at_0_with_room_for_the_stars(tmp_path):
+    """Issue 44: an RLOO-8 run read as "mezo" in the legend; the best-dev stars on the last step were cut by the
+    panel's right edge; the heat map's step axis started at -10 (the shared axis' margin)."""
+    import matplotlib.pyplot as plt
+
+    from curvzo_ds.commands.plot import run_label
+
+    assert run_label("r", {"method": "mezo", "difference": "rloo", "num_directions": 8}, {}) == "r (mezo rloo q=8)"
+    assert run_label("c", {"method": "mezo", "difference": "central", "num_directions": 4}, {}) == "c (mezo q=4)"
+    assert run_label("m", {"method": "mezo", "difference": "central", "num_directions": 1}, {}) == "m (mezo)"
+    run = make_run(tmp_path / "cz", "curvzo", steps=500)
+    engine_pi(tmp_path / "cz", steps=500, every=10)
+    fig = figure([run])
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        assert all(ax.get_xlim()[0] == 0 for ax in fig.axes[:7]), [ax.get_xlim() for ax in fig.axes[:7]]
+        ax = fig.axes[2]
+        (star,) = [line for line in ax.lines if line.get_marker() == "*"]
+        box, panel = star.get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert panel.x0 <= box.x0 and box.x1 <= panel.x1, (box, panel)  # the whole star inside the panel
+    finally:
+        plt.close(fig)
+
+
+def test_an_out_that_cannot_be_written_and_damaged_lines_are_said(tmp_path, capsys):
+    """Issue 45 §3: `plot --out` where it cannot write was a traceback; a line of metrics.jsonl that is not JSON (or a
+    damaged summary.json) was left out without a word. The first is one line and exit 2, the second a warning."""
+    run = make_run(tmp_path / "run", "curvzo", steps=20)
+    (tmp_path / "a-file").write_text("x")
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    ckpt.mkdir()
+    (ckpt / "manifest.json").write_text("{}")
+    (ckpt / "rank-00000-of-00001.safetensors").write_text("")
+    for out, words in ((tmp_path / "a-file" / "x.png", "a-file is a file"),
+                       (ckpt / "x.png", "is inside the checkpoint")):
+        assert main(["plot", run, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("curvzo-ds plot: error: ") and err.count("\n") == 1 and words in err, err
+    with open(tmp_path / "run" / "metrics.jsonl", "r+") as f:
+        lines = f.readlines()
+        lines[4] = '{"step": 5, "loss"\n'
+        f.seek(0)
+        f.writelines(lines + ['{"step": 21, "lo'])
+        f.truncate()
+    (tmp_path / "run" / "summary.json").write_text("{not json")
+    assert main(["plot", run, "--out", str(tmp_path / "fig.png")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert any("metrics.jsonl: lines 5, " in line and "not a JSON object and left out" in line for line in err), err
+    assert any("summary.json cannot be read" in line for line in err), err
+    assert all(line.startswith("curvzo-ds plot: warning: ") for line in err), err

@@ -2,16 +2,19 @@
 
 `checkpoint-<step>/` holds one safetensors file per rank with the rank's owned slice of every trainable tensor
 (1-D, with its global [lo, hi) in the manifest), `manifest.json` (format, step, world size, the SHA-256 of every
-rank file, the tensors' shapes and dtypes, the engine's ZO state, the model record, the trainer's state) and what
-an export needs beside the weights (write_model_files). A checkpoint is written under `<final>.tmp` and published
-by `publish_dir`, which export uses too. `engine.save_checkpoint` of DeepSpeed is not used: it needs an optimizer
-(docs/deepspeed.md).
+rank file and, as `other_files`, of every other file, the tensors' shapes and dtypes, the engine's ZO state, the
+model record, the trainer's state) and what an export needs beside the weights (write_model_files). A reader takes
+only the directory's own files (`own_file`: no paths, no links) and checks the manifest whole (`check_manifest`)
+and every checksum (`verify_checkpoint`) before it reads a tensor; a damaged checkpoint is a one-line ConfigError.
+A checkpoint is written under `<final>.tmp` and published by `publish_dir`, which export uses too.
+`engine.save_checkpoint` of DeepSpeed is not used: it needs an optimizer (docs/deepspeed.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -22,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from curvzo_ds.engine import ZOEngine
-from curvzo_ds.errors import CheckpointWriteError
+from curvzo_ds.errors import CheckpointWriteError, ConfigError
 from curvzo_ds.jsonio import honour_umask
 from curvzo_ds.shard.mask import StaticMask
 from curvzo_ds.shard.params import canonical_name, intersect
@@ -40,23 +43,50 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def own_file(path: str, name: str) -> str:
+    """`path/name`, a file of the checkpoint directory itself: a name with no directory part, and no link (which
+    could lead out of the directory). Raises ConfigError (a ValueError) naming the problem."""
+    fpath = os.path.join(path, name)
+    if os.path.basename(name) != name or name in ("", ".", ".."):
+        raise ConfigError(f"{path}/manifest.json names {name!r}: only files in the checkpoint directory itself are "
+                          "read (no paths)")
+    if os.path.islink(fpath):
+        raise ConfigError(f"{fpath} is a link (to {os.readlink(fpath)}): only files inside the checkpoint directory "
+                          "are read; copy the file in place of the link")
+    if not os.path.isfile(fpath):
+        raise ConfigError(f"{fpath} is missing: the checkpoint is partial")
+    return fpath
+
+
 def checked_file(path: str, name: str, sha: str, verified: set | None = None) -> str:
     """The path of rank file `name` of checkpoint `path`, after checking that `name` is a rank file name (no pickle,
-    no path out of the directory), that the file exists and that its SHA-256 is `sha`; a name already in `verified`
-    is not hashed again, and a checked one is added to it. Raises ValueError naming the problem."""
+    no path out of the directory), that the file is there (not a link: own_file) and that its SHA-256 is `sha`; a
+    name already in `verified` is not hashed again, and a checked one is added to it. Raises ConfigError (a
+    ValueError) naming the problem."""
     if not _RANK_FILE.match(str(name)):
-        raise ValueError(f"{path}/manifest.json names {name!r}: only rank-NNNNN-of-NNNNN.safetensors files in "
-                         "the checkpoint directory are loaded (no pickles, no paths)")
-    fpath = os.path.join(path, name)
+        raise ConfigError(f"{path}/manifest.json names {name!r}: only rank-NNNNN-of-NNNNN.safetensors files in "
+                          "the checkpoint directory are loaded (no pickles, no paths)")
     if verified is not None and name in verified:
-        return fpath
-    if not os.path.isfile(fpath):
-        raise ValueError(f"{fpath} is missing: the checkpoint is partial")
+        return os.path.join(path, name)
+    fpath = own_file(path, name)
     if file_sha256(fpath) != sha:
-        raise ValueError(f"checksum mismatch for {fpath}: the checkpoint is corrupt")
+        raise ConfigError(f"checksum mismatch for {fpath}: the checkpoint is corrupt")
     if verified is not None:
         verified.add(name)
     return fpath
+
+
+def checkpoint_containing(path: str) -> str | None:
+    """The checkpoint directory (a manifest.json and rank files) that `path` is or lies inside, or None: a command's
+    output there would change the checkpoint."""
+    here = os.path.realpath(path)
+    while True:
+        if os.path.isfile(os.path.join(here, "manifest.json")) and any(_RANK_FILE.match(n) for n in os.listdir(here)):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
 
 
 def fsync(path: str) -> None:
@@ -209,6 +239,9 @@ def _write_group(engine: ZOEngine, final: str, trainer_state: dict | None,
                                            "selected": engine.static_mask.selected}
             if write_extra is not None:
                 write_extra(tmp)
+            # every other file (the model's config, the tokenizer, write_extra's) checksummed too: verify_checkpoint
+            manifest["other_files"] = {name: file_sha256(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))
+                                       if name not in manifest["files"] and os.path.isfile(os.path.join(tmp, name))}
             with open(os.path.join(tmp, "manifest.json"), "w") as f:
                 json.dump(manifest, f, indent=1)
             publish_dir(tmp, final)  # write_extra's files too: all on disk before the rename publishes them
@@ -226,33 +259,119 @@ def _raise_any(final: str, errors: list) -> None:
 
 
 def read_manifest(path: str) -> dict:
+    """The manifest of checkpoint `path`, read (not checked against its files: verify_checkpoint). Raises ConfigError
+    (a ValueError) naming the problem."""
     mpath = os.path.join(path, "manifest.json")
-    if not os.path.isfile(mpath):
-        raise ValueError(f"{path} is not a complete checkpoint (no manifest.json); "
-                         "pass a checkpoint-<step> directory or use --resume with no path")
+    if not os.path.lexists(mpath):
+        raise ConfigError(f"{path} is not a complete checkpoint (no manifest.json); "
+                          "pass a checkpoint-<step> directory or use --resume with no path")
+    own_file(path, "manifest.json")
     try:
-        with open(mpath) as f:
+        with open(mpath, encoding="utf-8") as f:
             manifest = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{mpath} is not valid JSON ({e}): the checkpoint is corrupt") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise ConfigError(f"{mpath} is not valid JSON ({e}): the checkpoint is corrupt") from None
     if not isinstance(manifest, dict):
-        raise ValueError(f"{mpath} does not hold a manifest object: the checkpoint is corrupt")
+        raise ConfigError(f"{mpath} does not hold a manifest object: the checkpoint is corrupt")
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"{mpath}: unknown checkpoint format {manifest.get('format')!r}")
+        raise ConfigError(f"{mpath}: unknown checkpoint format {manifest.get('format')!r}")
     return manifest
 
 
-def verify_checkpoint(path: str) -> dict:
-    """The manifest of checkpoint `path`, after checking that it is one: a readable manifest of this format, and
-    every rank file it lists checked (checked_file). Raises ValueError naming the first problem. Loading runs no
-    code."""
+def check_manifest(path: str, manifest: dict) -> None:
+    """That the manifest describes a whole checkpoint: a step, every tensor with a shape, a dtype and its element
+    count, rank files with checksums, and slices (of tensors it lists, inside their bounds) that cover every element
+    of every tensor. Raises ConfigError naming the first problem: a hand-edited or damaged manifest is refused here,
+    before any rank reads a tensor."""
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"{path}/manifest.json: {what}: the checkpoint is corrupt; resume from another checkpoint")
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not count(manifest.get("step")):
+        raise bad(f"step {manifest.get('step')!r} is not a step number")
+    files, slices, tensors = manifest.get("files"), manifest.get("slices"), manifest.get("tensors")
+    if not isinstance(files, dict) or not files or not isinstance(slices, dict) or set(files) != set(slices):
+        raise bad("it lists no rank files, or its files and slices disagree")
+    if not all(isinstance(sha, str) for sha in files.values()):
+        raise bad("a rank file has no checksum")
+    if not isinstance(tensors, dict) or not tensors:
+        raise bad("it lists no tensors")
+    if not isinstance(manifest.get("engine"), dict):
+        raise bad("it holds no engine state")
+    for name, info in tensors.items():
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not isinstance(shape, list) or not all(count(n) for n in shape):
+            raise bad(f"tensor {name} has no shape")
+        if not isinstance(getattr(torch, str(info.get("dtype")), None), torch.dtype):
+            raise bad(f"tensor {name} has no dtype ({info.get('dtype')!r})")
+        if info.get("numel") != math.prod(shape):
+            raise bad(f"tensor {name}: numel {info.get('numel')!r} is not the product of its shape {shape}")
+    covered: dict[str, list] = {name: [] for name in tensors}
+    for fname, parts in slices.items():
+        if not isinstance(parts, dict):
+            raise bad(f"{fname} has no slices")
+        for name, bounds in parts.items():
+            if name not in tensors:
+                raise bad(f"{fname} holds a slice of {name}, which it lists in no tensors entry")
+            if (not isinstance(bounds, list) or len(bounds) != 2 or not all(count(b) for b in bounds)
+                    or not bounds[0] < bounds[1] <= tensors[name]["numel"]):
+                raise bad(f"{fname}: slice {bounds!r} of {name} is outside its {tensors[name]['numel']} elements")
+            covered[name].append(bounds)
+    for name, parts in covered.items():
+        end = 0
+        for lo, hi in sorted(parts):
+            if lo > end:
+                break
+            end = max(end, hi)
+        if end < tensors[name]["numel"]:
+            raise bad(f"no rank file holds elements {end}.. of {name} (it has {tensors[name]['numel']})")
+    other = manifest.get("other_files", {})
+    if not isinstance(other, dict) or not all(isinstance(v, str) for v in other.values()):
+        raise bad("its other_files are not checksums")
+
+
+def verify_checkpoint(path: str, verified: set | None = None) -> dict:
+    """The manifest of checkpoint `path`, after checking that it is one: a readable manifest of this format that
+    describes a whole checkpoint (check_manifest), every rank file it lists checked (checked_file) and holding the
+    slices it claims, and every other file it lists (the model's config, the tokenizer, run_config.json) there with
+    its checksum. Raises ConfigError (a ValueError) naming the first problem. Loading runs no code. The rank files
+    checked go into `verified` when given, so that a read that follows does not hash them again."""
     manifest = read_manifest(path)
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files or set(files) != set(manifest.get("slices", {})):
-        raise ValueError(f"{path}/manifest.json lists no rank files, or its files and slices disagree")
-    for name, sha in files.items():
-        checked_file(path, name, sha)
+    check_manifest(path, manifest)
+    verified = set() if verified is None else verified
+    for name, sha in manifest["files"].items():
+        fpath = checked_file(path, name, sha, verified)
+        try:
+            with safe_open(fpath, framework="pt") as f:
+                held = {key: f.get_slice(key).get_shape() for key in f.keys()}
+        except Exception as e:  # noqa: BLE001 - safetensors' own error types; the file verified, the header is bad
+            raise ConfigError(f"{fpath} is not a safetensors file ({e}): the checkpoint is corrupt") from None
+        for tensor, (lo, hi) in manifest["slices"][name].items():
+            if held.get(tensor) != [hi - lo]:
+                raise ConfigError(f"{fpath} holds {held.get(tensor)!r} for {tensor}, where the manifest says "
+                                  f"[{hi - lo}] elements: the checkpoint is corrupt")
+    for name, sha in manifest.get("other_files", {}).items():
+        if file_sha256(own_file(path, name)) != sha:
+            raise ConfigError(f"checksum mismatch for {os.path.join(path, name)}: the checkpoint is corrupt")
     return manifest
+
+
+def check_model(path: str, manifest: dict, entries) -> None:
+    """That checkpoint `path` holds exactly these trainable tensors (the engine's `entries`), each with its shape:
+    a checkpoint of another model, LoRA or block setting is a one-line ConfigError."""
+    tensors = manifest["tensors"]
+    names = sorted(e.name for e in entries)
+    if sorted(tensors) != names:
+        missing = sorted(set(names) - set(tensors))[:3]
+        extra = sorted(set(tensors) - set(names))[:3]
+        raise ConfigError(f"checkpoint {path} does not match this model's trainable parameters "
+                          f"(missing {missing}, unexpected {extra}): same model, LoRA and block settings?")
+    for e in entries:
+        if list(e.shape) != tensors[e.name]["shape"]:
+            raise ConfigError(f"checkpoint {path}: {e.name} has the shape {tensors[e.name]['shape']} there and "
+                              f"{list(e.shape)} in this model: same model, LoRA and block settings?")
 
 
 def read_range(path: str, manifest: dict, name: str, lo: int, hi: int, verified: set) -> torch.Tensor:
@@ -274,25 +393,19 @@ def read_range(path: str, manifest: dict, name: str, lo: int, hi: int, verified:
         out[a - lo: b - lo] = part
         filled += b - a
     if filled != hi - lo:
-        raise ValueError(f"checkpoint {path} misses elements of {name} in [{lo}, {hi})")
+        raise ConfigError(f"checkpoint {path} misses elements of {name} in [{lo}, {hi}): the checkpoint is corrupt")
     return out if out is not None else torch.empty(0)
 
 
 def load_checkpoint(engine: ZOEngine, path: str) -> dict:
-    """Load weights and ZO state into `engine` (any world size). Returns the trainer state."""
+    """Load weights and ZO state into `engine` (any world size). Returns the trainer state. A damaged checkpoint,
+    or one of another model, is a one-line ConfigError (a ValueError) before any weight is written."""
     manifest = read_manifest(path)
-    tensors = manifest["tensors"]
-    names = sorted(e.name for e in engine.entries)
-    if sorted(tensors) != names:
-        missing = sorted(set(names) - set(tensors))[:3]
-        extra = sorted(set(tensors) - set(names))[:3]
-        raise ValueError(f"checkpoint {path} does not match this model's trainable parameters "
-                         f"(missing {missing}, unexpected {extra}): same model, LoRA and block settings?")
+    check_manifest(path, manifest)
+    check_model(path, manifest, engine.entries)
     verified: set = set()
     with torch.no_grad():
         for e in engine.entries:
-            if list(e.shape) != tensors[e.name]["shape"]:
-                raise ValueError(f"{e.name}: checkpoint shape {tensors[e.name]['shape']} != model {list(e.shape)}")
             lo, hi = e.region
             if hi <= lo:
                 continue
@@ -320,15 +433,15 @@ def read_static_mask(path: str, manifest: dict, verified: set) -> dict[str, torc
                     parts.setdefault(key[len(MASK_PREFIX):], []).append(f.get_tensor(key))
     full = {name: torch.sort(torch.cat(p)).values for name, p in parts.items()}
     if sum(len(v) for v in full.values()) != manifest["static_mask"]["selected"]:
-        raise ValueError(f"checkpoint {path}: its static mask misses elements: the checkpoint is corrupt")
+        raise ConfigError(f"checkpoint {path}: its static mask misses elements: the checkpoint is corrupt")
     return full
 
 
-def consolidated_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """Full tensors in their stored dtype, one process (for export); each rank file is checked before its first
-    read."""
-    manifest = read_manifest(path)
-    verified: set = set()
+def consolidated_state_dict(path: str, verified: set | None = None) -> dict[str, torch.Tensor]:
+    """Full tensors in their stored dtype, one process (for export), from a checkpoint that verifies (each rank file
+    hashed once: those in `verified`, checked by the caller's verify_checkpoint, not again)."""
+    verified = set() if verified is None else verified
+    manifest = verify_checkpoint(path, verified)
     out = {}
     for name, info in sorted(manifest["tensors"].items()):
         flat = read_range(path, manifest, name, 0, info["numel"], verified)

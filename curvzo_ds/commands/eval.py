@@ -10,9 +10,17 @@ import os
 import sys
 
 from curvzo_ds.commands.train import keys_help, run_options
-from curvzo_ds.config.load import EVAL_FROM_CHECKPOINT, build, differences, key_sources, load_config, read_values
+from curvzo_ds.config.load import (
+    EVAL_FROM_CHECKPOINT,
+    build,
+    differences,
+    key_sources,
+    load_config,
+    read_run_config,
+    read_values,
+)
 from curvzo_ds.config.resolve import resolve
-from curvzo_ds.config.schema import TrainConfig, field_names, set_sources
+from curvzo_ds.config.schema import TrainConfig, set_sources
 from curvzo_ds.errors import ConfigError
 
 
@@ -44,32 +52,24 @@ def handle(args) -> None:
 
 
 def eval_config(values: dict, resume, sources: dict | None = None) -> tuple[TrainConfig, str]:
-    """`eval --resume [CKPT]`: the checkpoint's run config, with the given keys that do not change what is
-    evaluated (batch size, num_eval, output path, ...). eval.json goes into the checkpoint unless output_dir is set."""
+    """`eval --resume [CKPT]`: the checkpoint (resolved and verified once, here) and its run config, with the given
+    keys that do not change what is evaluated (batch size, num_eval, output path, ...). eval.json goes into the
+    checkpoint unless output_dir is set."""
     from curvzo_ds.checkpoint.manager import CheckpointManager
 
-    path = resume
-    if resume is True:
-        out = values.get("output_dir", TrainConfig.output_dir)
-        path = CheckpointManager(out).resume_path(True)
-        if path is None:
-            raise ConfigError(f"--resume: no complete checkpoint in output_dir={out}; pass --resume CHECKPOINT")
-    run_config = os.path.join(str(path), "run_config.json")
-    if not os.path.isfile(run_config):
-        raise ConfigError(f"--resume {path}: no run_config.json there; pass a checkpoint-<step> directory that "
-                          "curvzo-ds train wrote")
-    with open(run_config) as f:
-        saved = json.load(f)
+    out = values.get("output_dir", TrainConfig.output_dir)
+    path = CheckpointManager(out).resume_path(resume)  # True: the newest that verifies; a path: it, verified
+    if path is None:
+        raise ConfigError(f"--resume: no complete checkpoint in output_dir={out}; pass --resume CHECKPOINT")
+    saved = read_run_config(path)
     changed = differences(saved, values, EVAL_FROM_CHECKPOINT)
     if changed:
         raise ConfigError(f"eval --resume evaluates the checkpoint's run, so {'; '.join(changed)} cannot be changed: "
                           "drop those --set (batch size, num_eval and output_dir may change)")
-    known = set(field_names())
-    merged = {k: v for k, v in saved.items() if k in known}
-    merged.update(values)
+    merged = {**saved, **values}
     if "output_dir" not in values:
-        merged["output_dir"] = str(path)  # eval.json next to what it evaluates
-    return resolve(set_sources(build(TrainConfig, merged), sources or {})), str(path)
+        merged["output_dir"] = path  # eval.json next to what it evaluates
+    return resolve(set_sources(build(TrainConfig, merged), sources or {})), path
 
 
 @contextlib.contextmanager

@@ -28,8 +28,15 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from curvzo_ds.checkpoint.format import consolidated_state_dict, publish_dir, read_manifest
-from curvzo_ds.config.schema import DEMO_MODELS, TrainConfig, field_names, resolve_presets
+from curvzo_ds.checkpoint.format import (
+    checkpoint_containing,
+    consolidated_state_dict,
+    own_file,
+    publish_dir,
+    verify_checkpoint,
+)
+from curvzo_ds.config.load import saved_config
+from curvzo_ds.config.schema import DEMO_MODELS, TrainConfig, resolve_presets
 from curvzo_ds.config.sections import section
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.hub import offline_unless_reachable
@@ -45,9 +52,17 @@ def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False, overw
 
     Everything is written into a staging directory beside `out` and renamed into place when complete, so `out` never
     holds a mix of two exports; a non-empty `out` is replaced only with `overwrite`."""
-    manifest = read_manifest(checkpoint)
+    if not os.path.isdir(checkpoint):
+        raise ConfigError(f"{checkpoint}: no such checkpoint directory")
+    verified: set = set()
+    manifest = verify_checkpoint(checkpoint, verified)  # the whole checkpoint, before anything is written
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"--out {out} is an existing file: pass a directory (it is created if missing)")
+    inside = checkpoint_containing(out)
+    if inside or os.path.realpath(checkpoint).startswith(os.path.join(os.path.realpath(out), "")):
+        where = f"inside the checkpoint {inside}" if inside else f"a directory that holds {checkpoint}"
+        raise ConfigError(f"--out {out} is {where}: the export would write into (or replace) the checkpoint it "
+                          "reads; choose a directory outside it")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise ConfigError(f"--out {out} is not empty: an export into it would mix its files with the new ones; pass "
                           "--overwrite to replace it, or choose another directory")
@@ -55,27 +70,36 @@ def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False, overw
     if not isinstance(model, dict):
         raise ConfigError(f"{checkpoint} has no model record in its manifest (written by an older curvzo_ds): "
                           "export it with the curvzo_ds version that wrote it")
+    fields = {"full": {"hf_config": bool, "frozen": list},
+              "peft": {"adapters": list, "adapter_keys": list, "base_model": (str, type(None))}}.get(model.get("kind"))
+    if fields is None or not all(isinstance(model.get(k), t) for k, t in fields.items()):
+        raise ConfigError(f"{checkpoint}/manifest.json: its model record {str(model)[:80]} is damaged: the checkpoint "
+                          "is corrupt")
     if model["kind"] == "full" and merge_lora:
         raise ConfigError(f"--merge-lora: {checkpoint} is a full fine-tuning checkpoint (no LoRA adapter to "
                           "merge); export it without --merge-lora")
     staging = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(os.path.abspath(out))}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
     try:
-        if model["kind"] == "full":
-            lines = _export_full(checkpoint, model, staging, out)
-        else:
-            lines = _export_adapter(checkpoint, model, staging, out, merge_lora)
-        for root, _, files in os.walk(staging):  # safetensors files are created 0600 whatever the umask
-            for name in files:
-                honour_umask(os.path.join(root, name))
-        publish_dir(staging, out)
-    finally:
         shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        try:
+            if model["kind"] == "full":
+                lines = _export_full(checkpoint, model, staging, out, verified)
+            else:
+                lines = _export_adapter(checkpoint, model, staging, out, merge_lora, verified)
+            for root, _, files in os.walk(staging):  # safetensors files are created 0600 whatever the umask
+                for name in files:
+                    honour_umask(os.path.join(root, name))
+            publish_dir(staging, out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as e:  # the checkpoint was read already: a write that failed
+        raise ConfigError(f"--out {out} cannot be written ({e.strerror or e}): fix its permissions, free space, or "
+                          "choose another directory") from None
     return lines
 
 
-def _export_full(checkpoint: str, model: dict, staging: str, out: str) -> list[str]:
+def _export_full(checkpoint: str, model: dict, staging: str, out: str, verified: set) -> list[str]:
     """The files of a full model, written into `staging`; the lines name `out`, where they will be."""
     frozen = model["frozen"]
     if frozen:
@@ -86,24 +110,26 @@ def _export_full(checkpoint: str, model: dict, staging: str, out: str) -> list[s
         raise ConfigError(f"{checkpoint} has no config.json: the model was not a Hugging Face model, and export "
                           "writes from_pretrained directories only (checkpoint.format.consolidated_state_dict gives "
                           "tensors)")
-    _save_sharded(consolidated_state_dict(checkpoint), staging)
+    own_file(checkpoint, "config.json")  # listed in the record: a checkpoint without it is partial
+    _save_sharded(consolidated_state_dict(checkpoint, verified), staging)
     _copy(checkpoint, staging, ("config.json", *TOKENIZER_FILES))
     return [f"wrote the model to {out}: AutoModelForCausalLM.from_pretrained({out!r})"]
 
 
-def _export_adapter(checkpoint: str, model: dict, staging: str, out: str, merge_lora: bool) -> list[str]:
+def _export_adapter(checkpoint: str, model: dict, staging: str, out: str, merge_lora: bool,
+                    verified: set) -> list[str]:
     """The adapter (and with `merge_lora` the merged model), written into `staging`; the lines name `out`."""
     if len(model["adapters"]) != 1:
         raise ConfigError(f"{checkpoint} was trained with the peft adapters {model['adapters']}: export writes one "
                           "adapter; train one")
-    tensors = consolidated_state_dict(checkpoint)
+    tensors = consolidated_state_dict(checkpoint, verified)
     keys = set(model["adapter_keys"])
     if set(tensors) != keys:
         odd = sorted(set(tensors) ^ keys)
         raise ConfigError(f"{checkpoint}: its tensors are not the keys of peft's adapter state dict ({odd[0]} is in "
                           "one and not the other; a modules_to_save or a non-LoRA adapter?): it cannot be written "
                           "as a peft adapter")
-    cfg = _run_config(checkpoint)  # the CLI's run: a demo model is built from it
+    cfg = saved_config(checkpoint)  # the CLI's run (None for another front end's): a demo model is built from it
     adapter = "adapter" if merge_lora else ""
     adapter_dir, out_adapter = os.path.join(staging, adapter), os.path.join(out, adapter).rstrip(os.sep)
     base_ref, base, base_dir = _base_model(model["base_model"], cfg, staging, out, out_adapter)
@@ -112,8 +138,14 @@ def _export_adapter(checkpoint: str, model: dict, staging: str, out: str, merge_
                           "when peft wrapped it): export the adapter without --merge-lora and merge it onto your base")
     os.makedirs(adapter_dir, exist_ok=True)
     save_file(tensors, os.path.join(adapter_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(checkpoint, "adapter_config.json")) as f:
-        adapter_config = json.load(f)
+    try:
+        with open(own_file(checkpoint, "adapter_config.json"), encoding="utf-8") as f:
+            adapter_config = json.load(f)
+    except ValueError as e:
+        raise ConfigError(f"{checkpoint}/adapter_config.json is not valid JSON ({e}): the checkpoint is "
+                          "corrupt") from None
+    if not isinstance(adapter_config, dict):
+        raise ConfigError(f"{checkpoint}/adapter_config.json holds no JSON object: the checkpoint is corrupt")
     adapter_config["base_model_name_or_path"] = base_ref
     with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
         json.dump(adapter_config, f, indent=2)
@@ -172,19 +204,10 @@ def _base_model(recorded: str | None, cfg: TrainConfig | None, staging: str, out
 
 
 def _copy(src: str, dst: str, names) -> None:
+    """The files of `names` that checkpoint `src` has (a link is refused: own_file) into `dst`."""
     for name in names:
-        if os.path.exists(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
-
-
-def _run_config(checkpoint: str) -> TrainConfig | None:
-    path = os.path.join(checkpoint, "run_config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        saved = json.load(f)
-    known = set(field_names())
-    return TrainConfig(**{k: v for k, v in saved.items() if k in known})
+        if os.path.lexists(os.path.join(src, name)):
+            shutil.copy(own_file(src, name), os.path.join(dst, name))
 
 
 def _save_sharded(tensors: dict, out: str) -> None:

@@ -3,20 +3,22 @@
 Panels: training loss (raw and smoothed); dev loss; the task metric on dev, with the best-dev step marked and
 the test score at that step (summary.json) in a box inside the axes, one line per run; the budget B and the blocks
 drawn; B as the fraction of parameters; d_eff / G and H; and, when a run has one, a heat map of pi per block over
-steps (pi.bin, curvzo_ds/train/pilog.py) of the first such run. The title names the model, task and method; each run's
-legend label its method, LoRA rank, learning rate, seed and world size.
+steps (pi.bin, curvzo_ds/train/pilog.py) of the first such run, every panel's step axis from 0. The title names the
+model, task and method; each run's legend label its method with its difference and q (`mezo rloo q=8`), LoRA rank,
+learning rate, seed and world size. What plot leaves out (a line that is not JSON, a damaged file) it says on stderr.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import sys
 import textwrap
 from dataclasses import dataclass
 
 import numpy as np
 
+from curvzo_ds.checkpoint.format import checkpoint_containing
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.train.logs import METRICS_FILE, read_metrics
 from curvzo_ds.train.pilog import PI_FILE, has_pi, read_pi
@@ -54,22 +56,41 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> str:
     """Draw the runs into a PNG at `out` (default `<first run>/metrics.png`); return its path."""
     if not run_dirs:
         raise ConfigError("curvzo-ds plot needs at least one run directory (a train run's output_dir)")
+    runs = [load_run(d) for d in run_dirs]  # first: a run that is not one is refused before --out is made
     out = out or os.path.join(run_dirs[0], "metrics.png")
     if not out.lower().endswith(".png"):
         raise ConfigError(f"--out {out}: plot writes a PNG; give a file name ending in .png")
-    fig = figure(run_dirs)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=100, bbox_inches="tight")
+    inside = checkpoint_containing(os.path.dirname(os.path.abspath(out)))
+    if inside:
+        raise ConfigError(f"--out {out} is inside the checkpoint {inside}: choose a path outside it")
+    above = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ConfigError(f"--out {out} cannot be written: {above} is a file; choose another path")
+    try:  # before the drawing: an --out that cannot be written is one line, not a traceback after it
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        if not os.access(os.path.dirname(os.path.abspath(out)), os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise ConfigError(f"--out {out} cannot be written ({e.strerror or e}): choose another path") from None
+    fig = figure(runs)
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=100, bbox_inches="tight")
+    except OSError as e:
+        raise ConfigError(f"--out {out} cannot be written ({e.strerror or e}): choose another path") from None
+    finally:
+        plt.close(fig)
     return out
 
 
 def figure(run_dirs: list[str]):
     """The matplotlib Figure of the runs: axes 0-5 the curves; 6 the heat map (then its colour bar) when a run has
-    a pi file. Without one (MeZO writes none) there is no heat-map row, and a note at the bottom says why."""
-    runs = [load_run(d) for d in run_dirs]
+    a pi file. Without one (MeZO writes none) there is no heat-map row, and a note at the bottom says why.
+    `run_dirs`: directories, or runs that load_run has read."""
+    runs = [d if isinstance(d, RunData) else load_run(d) for d in run_dirs]
     try:
         import matplotlib
 
@@ -102,6 +123,11 @@ def figure(run_dirs: list[str]):
     else:
         fig.text(0.5, 0.01, f"no pi heat map: none of these runs has a pi file ({PI_FILE}); MeZO writes none, its "
                  "pi is all 1", ha="center", va="bottom", color="0.4", fontsize=11)
+    # The steps from 0 (no empty strip before the first, under the heat map too), and room on the right for the
+    # best-dev stars, which the last step often holds: every panel shares this x axis.
+    last = max([step for run in runs for rows in (run.train, run.dev, run.test) for step in _series(rows, "step")[0]]
+               + [_edges(run.pi[0])[-1] for run in runs if run.pi is not None and len(run.pi[0])] + [1])
+    axes[0].set_xlim(0, last * 1.04)
     fig.suptitle(_title(runs), fontsize=14, y=1 - 0.12 / height)
     handles = [plt.Line2D([], [], color=c, linewidth=2.5) for c in colors]
     fig.legend(handles, [r.label for r in runs], loc="upper center", ncol=min(len(runs), 2), frameon=False,
@@ -117,7 +143,14 @@ def load_run(run_dir: str) -> RunData:
     if not os.path.isfile(path):
         raise ConfigError(f"{run_dir} holds no {METRICS_FILE}: pass a run's output_dir, after its first "
                           "logging step")
-    rows = [r for r in read_metrics(path) if _number(r.get("step"))]
+    skipped: list[int] = []
+    rows = [r for r in read_metrics(path, skipped) if _number(r.get("step"))]
+    if skipped:
+        torn = skipped == [_count_lines(path)]  # the last line alone: a run writing it, or one stopped mid-line
+        why = " (the last line: a run still writing it, or one that stopped mid-line)" if torn else ""
+        _warn(f"{path}: line{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped[:5]))}"
+              f"{', ...' if len(skipped) > 5 else ''} {'are' if len(skipped) > 1 else 'is'} not a JSON object and "
+              f"left out of the figure{why}")
     if not rows:
         raise ConfigError(f"{path} holds no metrics lines with a step yet: plot it after the run's first logging "
                           "step")
@@ -125,8 +158,10 @@ def load_run(run_dir: str) -> RunData:
     name = os.path.basename(os.path.normpath(run_dir))
     pi = None
     if has_pi(run_dir):
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # a damaged pi file: no heat map
+        try:
             pi = read_pi(run_dir)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged pi file: no heat map, said so
+            _warn(f"{run_dir}: its pi file ({PI_FILE}) cannot be read ({e}): no heat map of it")
     return RunData(label=run_label(name, config, summary), config=config, summary=summary,
                    train=[r for r in rows if "split" not in r],
                    dev=_by_step([r for r in rows if r.get("split") == "dev"]),
@@ -134,10 +169,14 @@ def load_run(run_dir: str) -> RunData:
 
 
 def run_label(name: str, config: dict, summary: dict) -> str:
-    """`name (method, LoRA r=8, lr 3e-4, seed 42, 2 ranks)`: what tells runs apart, from config.json and
-    summary.json (what a run lacks is left out)."""
+    """`name (mezo rloo q=8, LoRA r=8, lr 3e-4, seed 42, 2 ranks)`: what tells runs apart, from config.json and
+    summary.json (what a run lacks is left out): the method with its difference (unless `central`) and its q
+    directions per step (unless 1)."""
     method = config.get("method") or summary.get("method")
-    parts = [str(method)] if method else []
+    difference, directions = config.get("difference"), config.get("num_directions")
+    estimator = " ".join([str(method)] * bool(method) + [str(difference)] * (difference not in (None, "central"))
+                         + [f"q={directions}"] * (_number(directions) and directions != 1))
+    parts = [estimator] if estimator else []
     if config.get("lora"):
         parts.append(f"LoRA r={config.get('lora_r')}" if config.get("lora_r") else "LoRA")
     if _number(config.get("learning_rate")):
@@ -323,12 +362,31 @@ def _by_step(rows: list[dict]) -> list[dict]:
 
 
 def _read_json(run_dir: str, name: str) -> dict:
-    try:
-        with open(os.path.join(run_dir, name), encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError):
+    """A run's config.json or summary.json; {} when it has none (a run still going has no summary), and {} with a
+    warning when it is damaged (the figure then lacks what it would have given: labels, the best-dev star)."""
+    path = os.path.join(run_dir, name)
+    if not os.path.exists(path):
         return {}
-    return value if isinstance(value, dict) else {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        _warn(f"{path} cannot be read ({e}): the figure goes without it")
+        return {}
+    if not isinstance(value, dict):
+        _warn(f"{path} holds no JSON object: the figure goes without it")
+        return {}
+    return value
+
+
+def _warn(text: str) -> None:
+    """One line on stderr: what plot left out, and why."""
+    print(f"curvzo-ds plot: warning: {' '.join(text.split())}", file=sys.stderr, flush=True)
+
+
+def _count_lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
 
 
 def _number(value) -> bool:

@@ -52,13 +52,16 @@ def handle(args) -> None:
 
 def preflight(cfg) -> None:
     """`train --check`, beyond the config: what one process can refuse before any rank starts, so that a launcher
-    never starts ranks that would all refuse it (and print its own traceback): float16 where DeepSpeed's
-    accelerator has none, and the task, tokenizer and data with the checks each rank repeats (not the model's,
-    which needs the model built, nor the batch's, which a DeepSpeed file can still set)."""
+    never starts ranks that would all refuse it (and print its own traceback): the launcher's environment, float16
+    where DeepSpeed's accelerator has none, and the task, tokenizer and data with the checks each rank repeats (not
+    the model's, which needs the model built, nor the batch's, which a DeepSpeed file can still set)."""
     import logging
+    import os
 
+    from curvzo_ds.shard.distributed import check_launcher_env
     from curvzo_ds.train.inputs import check_dtype, checked_data
 
+    check_launcher_env(os.environ)  # MASTER_PORT, and a rank's variables where a launcher set them already
     check_dtype(cfg.dtype)
     quiet = logging.getLogger("curvzo_ds")
     level = quiet.level

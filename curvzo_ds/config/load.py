@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import re
 from typing import Any
@@ -87,7 +88,6 @@ def load_config(config_file: str | None, sets: list[str], deepspeed: str | None)
     cfg = build(TrainConfig, values)
     set_sources(cfg, key_sources(config_file, sets, values))
     return resolve(cfg)  # presets and the one validation, before any process group (exit 2, one line); frozen
-    return cfg
 
 
 def coerce(cls, key: str, value: Any) -> Any:
@@ -122,6 +122,50 @@ def coerce(cls, key: str, value: Any) -> Any:
     if isinstance(default, str) and not isinstance(value, str):
         raise ConfigError(f"{key}={value!r} must be a string (default {default!r})")
     return value
+
+
+RUN_CONFIG = "run_config.json"  # a checkpoint's copy of the run's resolved keys (train/outputs.write_run_config)
+
+
+def read_run_config(checkpoint: str, required: bool = True) -> dict[str, Any] | None:
+    """The keys of `checkpoint`'s run_config.json, each coerced to its type (`coerce`); keys that this version does
+    not know are left out. The one reader of that file: `--resume`, `eval --resume` and `export`. None when the
+    file is absent and not `required` (a checkpoint of `from_accelerator` or `ZOTrainer` has none). A file that is
+    missing where required, a link, not JSON, not an object, or a value of the wrong type is a one-line ConfigError
+    naming the file."""
+    path = os.path.join(str(checkpoint), RUN_CONFIG)
+    if not os.path.lexists(path):
+        if not required:
+            return None
+        raise ConfigError(f"--resume {checkpoint}: no {RUN_CONFIG} there; pass a checkpoint-<step> directory that "
+                          "curvzo-ds train wrote")
+    if os.path.islink(path) or not os.path.isfile(path):
+        raise ConfigError(f"{path} is a link or not a file: only files inside the checkpoint directory are read")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"{path} is not valid JSON ({e}): the checkpoint is damaged; resume from another "
+                          "checkpoint") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{path} holds no JSON object of keys: the checkpoint is damaged; resume from another "
+                          "checkpoint")
+    known = set(field_names())
+    try:
+        return {k: coerce(TrainConfig, k, v) for k, v in saved.items() if k in known}
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}: the checkpoint is damaged; resume from another checkpoint") from None
+
+
+def saved_config(checkpoint: str) -> TrainConfig | None:
+    """The TrainConfig of `checkpoint`'s run_config.json (`read_run_config`), or None when it has none."""
+    values = read_run_config(checkpoint, required=False)
+    if values is None:
+        return None
+    try:
+        return build(TrainConfig, values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{os.path.join(str(checkpoint), RUN_CONFIG)}: {e}: the checkpoint is damaged") from None
 
 
 def build(cls, values: dict[str, Any]):

@@ -4,6 +4,9 @@ run's evaluation schedule.
 Every rank runs the same number of forwards (and of `generate` calls, with synced_gpus), so
 the collective gathers stay in step; the micro-batches and their padding do not depend on the
 world size, so the metrics are identical at any number of ranks.
+
+The split's `loss` is the run's training loss over it (docs/contracts.md): with objective=accuracy or f1, minus the
+metric, taken from the same forward or the same greedy answers as the metric (no second pass).
 """
 
 from __future__ import annotations
@@ -26,23 +29,31 @@ def evaluate(model, task, tokenizer, encoded: list[dict], micro_batch_size: int,
         for j in round_robin_slots(len(parts), comm.rank, w):
             idx = parts[j if j is not None else 0]
             batch = D.to_device(D.collate([encoded[i] for i in idx], tokenizer.pad_token_id), device)
-            if task.is_classification and loss_fn is D.classification_loss:
+            if task.is_classification and loss_fn in (D.classification_loss, D.accuracy_loss):
                 loss_sum, count, pred = D.classification_eval(model, batch)  # one forward for both
+            elif isinstance(loss_fn, D.F1Loss):
+                loss_sum = count = 0.0  # from the answers generated below
             else:
                 loss_sum, count = loss_fn(model, batch)
                 pred = D.predict_classification(model, batch) if task.is_classification else None
             row = {"chunk": j, "loss_sum": float(loss_sum), "count": float(count)}
             if task.is_classification:
                 row["pred"] = pred.tolist()
-                row["labels"] = batch["labels"].tolist()
+                row["labels"] = batch.get("accepted", batch["labels"].tolist())  # ReCoRD: every right entity
+                if loss_fn is D.accuracy_loss:
+                    row["loss_sum"] = -sum(D.accuracy([p], [g]) for p, g in zip(row["pred"], row["labels"]))
             else:
                 # Each generate() is collective under ZeRO-3: as many calls on every rank, so a short
                 # last part is padded with its first prompt (answers do not depend on the batching).
                 prompts = batch["prompt_ids"]
                 padded = prompts + prompts[:1] * (len(parts[0]) - len(prompts))
-                answers = D.generate_answers(model, tokenizer, padded, max_new_tokens, synced_gpus=w > 1)
+                answers = D.generate_answers(model, tokenizer, padded, max_new_tokens, synced_gpus=w > 1,
+                                             stop_at_newline=D.stops_at_newline(task))
                 row["pred"] = answers[:len(prompts)]
                 row["gold"] = batch["answers"]
+                if isinstance(loss_fn, D.F1Loss):
+                    row["loss_sum"] = -sum(D.f1(p, g) for p, g in zip(row["pred"], row["gold"]))
+                    row["count"] = float(len(prompts))
             if j is not None:
                 results.append(row)
     rows = sorted((row for part in comm.all_gather_object(results) for row in part), key=lambda x: x["chunk"])

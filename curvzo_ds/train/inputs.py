@@ -35,11 +35,14 @@ def load_data(data_cfg, model_cfg, seed: int) -> tuple:
     `data_cfg`: the config's `data` section (the task, its sizes, the encoding); `model_cfg`: its `model` section
     (the tokenizer); `seed`: the engine section's, which draws the splits."""
     task = get_task(data_cfg.task)
+    D.check_objective(task, data_cfg.objective)  # a metric the task has no use for: one line before any loading
     tokenizer = load_tokenizer(model_cfg)
+    D.check_tokenizer(task, tokenizer)  # a chat task needs a chat template
     splits = load_splits(task, seed, data_cfg.num_train, data_cfg.num_dev, data_cfg.num_eval, data_cfg.data_dir)
     enc = lambda ex, cls: D.encode(task, tokenizer, ex, data_cfg.max_length, cls,  # noqa: E731
                                    data_cfg.max_new_tokens)
-    return (task, tokenizer, [enc(ex, data_cfg.train_as_classification) for ex in splits["train"]],
+    every_candidate = data_cfg.train_as_classification or data_cfg.objective == "accuracy"  # accuracy scores them all
+    return (task, tokenizer, [enc(ex, every_candidate) for ex in splits["train"]],
             {s: [enc(ex, True) for ex in splits[s]] for s in ("dev", "test") if splits[s]})
 
 

@@ -29,8 +29,8 @@ from curvzo_ds.checkpoint.manager import CheckpointManager
 from curvzo_ds.config.ds_config import resolve_ds_config
 from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.engine import ZOEngine
+from curvzo_ds.layout.shapes import hidden_size_of
 from curvzo_ds.shard import ds_compat
-from curvzo_ds.shard.shapes import hidden_size_of
 from curvzo_ds.train.build import engine_for, install_checkpoint_hooks
 
 log = logging.getLogger("curvzo_ds")

@@ -72,9 +72,9 @@ class MetricsWriter:
         The end-of-run evaluation lines (`"final": true`) are dropped too: a run that goes on would
         not have written them.
 
-        A line that does not parse (a crash in the middle of a write) is dropped too, so a resumed
-        run's file matches the straight run's. TensorBoard events after `step` are purged on the
-        next write.
+        A line that does not parse (a crash in the middle of a write) is dropped too, with a warning
+        naming it, so a resumed run's file matches the straight run's. TensorBoard events after `step`
+        are purged on the next write.
         """
         if not self.enabled:
             return 0
@@ -82,13 +82,14 @@ class MetricsWriter:
         self.trackers.purge_after(step)
         if not os.path.exists(self.path):
             return 0
-        kept, dropped = [], 0
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
+        kept, dropped, torn = [], 0, []
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
                     dropped += 1
+                    torn.append(number)
                     continue
                 row_step = row.get("step") if isinstance(row, dict) else None
                 final_eval = isinstance(row, dict) and row.get("final") is True
@@ -96,6 +97,10 @@ class MetricsWriter:
                     dropped += 1
                 else:
                     kept.append(line if line.endswith("\n") else line + "\n")
+        if torn:  # said, not silent: the last line is a crash's torn write, any other a damaged file
+            log.warning("%s: dropped line%s %s, which %s not JSON (a write cut short by a crash, or a damaged file)",
+                        self.path, "s" * (len(torn) > 1), ", ".join(map(str, torn[:5])) + ", ..." * (len(torn) > 5),
+                        "are" if len(torn) > 1 else "is")
         if dropped:
             replace_atomic(self.path, "".join(kept))
         return dropped
@@ -113,19 +118,22 @@ class MetricsWriter:
         self.close()
 
 
-def read_metrics(path: str) -> list[dict]:
-    """The rows of a metrics.jsonl file (a directory is taken to hold one), skipping unparsable lines."""
+def read_metrics(path: str, skipped: list[int] | None = None) -> list[dict]:
+    """The rows of a metrics.jsonl file (a directory is taken to hold one). A line that is not a JSON object is left
+    out, and its number (from 1) appended to `skipped` when given, for the caller to say so."""
     if os.path.isdir(path):
         path = os.path.join(path, METRICS_FILE)
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                continue
+                row = None
             if isinstance(row, dict):
                 rows.append(row)
+            elif line.strip() and skipped is not None:
+                skipped.append(number)
     return rows
 
 
@@ -263,9 +271,11 @@ class RunLog:
                                  blocks=r.n_selected, refresh=False)
             self.bar.update(1)
 
-    def evaluation(self, step: int, split: str, metrics: dict, final: bool = False) -> None:
-        """An eval line; `final`: one of the end-of-run evaluations (a resumed run drops them)."""
-        self.metrics.write({"step": step, "split": split, **({"final": True} if final else {}), **metrics})
+    def evaluation(self, step: int, split: str, metrics: dict, final: bool = False, best_dev: bool = False) -> None:
+        """An eval line; `final`: one of the end-of-run evaluations (a resumed run drops them); `best_dev`: the test
+        metrics of the best-dev checkpoint (an earlier step's), summary.json's `test`."""
+        marks = {**({"final": True} if final else {}), **({"best_dev": True} if best_dev else {})}
+        self.metrics.write({"step": step, "split": split, **marks, **metrics})
 
     def progress(self):
         """The context of the loop: log lines go through the bar in a terminal."""

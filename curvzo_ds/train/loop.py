@@ -39,12 +39,14 @@ class Clock:
 
 
 def train_loop(job: Job, manager: CheckpointManager, record: RunLog, clock: Clock, stop: StopRequest) -> None:
-    """Step until max_steps. On a stop request (any rank's signal, agreed through the step's all-reduce) every rank
-    saves the same checkpoint and Preempted is raised."""
+    """Step until max_steps. On a stop request (any rank's signal or gone launcher, agreed through the step's
+    all-reduce) every rank saves the same checkpoint and Preempted is raised."""
     cfg, engine, evaluator, comm = job.cfg, job.engine, job.evaluator, job.topology.job
     fault = Fault(job.rank)  # tests only (CURVZO_DS_FAULT); does nothing otherwise
     flat = FlatLossWatch(cfg.flat_loss_steps)
     while engine.step_count < cfg.max_steps:
+        # a stop request since the last pass: a signal (the handler only sets a flag), or a launcher that is gone
+        stop.poll()
         # the update: +eps z, forwards, -2 eps z, forwards, one all-reduce (the step's one host sync, which also
         # carries every rank's stop flag), the update
         batch = job.batch(engine.step_count)
@@ -61,8 +63,8 @@ def train_loop(job: Job, manager: CheckpointManager, record: RunLog, clock: Cloc
         if r.stop:
             manager.maybe_save(engine, last=True)
             comm.barrier()  # under srun --kill-on-bad-exit the first exit ends the rest
-            raise Preempted(f"stopped on a signal ({stop.signal_name or 'received by another rank'}) at step {step}, "
-                            f"after saving {manager.path_for(step)}: resume with --resume")
+            raise Preempted(f"stopped {stop.reason()} at step {step}, after saving {manager.path_for(step)}: resume "
+                            "with --resume")
         # evaluate on dev; a new best is saved at once, and protected from rotation
         if evaluator.should_eval(step):
             dev = evaluator.evaluate("dev", step)
@@ -105,7 +107,8 @@ class FlatLossWatch:
 def final_evaluations(job: Job, manager: CheckpointManager, record: RunLog) -> tuple:
     """(final, best, test): the end-of-run dev and test evaluations (marked "final": a resumed run drops them, a
     longer run has none), the best dev evaluation, and the test metrics at the best-dev checkpoint (MeZO's rule:
-    its weights are loaded for that when an earlier step was better)."""
+    its weights are loaded for that when an earlier step was better, and the result is an eval line of its own at
+    the best-dev step, marked `best_dev`; else it is the final test line)."""
     step, evaluator = job.engine.step_count, job.evaluator
     final = {}
     if "dev" in job.eval_data:
@@ -125,6 +128,7 @@ def final_evaluations(job: Job, manager: CheckpointManager, record: RunLog) -> t
     elif best and "test" in job.eval_data:
         load_checkpoint(job.engine, best["checkpoint"])
         test = evaluator.evaluate("test")
+        record.evaluation(best["step"], "test", test, final=True, best_dev=True)  # summary.json's `test`, for trackers
     return final, best, test
 
 

@@ -1,7 +1,8 @@
 """The files of a run's output_dir and its last log line.
 
-- `prepare_output_dir`: the output-directory policy (refuse a file or another run unless resumed or overwritten,
-  empty it when overwriting, probe a write), before anything else goes there;
+- `prepare_output_dir`: the output-directory policy (take the directory's lock, `RunLock`, held for the run; refuse a
+  file, a directory inside a checkpoint, a live run's directory, another run unless continued or overwritten, and a
+  --resume with nothing to continue; empty it when overwriting; probe a write), before anything else goes there;
 - `write_config` (output_dir/config.json), `write_run_config` (run_config.json in each checkpoint),
   `write_summary` (output_dir/summary.json, then the done line), `write_eval` (output_dir/eval.json);
 - `refuse_untrained_eval_of_a_run`: `eval` without --resume where output_dir holds a run.
@@ -17,7 +18,10 @@ import logging
 import os
 import shutil
 import socket
+import sys
+import time
 
+from curvzo_ds.checkpoint.format import checkpoint_containing
 from curvzo_ds.config.schema import TrainConfig, to_dict
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.jsonio import dumps, write_json_atomic
@@ -33,35 +37,163 @@ def held_run_files(out: str) -> list[str]:
                   if n in RUN_FILES or n.startswith("checkpoint-"))
 
 
-def prepare_output_dir(cfg: TrainConfig, resuming: bool, comm) -> None:
-    """Refuse an output_dir that is a file, or that holds another run unless resumed or overwrite_output_dir; make
-    it (emptied of the old run when overwriting) and check it takes a small write, all before training."""
+def prepare_output_dir(cfg: TrainConfig, resume, checkpoint: str | None, comm) -> RunLock | None:
+    """Take output_dir's lock (rank 0; refused while another run holds it), then refuse an output_dir that is a file,
+    that lies inside a checkpoint, or that holds another run, unless this run continues it from one of its
+    checkpoints (`checkpoint`, resolved from `resume`) or overwrite_output_dir is set; a `--resume` into a directory
+    that holds a run but no complete checkpoint is refused too. Then make the directory (emptied of the old run when
+    overwriting) and check that it takes a small write, all before training. Returns the lock on rank 0 (held for
+    the run; `RunLock.release`), None on the other ranks."""
     out = cfg.output_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"output_dir={out} is a file: choose a directory")
+    inside = checkpoint_containing(out)
+    if inside:
+        raise ConfigError(f"output_dir={out} is inside the checkpoint {inside}: a run there would write into the "
+                          "checkpoint; choose a directory outside it")
     # Rank 0 alone looks and decides: another rank that looked later could find the logs/ that a faster rank
     # made after the check, and refuse a fresh directory.
-    error = None
+    error, lock = None, None
     if comm.rank == 0:
-        held = held_run_files(out)
-        if held and not resuming and not cfg.overwrite_output_dir:
-            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
-            error = (f"output_dir={out} already holds a run ({shown}): pass --resume to continue it, set "
-                     "overwrite_output_dir=true to replace it, or choose another output_dir")
-        else:
-            try:
-                if held and not resuming:  # overwrite_output_dir: the old run goes
+        try:
+            os.makedirs(out, exist_ok=True)
+            lock = RunLock.take(out)
+            error = output_dir_refusal(cfg, resume, checkpoint)
+            if error is None:
+                held = held_run_files(out)
+                if held and not continues(checkpoint, out):  # overwrite_output_dir: the old run goes
                     for name in held:
                         target = os.path.join(out, name)
                         shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
                     log.warning("overwrite_output_dir: removed %s from %s", ", ".join(held), out)
                 probe_write(out)
-            except OSError as e:
-                error = (f"output_dir={out} cannot be written ({e.strerror or e}): free space, fix its permissions, "
-                         "or choose another output_dir")
+        except ConfigError as e:
+            error = str(e)
+        except OSError as e:
+            error = (f"output_dir={out} cannot be written ({e.strerror or e}): free space, fix its permissions, "
+                     "or choose another output_dir")
+        if error and lock is not None:
+            lock.release()
+            lock = None
     error = comm.broadcast_object(error)
     if error:
         raise ConfigError(error)
+    return lock
+
+
+def continues(checkpoint: str | None, out: str) -> bool:
+    """Whether a run resumed from `checkpoint` continues the run of `out` (the checkpoint is one of out's own)."""
+    return checkpoint is not None and os.path.realpath(os.path.dirname(os.path.abspath(checkpoint))) == \
+        os.path.realpath(out)
+
+
+def output_dir_refusal(cfg: TrainConfig, resume, checkpoint: str | None) -> str | None:
+    """Why a run may not write into output_dir as it holds it now, or None: another run (without --resume or
+    overwrite_output_dir), a run without a complete checkpoint (under a bare --resume), or a run other than the
+    one a --resume CHECKPOINT continues. A run is never written over, nor two runs' files mixed."""
+    out = cfg.output_dir
+    held = held_run_files(out)
+    if not held or continues(checkpoint, out) or cfg.overwrite_output_dir:
+        return None
+    shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+    if resume is True:
+        partial = [n for n in held if n.startswith("checkpoint-")]  # a .tmp, or one that did not verify (warned)
+        why = f" ({', '.join(partial[:3])}: partial or damaged)" if partial else ""
+        return (f"--resume: output_dir={out} holds a run ({shown}) but no complete checkpoint{why}: nothing to "
+                "continue; set overwrite_output_dir=true to replace that run with a new one, or choose another "
+                "output_dir")
+    if resume:
+        return (f"--resume {checkpoint}: output_dir={out} already holds another run ({shown}), and continuing "
+                f"{checkpoint} there would mix the two runs' files: choose an empty output_dir, or set "
+                "overwrite_output_dir=true to replace that run")
+    return (f"output_dir={out} already holds a run ({shown}): pass --resume to continue it, set "
+            "overwrite_output_dir=true to replace it, or choose another output_dir")
+
+
+class RunLock:
+    """An exclusive lock on output_dir for the life of a run, held by rank 0: `flock` on output_dir/.curvzo-ds.lock,
+    which names the holder (pid, host, command, start). The kernel drops an flock when its process ends in any
+    way (an exit, a crash, SIGKILL, a lost node's NFS lease), so a lock is never stale: the file that a killed run
+    leaves behind holds no lock, and the next run takes it. `release` removes the file while still holding it."""
+
+    NAME = ".curvzo-ds.lock"
+
+    def __init__(self, fd: int, path: str):
+        self.fd, self.path = fd, path
+
+    @classmethod
+    def take(cls, directory: str) -> RunLock | None:
+        """The lock of `directory`, or a ConfigError naming the live run that holds it. None (with a warning) where
+        the file system has no locks (some network and FUSE file systems)."""
+        import fcntl
+
+        path = os.path.join(directory, cls.NAME)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder, pid = _holder(_read_fd(fd))
+                os.close(fd)
+                raise ConfigError(f"output_dir={directory} is in use by a live run ({holder}): a second run, resume "
+                                  "or overwrite_output_dir there would mix or lose its files; wait for it to end, or "
+                                  f"stop it (kill -INT {pid} saves a checkpoint) and then --resume, or choose another "
+                                  "output_dir") from None
+            except OSError as e:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+                log.warning("output_dir=%s: no lock (%s): this file system has no flock, so a second run into the "
+                            "same directory would not be refused", directory, e.strerror or e)
+                return None
+            # the previous holder may have removed the file between our open and our flock: lock the one in place
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        command = " ".join(["curvzo-ds", *sys.argv[1:]])
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "command": command if len(command) <= 160 else command[:157] + "..."}
+        os.ftruncate(fd, 0)
+        os.write(fd, (json.dumps(holder) + "\n").encode())
+        return cls(fd, path)
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.remove(self.path)  # while still held: a run that opens it now locks a removed file and tries again
+        os.close(self.fd)
+        self.fd = None
+
+
+def _read_fd(fd: int) -> str:
+    with contextlib.suppress(OSError):
+        return os.pread(fd, 4096, 0).decode("utf-8", "replace")
+    return ""
+
+
+def _holder(text: str) -> tuple[str, str]:
+    """(the holder of a lock in words, its pid) from the lock file, which the holder may still be writing; the
+    file's `command` is there for whoever reads it."""
+    try:
+        h = json.loads(text)
+        return f"pid {h['pid']} on {h['host']}, started {h['started']}", str(h["pid"])
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not named itself yet", "PID"
+
+
+def check_writable(directory: str, what: str) -> None:
+    """A one-line ConfigError unless `directory` exists as a directory, or can be made, and takes a file (for a
+    command's output, before its work)."""
+    try:
+        probe_write(directory, size=1)
+    except OSError as e:
+        raise ConfigError(f"{what}={directory} cannot be written ({e.strerror or e}): fix its permissions, free space, "
+                          f"or choose another {what}") from None
 
 
 def probe_write(directory: str, size: int = 1 << 16) -> None:
@@ -128,7 +260,7 @@ def write_summary(job, manager, step: int, digest: str, final: dict, best: dict 
         "device_names": device_names,
         "noise_generator": engine.noise.ident,
         "config_hash": config_hash(to_dict(cfg)),
-        "layout": job.layout,  # train/build.py's choose_layout: zero_stage, shard_group_size, replicas, reason
+        "layout": job.layout,  # layout/choice.py's choose_layout: zero_stage, shard_group_size, replicas, reason
     }
     if job.rank == 0:
         write_json_atomic(os.path.join(cfg.output_dir, "summary.json"), summary)
@@ -138,9 +270,14 @@ def write_summary(job, manager, step: int, digest: str, final: dict, best: dict 
 
 
 def write_eval(output_dir: str, results: dict) -> None:
-    """output_dir/eval.json (made if absent): an `eval --resume` result."""
-    os.makedirs(output_dir, exist_ok=True)
-    write_json_atomic(os.path.join(output_dir, "eval.json"), results)
+    """output_dir/eval.json (made if absent): an `eval --resume` result. A write that fails is a one-line
+    ConfigError (run_eval checked the directory before the evaluation: check_writable)."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        write_json_atomic(os.path.join(output_dir, "eval.json"), results)
+    except OSError as e:
+        raise ConfigError(f"output_dir={output_dir}: eval.json cannot be written ({e.strerror or e}): free space, "
+                          "fix its permissions, or choose another output_dir") from None
     log.info("wrote %s", os.path.join(output_dir, "eval.json"))
 
 

@@ -1,10 +1,14 @@
 """Pre-emption and fault injection for the training loop (docs/reliability.md).
 
 `StopRequest`: SIGTERM, SIGINT and SIGUSR1 (SLURM's `--signal`, a scheduler's pre-emption, Ctrl-C) set a
-flag on the rank that receives them. The loop hands the flag to `ZOEngine.step`, which sums it over the
-ranks inside the step's own all-reduce: at the next step boundary every rank knows that one of them was
-asked to stop, saves the same checkpoint, and the process exits with EXIT_PREEMPTED. A second Ctrl-C stops
-at once.
+flag on the rank that receives them; the handler does nothing else (no logging, no I/O, no lock), and the loop
+announces the request at its next pass. The loop hands the flag to `ZOEngine.step`, which sums it over the ranks
+inside the step's own all-reduce: at the next step boundary every rank knows that one of them was asked to stop,
+saves the same checkpoint, and the process exits with EXIT_PREEMPTED. However many signals arrive together (a
+terminal's Ctrl-C and a launcher's relay of it), a rank makes one stop request of them; a SIGINT or SIGTERM that
+arrives `STOP_NOW_AFTER` seconds or more after the first stops at once (KeyboardInterrupt, exit 130), SIGUSR1
+never does. A rank started by a launcher also stops at the next step boundary, with a checkpoint, when that
+launcher is gone (its parent process changed): no rank outlives its launcher.
 
 `Fault`: CURVZO_DS_FAULT="kind@step[:rank]" makes one rank misbehave at a step, so that the tests can show
 the run's reaction with real processes: `nan` (that rank's losses are NaN), `hang` (it sleeps in the loop,
@@ -12,7 +16,6 @@ so the others wait in a collective until ddp_timeout), `desync` (its ZO scores c
 consistency check must catch). The training loop runs each update inside `Fault.around_step`; the engine is
 built without it. Unset (always, outside tests), it does nothing.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -26,23 +29,67 @@ log = logging.getLogger("curvzo_ds")
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
-class StopRequest:
-    """Catches SIGTERM, SIGINT and SIGUSR1 for the body of a `with` (main thread only; elsewhere it does nothing)."""
+# A second SIGINT or SIGTERM this many seconds (or more) after a rank's first stop signal stops it at once; the
+# signals that arrive together from a terminal, a launch script and a launcher all come within it (docs/reliability.md).
+STOP_NOW_AFTER = 5.0
 
-    def __init__(self):
-        self.signal_name: str | None = None
+
+class StopRequest:
+    """Catches SIGTERM, SIGINT and SIGUSR1 for the body of a `with` (main thread only; elsewhere it does nothing).
+
+    `watch_parent`: this rank was started by a launcher; `poll()` then also requests a stop once the parent process
+    is gone (the rank was re-parented), so that a rank whose launcher died stops at the next step boundary."""
+
+    def __init__(self, watch_parent: bool = False):
+        self.first: int | None = None  # the first stop signal's number
+        self.first_at: float | None = None  # when it came (time.monotonic)
+        self.interrupted = False  # a SIGINT came (Ctrl-C): the stop line names it, whatever came with it
+        self.parent_gone: int | None = None  # the pid of the launcher that went away
+        self.announced = False
+        self._parent = os.getppid() if watch_parent else None
         self._previous: dict = {}
 
     @property
     def requested(self) -> bool:
-        return self.signal_name is not None
+        return self.first is not None or self.parent_gone is not None
+
+    @property
+    def signal_name(self) -> str | None:
+        """The signal the user sent: SIGINT when a Ctrl-C came (a launcher relays it as SIGTERM), else the first."""
+        if self.first is None:
+            return None
+        return "SIGINT" if self.interrupted else signal.Signals(self.first).name
+
+    def reason(self) -> str:
+        """Why this rank stops, for the stop line: `a signal (SIGINT)`, or its launcher gone."""
+        if self.first is not None:
+            return f"on a signal ({self.signal_name})"
+        if self.parent_gone is not None:
+            return f"because its launcher (pid {self.parent_gone}) is gone"
+        return "on a signal (received by another rank)"
 
     def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.signal_name is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
-        self.signal_name = name
-        log.warning("%s received: the run stops at the next step boundary, after saving a checkpoint", name)
+        # A flag and a time only: the handler may run between any two bytecodes of the main thread, in the middle of
+        # a log write or under a lock that it would then wait for.
+        now = time.monotonic()
+        if signum == signal.SIGINT:
+            self.interrupted = True
+        if self.first is None:
+            self.first, self.first_at = signum, now
+        elif signum != signal.SIGUSR1 and now - self.first_at >= STOP_NOW_AFTER:
+            raise KeyboardInterrupt  # asked again, well after the first: stop now (cli.entry: one line, exit 130)
+
+    def poll(self) -> None:
+        """At a step boundary (the loop's): notice a launcher that is gone, and announce a new request once."""
+        if self._parent is not None and self.parent_gone is None and os.getppid() != self._parent:
+            self.parent_gone = self._parent
+        if self.requested and not self.announced:
+            self.announced = True
+            log.warning("%s: the run stops at the next step boundary, after saving a checkpoint%s",
+                        f"{self.signal_name} received" if self.first is not None else
+                        f"the launcher (pid {self.parent_gone}) is gone",
+                        f" (another SIGINT or SIGTERM {STOP_NOW_AFTER:g} s or more after this one stops at once)"
+                        if self.first is not None else "")
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():

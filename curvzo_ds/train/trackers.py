@@ -2,7 +2,9 @@
 numbers of each metrics.jsonl line, on rank 0 only (the writer of metrics.jsonl builds them).
 
 A line is logged at its `step`, each number as `<split>/<field>`: `train/loss`, `dev/accuracy`, `test/f1`, the
-field names of metrics.jsonl. Strings, booleans and nulls (a non-finite value) are left out.
+field names of metrics.jsonl. Strings, booleans and nulls (a non-finite value) are left out. The test line of the
+best-dev checkpoint (`"best_dev": true`, at that earlier step) goes in as `test_at_best_dev/<field>` at the last step
+logged: trackers such as W&B take steps in order only.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ NOT_METRICS = ("step", "split")
 
 def scalars(row: dict) -> dict[str, int | float]:
     """The numbers of one metrics.jsonl line under their tracker names."""
-    prefix = row.get("split") or "train"
+    prefix = "test_at_best_dev" if row.get("best_dev") is True else row.get("split") or "train"
     return {f"{prefix}/{key}": value for key, value in row.items()
             if key not in NOT_METRICS and not isinstance(value, bool) and isinstance(value, int | float)}
 
@@ -50,12 +52,15 @@ class Trackers:
         self.output_dir, self.tensorboard_dir = output_dir, tensorboard_dir
         self.run_config = run_config
         self.purge_step: int | None = None
+        self.last_step = 0  # the largest step logged
         self._started: list = []
 
     def log(self, row: dict) -> None:
         step = row.get("step")
         if not self.names or not isinstance(step, int):
             return
+        step = max(step, self.last_step) if row.get("best_dev") is True else step
+        self.last_step = max(self.last_step, step)
         if not self._started:
             self._start()
         values = scalars(row)

@@ -1,6 +1,6 @@
 """One rank of the multi-rank evaluation tests: every scenario in one launch (saves start-up).
 
-    torchrun --nproc_per_node W tests/multirank/eval_worker.py OUT.json
+    torchrun --nproc_per_node W tests/multirank/eval_worker.py [SPEC.json] OUT.json
 
 - "zero_init": a tiny Llama built inside `deepspeed.zero.Init` alone (no live HfDeepSpeedConfig,
   so transformers' generate() would not sync ranks by itself), evaluated on SQuAD. Its newline
@@ -10,8 +10,12 @@
   deepspeed.initialize) evaluated on dev and test; the Job's data loading is timed on each rank.
 - "first", "first_subgroup": `main_process_first` on the world group and on the group of ranks
   1..W-1 (whose rank 0 is global rank 1); each rank records when its body ran.
+- "own_data" (with SPEC.json, at 1 and 2 ranks): `curvzo-ds train` itself (`cli.main` in each rank's process, as
+  the launchers start it) for each of SPEC's runs: {name: [arguments]}, into SPEC's directory; each run's exit code,
+  output directory and summary.json.
 """
 
+import json
 import time
 
 import torch
@@ -128,6 +132,19 @@ def first_scenario(comm: Comm) -> tuple[float, float]:
     return start, end
 
 
+def own_data_scenario(spec_path: str, world: int) -> dict:
+    from curvzo_ds.cli import main as cli
+
+    spec = json.loads(open(spec_path).read())
+    out = {}
+    for name, args in spec["runs"].items():
+        run = f"{spec['directory']}/{name}-w{world}"
+        code = cli(["train", *args, "--set", f"output_dir={run}"])
+        summary = json.loads(open(f"{run}/summary.json").read()) if code == 0 else None
+        out[name] = {"code": code, "dir": run, "summary": summary}
+    return out
+
+
 def run_all(args: list[str], out_path: str) -> dict:
     rank, world, _ = init_distributed()
     comm = Comm()
@@ -140,6 +157,8 @@ def run_all(args: list[str], out_path: str) -> dict:
     results["zero_init"] = zero_init_scenario(world)
     results["sst2"] = run_scenario("sst2", rank)
     results["squad"] = run_scenario("squad", rank)
+    if args and world <= 2:
+        results["own_data"] = own_data_scenario(args[0], world)
     return {"world_size": world, "results": results}
 
 
