@@ -1,4 +1,5 @@
-"""Models and tokenizers: the built-in tiny demo models, or any causal LM by hub id or path.
+"""Models: the built-in tiny demo models, or any causal LM by hub id or path (tokenizers: the one loader,
+tasks/tokenizer.py's `load_tokenizer`, which this module re-exports).
 
 Under ZeRO-3 a hub model is built inside `zero.Init` by `from_pretrained` while a live
 `HfDeepSpeedConfig` exists (docs/deepspeed.md), so no rank ever holds the full model; keep the
@@ -10,20 +11,20 @@ The demo models are tiny and built whole on every rank from a config and a fixed
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
 from curvzo_ds.config.schema import DEMO_MODELS
 from curvzo_ds.errors import ConfigError
-from curvzo_ds.hub import offline_unless_reachable
+from curvzo_ds.layout.shapes import hidden_size_of
 from curvzo_ds.shard import ds_compat
-from curvzo_ds.shard.shapes import hidden_size_of
 from curvzo_ds.tasks import demo_model_config
-from curvzo_ds.tasks import load_tokenizer as load_demo_tokenizer
+from curvzo_ds.tasks.tokenizer import load_tokenizer, probe_hub, refused  # the one tokenizer loader, and its checks
+
+__all__ = ["DTYPES", "build_model", "demo_kind", "load_tokenizer", "model_hidden_size", "probe_hub", "refused"]
 
 log = logging.getLogger("curvzo_ds")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,42 +48,6 @@ def model_hidden_size(model_cfg) -> int | None:
     except ValueError as e:
         raise refused("model", model_cfg.model, e) from None
     return hidden_size_of(conf)
-
-
-def refused(key: str, value: str, e: ValueError) -> ConfigError:
-    """transformers' refusal to load `value` (often several lines), as one line naming the key."""
-    if "trust_remote_code" in str(e):
-        return ConfigError(f"{key}={value!r} ships its own Python code, which runs only with trust_remote_code=true: "
-                           "set it if you trust that code")
-    return ConfigError(f"{key}={value!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-
-
-def probe_hub(name: str, key: str = "model") -> None:
-    """Before a hub id is resolved: one probe, so that an unreachable hub fails at once (hub.py). A name that can
-    only be a path (absolute, ./ ../ ~, or more than one /) and is no directory is refused here: the hub would
-    answer it with a page of tracebacks about repo ids."""
-    if os.path.isdir(name):
-        return
-    if os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") > 1:
-        raise ConfigError(f"{key}={name!r}: no such directory; give a local directory (one from save_pretrained) "
-                          "or a hub id such as facebook/opt-125m")
-    offline_unless_reachable()
-
-
-def load_tokenizer(model_cfg):
-    """The tokenizer of the config's `model` section (`tokenizer`, else `model`; `trust_remote_code`)."""
-    if model_cfg.tokenizer is None and model_cfg.model in DEMO_MODELS:
-        tok = load_demo_tokenizer(demo_kind(model_cfg.model))
-    else:
-        name, key = model_cfg.tokenizer or model_cfg.model, "tokenizer" if model_cfg.tokenizer else "model"
-        probe_hub(name, key)
-        try:
-            tok = AutoTokenizer.from_pretrained(name, trust_remote_code=model_cfg.trust_remote_code)
-        except ValueError as e:
-            raise refused(key, name, e) from None
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
-    return tok
 
 
 def build_model(model_cfg, seed: int, ds_config: dict, group=None, mpu=None):

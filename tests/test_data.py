@@ -260,3 +260,135 @@ def test_logits_only_at_label_positions_equal_the_full_forward():
     full = torch.log_softmax(full_logits[:, :-1].float(), -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
     assert torch.equal(kept == 0, ~mask)
     assert torch.allclose(kept[mask], full[mask], rtol=1e-5, atol=1e-6)
+
+
+# ---- a completion or chat task's rows (issue 48 §1) ----
+
+# A small chat template for the bundled Llama tokenizer (which has none): a role header per turn, EOS after each
+# assistant turn, and the header of the reply for add_generation_prompt.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] }}"
+                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+
+
+def chat_tokenizer():
+    tok = load_tokenizer("llama")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def example_task(kind):
+    from curvzo_ds.tasks.task import EXAMPLES
+
+    return get_task(str(EXAMPLES[kind]))
+
+
+def test_a_completion_row_labels_the_completion_and_eos(tokenizer):
+    task = example_task("completion")
+    example = {"prompt": "Write the sum in words.\n3 + 5 =", "completion": " eight", "_where": "f line 7"}
+    enc = encode(task, tokenizer, example, max_length=512, max_new_tokens=8)
+    ids, [(start, end)] = enc["input_ids"][0], enc["spans"][0]
+    assert end == len(ids) and ids[-1] == tokenizer.eos_token_id and enc["option_len"] == [end - start]
+    assert tokenizer.decode(ids[start:-1]).strip() == "eight"
+    assert enc["prompt_ids"] == tokenizer.encode(example["prompt"]) and enc["answers"] == [" eight"]
+    batch = collate([enc, enc], tokenizer.pad_token_id)
+    assert batch["label_mask"].sum().item() == 2 * (end - start) and batch["answers"] == [[" eight"]] * 2
+    # lm_loss's count is the number of label tokens (docs/contracts.md)
+    assert lm_loss(tiny_model(tokenizer.kind), batch)[1].item() == 2 * (end - start)
+    cut = encode(task, tokenizer, example, max_length=end - start + 3, max_new_tokens=2)
+    assert len(cut["input_ids"][0]) == end - start + 3 and cut["input_ids"][0][0] == ids[0]  # BOS kept
+    assert cut["input_ids"][0][-(end - start):] == ids[start:] and cut["cut"] and cut["prompt_kept"] == 2
+    with pytest.raises(ValueError, match=r"f line 7: max_length=\d+ cuts the prompt to nothing .* raise max_length to "
+                                         rf"at least {end - start + 2}"):
+        encode(task, tokenizer, example, max_length=end - start + 1, max_new_tokens=0)
+    with pytest.raises(ValueError, match="f line 7: max_length=12 less max_new_tokens=11 leaves no token of the "
+                                         "prompt"):
+        encode(task, tokenizer, example, max_length=12, max_new_tokens=11)
+
+
+@pytest.mark.parametrize("turns", ["last", "all"])
+def test_a_chat_row_labels_the_assistant_turns(turns):
+    import dataclasses
+
+    tok = chat_tokenizer()
+    task = dataclasses.replace(example_task("chat"), assistant_turns=turns)
+    example = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"},
+                            {"role": "assistant", "content": "Goodbye."}]}
+    enc = encode(task, tok, example, max_length=512)
+    ids = enc["input_ids"][0]
+    assert tok.decode(ids) == tok.apply_chat_template(example["messages"], tokenize=False)
+    labelled = [tok.decode(ids[s:e]) for s, e in enc["spans"][0]]
+    assert labelled == (["Hello.</s>\n", "Goodbye.</s>\n"] if turns == "all" else ["Goodbye.</s>\n"])
+    assert tok.decode(enc["prompt_ids"]) == tok.apply_chat_template(example["messages"][:-1], tokenize=False,
+                                                                    add_generation_prompt=True)
+    assert enc["answers"] == ["Goodbye."]
+    mask = collate([enc], tok.pad_token_id)["label_mask"][0]
+    assert mask.sum().item() == sum(e - s for s, e in enc["spans"][0])
+
+
+def test_a_chat_task_needs_a_chat_template_and_the_templates_refusal_names_the_line():
+    from curvzo_ds.data import check_tokenizer
+
+    with pytest.raises(ValueError, match="is a chat task, but the tokenizer .* has no chat template .* set "
+                                         "tokenizer=DIR"):
+        check_tokenizer(example_task("chat"), load_tokenizer("llama"))
+    check_tokenizer(example_task("chat"), chat_tokenizer())
+    check_tokenizer(example_task("completion"), load_tokenizer("llama"))
+    tok = chat_tokenizer()
+    tok.chat_template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}x"
+    example = {"messages": [{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}],
+               "_where": "chat.jsonl line 3"}
+    with pytest.raises(ValueError, match=r"chat.jsonl line 3: the tokenizer's chat template refused this "
+                                         r"conversation \(no system turns\)"):
+        encode(example_task("chat"), tok, example, max_length=64)
+
+
+# ---- objective: the metric itself as the step's loss (issue 48 §3) ----
+
+def test_loss_fn_for_each_objective_and_the_refusals():
+    from curvzo_ds.data import F1Loss, accuracy_loss
+
+    tok = load_tokenizer("llama")
+    assert loss_fn_for(get_task("sst2"), objective="accuracy") is accuracy_loss
+    f1_loss = loss_fn_for(get_task("squad"), objective="f1", tokenizer=tok, max_new_tokens=4, micro_batch_size=3)
+    assert isinstance(f1_loss, F1Loss) and (f1_loss.micro_batch_size, f1_loss.stop_at_newline) == (3, True)
+    assert not loss_fn_for(example_task("chat"), objective="f1", tokenizer=tok).stop_at_newline  # ends at EOS
+    assert loss_fn_for(example_task("completion")) is lm_loss
+    with pytest.raises(ValueError, match="objective=accuracy needs a classification task .* task squad is a "
+                                         "generation task"):
+        loss_fn_for(get_task("squad"), objective="accuracy")
+    with pytest.raises(ValueError, match="objective=f1 needs a generation task .* task sst2 is a classification"):
+        loss_fn_for(get_task("sst2"), objective="f1", tokenizer=tok)
+    with pytest.raises(ValueError, match="objective=f1 generates answers in every forward: loss_fn_for needs the "
+                                         "tokenizer"):
+        loss_fn_for(get_task("squad"), objective="f1")
+
+
+def test_accuracy_objective_hand_computed():
+    from curvzo_ds.data import accuracy_loss
+
+    batch = collate(HAND_BATCH, pad_id=2)  # FixedModel predicts candidates 0 and 1; the golds are 0 and 2
+    loss_sum, count = accuracy_loss(FixedModel(), batch)
+    assert (loss_sum.item(), count.item()) == (-1.0, 2.0) and loss_sum.dtype == torch.float64
+    batch["accepted"] = [[0], [1, 2]]  # ReCoRD: any answer's entity is right
+    assert accuracy_loss(FixedModel(), batch)[0].item() == -2.0
+    assert accuracy([0, 1], [[0], [1, 2]]) == 1.0 and accuracy([2, 1], [[0, 1], 1]) == 0.5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_f1_objective_is_minus_the_f1_of_the_greedy_answers(kind):
+    tokenizer, model = load_tokenizer(kind), tiny_model(kind)
+    task = get_task("squad")
+    examples = load_splits(task, seed=0, num_train=3, num_dev=1, num_eval=1, data_dir="samples")["train"]
+    batch = collate([encode(task, tokenizer, ex, 128, max_new_tokens=4) for ex in examples], tokenizer.pad_token_id)
+    answers = generate_answers(model, tokenizer, batch["prompt_ids"], max_new_tokens=4)
+    batch["answers"] = [[answers[0]], ["no such words"], [answers[2] + " and more"]]  # F1 1, 0 and below 1
+    expected = -sum(f1(a, g) for a, g in zip(answers, batch["answers"]))
+    calls = []
+    real = model.generate
+    model.generate = lambda **kw: calls.append(kw["input_ids"].shape) or real(**kw)
+    loss = loss_fn_for(task, objective="f1", tokenizer=tokenizer, max_new_tokens=4, micro_batch_size=4)
+    loss_sum, count = loss(model, batch)
+    assert (loss_sum, count) == (pytest.approx(expected), 3.0) and -2 < expected <= -1
+    assert len(calls) == 4  # micro_batch_size generate() calls, the short micro-batch padded: ranks stay in step

@@ -79,8 +79,8 @@ def test_generation_prompts_follow_mezo():
 
 
 def test_cb_default_dev_is_100_and_others_500(tmp_path):
-    assert get_task("cb").num_dev == 100
-    assert all(t.num_dev == 500 for n, t in BUILTIN.items() if n != "cb")
+    assert get_task("cb").num_dev == get_task("copa").num_dev == 100  # MeZO's mezo.sh: DEV=100 for CB and Copa
+    assert all(t.num_dev == 500 for n, t in BUILTIN.items() if n not in ("cb", "copa"))
     rows = [{"premise": f"p{i}.", "hypothesis": f"h{i}", "label": i % 3} for i in range(250)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:56]))
@@ -318,3 +318,140 @@ def test_demo_model_config(kind):
     assert demo_model_config(kind, vocab_size=2048).vocab_size == 2048
     with pytest.raises(ValueError, match="not one of llama, opt"):
         tokenizer_dir("gpt")
+
+
+# ---- MeZO's remaining tasks (issue 48 §2): MultiRC, COPA, ReCoRD ----
+
+def test_multirc_copa_record_prompts_follow_mezo():
+    """princeton-nlp/MeZO large_models/templates.py: MultiRCTemplate, CopaTemplate (capitalization "correct"),
+    ReCoRDTemplateGPT3; tasks.py: COPA's candidates are its two choices, ReCoRD's its entities (the answers' indices
+    all count as right; training takes the first answer's)."""
+    multirc = {"paragraph": "P.", "question": "Q?", "answer": "A", "label": 1}
+    assert get_task("multirc").prompt(multirc) == ('P.\nQuestion: Q?\nI found this answer "A". Is that correct? '
+                                                   'Yes or No?\n')
+    assert get_task("multirc").candidates(multirc) == ["No", "Yes"] and get_task("multirc").gold(multirc) == 1
+    copa = get_task("copa")
+    effect = {"premise": "The glass fell.", "choice1": "It broke.", "choice2": "I laughed.", "question": "effect",
+              "label": 1}
+    assert copa.prompt(effect) == "The glass fell so " and copa.candidates(effect) == ["it broke.", "I laughed."]
+    assert copa.prompt({**effect, "question": "cause"}) == "The glass fell because " and copa.gold(effect) == 1
+    record = get_task("record")
+    example = {"passage": "Text.\n@highlight\nOne\n@highlight\nTwo", "query": "@placeholder won.",
+               "entities": ["Ann", "Bo", "Ann Lee"], "answers": ["Ann Lee", "Ann"]}
+    assert record.prompt(example) == "Text.\n- One\n- Two\n-"
+    assert record.candidates(example) == [" Ann won.", " Bo won.", " Ann Lee won."]
+    assert record.gold(example) == 2 and record.correct(example) == [0, 2]
+    with pytest.raises(ValueError, match="answer 'Cy' is not one of the entities"):
+        record.check({**example, "answers": ["Cy"]}, "x")
+    with pytest.raises(ValueError, match="question must be 'cause' or 'effect'"):
+        copa.check({**effect, "question": "why"}, "x")
+    assert [BUILTIN[n].hub for n in ("multirc", "copa", "record")] == [
+        ("aps/super_glue", n, "refs/convert/parquet") for n in ("multirc", "copa", "record")]
+
+
+# ---- a user's own generation data (issue 48 §1): completion and chat task directories ----
+
+def test_the_bundled_completion_and_chat_examples_load():
+    from curvzo_ds.tasks.task import EXAMPLES
+
+    for kind, path in EXAMPLES.items():
+        task = get_task(str(path))
+        assert (task.kind, task.metrics, task.has_own_text) == (kind, ("f1", "exact_match"), True)
+        assert sorted(json.loads((path / "task.json").read_text())) == ["kind", "name"]  # all a task.json needs
+        splits = load_splits(task, seed=0, num_train=None, num_dev=None, num_eval=None)
+        assert all(len(splits[s]) >= 6 for s in ("train", "dev", "test"))
+        example = splits["dev"][0]
+        gold = example["completion"] if kind == "completion" else example["messages"][-1]["content"]
+        assert task.answers(example) == [gold] and example["_where"].startswith(f"{path}/dev.jsonl line ")
+
+
+def write_text_task(path, kind, lines, **spec):
+    path.mkdir(exist_ok=True)
+    (path / "task.json").write_text(json.dumps({"name": "mine", "kind": kind, **spec}))
+    (path / "train.jsonl").write_text("".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n" for ln in lines))
+    return path
+
+
+GOOD_CHAT = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+GOOD_COMPLETION = {"prompt": "2 + 2 =", "completion": " four"}
+
+
+@pytest.mark.parametrize("kind, bad_line, message", [
+    ("completion", {"prompt": "2 + 2 ="}, "train.jsonl line 2: missing field 'completion'"),
+    ("completion", {"completion": " four"}, "train.jsonl line 2: missing field 'prompt'"),
+    ("completion", {"prompt": "2 + 2 =", "completion": " "}, "train.jsonl line 2: the completion is empty"),
+    ("completion", {"prompt": "", "completion": " four"}, "train.jsonl line 2: the prompt is empty"),
+    ("completion", {"prompt": 4, "completion": " four"}, "train.jsonl line 2: field 'prompt' is int, not a string"),
+    ("chat", {"turns": []}, "train.jsonl line 2: missing field 'messages'"),
+    ("chat", {"messages": []}, "train.jsonl line 2: field 'messages' must be a non-empty list"),
+    ("chat", {"messages": [{"role": "human", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+     "train.jsonl line 2: message 1 has role 'human', not one of system, user, assistant"),
+    ("chat", {"messages": [{"role": "usr", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+     "did you mean 'user'"),
+    ("chat", {"messages": [{"role": "user", "content": "Hi"}]},
+     "train.jsonl line 2: the conversation ends with a user turn; it must end with an assistant turn"),
+    ("chat", {"messages": [{"role": "user", "text": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+     "train.jsonl line 2: message 1 must be an object with \"role\" and \"content\""),
+    ("chat", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]},
+     r"train.jsonl line 2: assistant turn \(message 2\) is empty"),
+])
+def test_text_task_line_errors_name_the_file_and_line(tmp_path, kind, bad_line, message):
+    good = GOOD_COMPLETION if kind == "completion" else GOOD_CHAT
+    task = get_task(str(write_text_task(tmp_path / "t", kind, [good, bad_line, good])))
+    with pytest.raises(ValueError, match=message):
+        load_splits(task, seed=0, num_train=1)
+
+
+def test_every_assistant_turn_is_checked_when_the_loss_covers_them_all(tmp_path):
+    line = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "},
+                         {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]}
+    assert load_splits(str(write_text_task(tmp_path / "last", "chat", [line] * 3)), seed=0, num_train=1)
+    task = get_task(str(write_text_task(tmp_path / "all", "chat", [line] * 3, assistant_turns="all")))
+    assert task.assistant_turns == "all"
+    with pytest.raises(ValueError, match=r"line 1: assistant turn \(message 2\) is empty"):
+        load_splits(task, seed=0, num_train=1)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"kind": "compleition"}, "kind 'compleition' is not one of classification, completion, chat "
+                              r"\(did you mean 'completion'\?\)"),
+    ({"kind": "completion", "template": "{text}"}, "unknown field 'template'; the known fields of a completion task "
+                                                  "are name, kind"),
+    ({"kind": "chat", "assistant_turn": "all"}, "unknown field 'assistant_turn'; did you mean 'assistant_turns'"),
+    ({"kind": "chat", "assistant_turns": "first"}, "\"assistant_turns\" is 'first', not one of 'last', 'all'"),
+    ({"kind": "completion", "name": ""}, "\"name\" must be a non-empty string"),
+])
+def test_text_task_json_errors(tmp_path, spec, message):
+    path = tmp_path / "t"
+    path.mkdir()
+    (path / "task.json").write_text(json.dumps({"name": "mine", **spec}))
+    (path / "train.jsonl").write_text(json.dumps(GOOD_COMPLETION) + "\n")
+    with pytest.raises(ValueError, match=message):
+        get_task(str(path))
+
+
+def test_a_classification_task_json_may_name_its_kind(tmp_path):
+    spec = {"name": "mine", "kind": "classification", "template": "{text} It was", "label_words": [" a", " b"],
+            "metric": "accuracy"}
+    assert get_task(str(make_task_dir(tmp_path / "t", spec=spec))).kind == "classification"
+
+
+# ---- the one tokenizer loader ----
+
+def test_one_tokenizer_loader_for_kinds_demo_models_sections_and_directories(tmp_path):
+    from curvzo_ds import models
+    from curvzo_ds.config.sections import section
+    from curvzo_ds.errors import ConfigError
+    from curvzo_ds.tasks import demo
+
+    assert models.load_tokenizer is load_tokenizer is demo.load_tokenizer  # one function, importable from each
+    ids = load_tokenizer("llama").encode("It was")
+    assert load_tokenizer("demo").encode("It was") == ids
+    assert load_tokenizer(section(TrainConfig(), "model")).encode("It was") == ids
+    assert load_tokenizer(section(TrainConfig(model="demo-opt"), "model")).encode("It was") == \
+        load_tokenizer("opt").encode("It was")
+    load_tokenizer("opt").save_pretrained(str(tmp_path / "tok"))
+    from_dir = load_tokenizer(section(TrainConfig(tokenizer=str(tmp_path / "tok")), "model"))
+    assert from_dir.encode("It was") == load_tokenizer("opt").encode("It was") and from_dir.pad_token_id is not None
+    with pytest.raises(ConfigError, match="tokenizer='/no/such/dir': no such directory"):
+        load_tokenizer("/no/such/dir")

@@ -1,13 +1,12 @@
 """The training losses, `loss_fn(model, micro_batch) -> (loss_sum, count)` (docs/contracts.md), and the
-classification scores that evaluation shares with them (MeZO's candidate log-likelihood)."""
+classification scores that evaluation shares with them (MeZO's candidate log-likelihood). Which loss a run takes:
+data/objectives.py (`loss_fn_for`)."""
 
 import inspect
 import math
 from collections.abc import Iterable
 
 import torch
-
-from curvzo_ds.tasks import Task
 
 
 def mean_loss(parts: Iterable[tuple[float, float]]) -> float:
@@ -101,11 +100,6 @@ def lm_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     mask = batch["label_mask"][:, 1:] * gold_rows[:, None]
     token_logprobs = _token_logprobs(model, batch)
     return -(token_logprobs.double() * mask).sum(), mask.double().sum()
-
-
-def loss_fn_for(task: Task, train_as_classification: bool = True):
-    """The training loss of a task: classification_loss, or lm_loss (generation, or when asked)."""
-    return classification_loss if task.is_classification and train_as_classification else lm_loss
 
 
 def _argmax_per_example(scores: torch.Tensor, batch: dict) -> torch.Tensor:

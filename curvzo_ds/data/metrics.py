@@ -33,7 +33,10 @@ def exact_match(prediction: str, answers: list[str]) -> float:
 
 
 def accuracy(predictions, labels) -> float:
+    """The fraction of predictions equal to their label; a label that is a list (ReCoRD: every entity that answers)
+    counts a prediction among it as right."""
     predictions, labels = list(predictions), list(labels)
     if len(predictions) != len(labels) or not labels:
         raise ValueError(f"accuracy needs as many predictions as labels, got {len(predictions)} and {len(labels)}")
-    return sum(int(p) == int(g) for p, g in zip(predictions, labels)) / len(labels)
+    right = (int(p) in g if isinstance(g, list | tuple) else int(p) == int(g) for p, g in zip(predictions, labels))
+    return sum(right) / len(labels)

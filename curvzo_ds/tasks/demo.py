@@ -1,27 +1,9 @@
-"""The built-in tiny tokenizers and model configs (made by tools/make_assets.py).
+"""The built-in tiny model configs, matching the bundled tokenizers (tools/make_assets.py; the tokenizers and the
+one loader: tasks/tokenizer.py, whose names are also importable from here)."""
 
-"llama": SentencePiece-style BPE with byte fallback; adds <s> (BOS) before the text, no
-EOS; <unk> is also the pad token. "opt": GPT-2 byte-level BPE; like OPT it prepends
-</s> as BOS; <pad> pads. Their BOS handling differs, which the label-span code must survive.
-"""
+from curvzo_ds.tasks.tokenizer import KINDS, load_tokenizer, tokenizer_dir
 
-from pathlib import Path
-
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-KINDS = ("llama", "opt")
-
-
-def tokenizer_dir(kind: str = "llama") -> Path:
-    """Directory of the bundled tokenizer of `kind` ("llama" or "opt"), for AutoTokenizer."""
-    if kind not in KINDS:
-        raise ValueError(f"tokenizer kind {kind!r} is not one of {', '.join(KINDS)}")
-    return ASSETS / f"tokenizer-{kind}"
-
-
-def load_tokenizer(kind: str = "llama"):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir(kind)))
+__all__ = ["KINDS", "demo_model_config", "load_tokenizer", "tokenizer_dir"]
 
 
 def demo_model_config(kind: str = "llama", vocab_size: int | None = None):
@@ -31,7 +13,7 @@ def demo_model_config(kind: str = "llama", vocab_size: int | None = None):
     """
     from transformers import LlamaConfig, OPTConfig
 
-    tokenizer = load_tokenizer(kind)
+    tokenizer = load_tokenizer(tokenizer_dir(kind).name.removeprefix("tokenizer-"))  # a kind, or ValueError
     ids = dict(vocab_size=vocab_size or len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)

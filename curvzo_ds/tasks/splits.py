@@ -29,6 +29,7 @@ from curvzo_ds.tasks.task import Task, get_task
 
 log = logging.getLogger(__name__)
 SPLIT_FILES = {"train": ("train",), "dev": ("dev",), "test": ("test", "validation")}
+WHERE = "_where"  # the file and line of a completion or chat example, in the example (no field of its own)
 
 
 def data_source(task: Task, data_dir: str | Path | None) -> str:
@@ -126,6 +127,8 @@ def read_split_files(task: Task, directory: Path) -> dict[str, list[dict]]:
         rows = read_csv(path) if path.suffix == ".csv" else read_jsonl(path)
         for line, example in rows:
             task.check(example, f"{path} line {line}")
+            if task.has_own_text:  # where its encoding's errors point (data/encoding.py: a prompt max_length cuts)
+                example[WHERE] = f"{path} line {line}"
         pools[split_name] = [example for _, example in rows]
     if "train" not in pools:
         raise ValueError(f"{directory}: no train.jsonl or train.csv; put the training examples there, "
