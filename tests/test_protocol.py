@@ -1,0 +1,190 @@
+"""Issue 47's protocol runner (experiments/protocol.py): the rate rule on made-up caches, the reuse of issue 37's
+cached runs, and (slow tier) the runner end to end on a tiny random Llama at the `ci` config (16 forwards a run)."""
+
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+
+from curvzo_ds.config.schema import TrainConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_protocol():
+    sys.path.insert(0, str(ROOT / "experiments"))  # as the script itself does: real_model, verdict, pipeline
+    spec = importlib.util.spec_from_file_location("protocol", ROOT / "experiments" / "protocol.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+P = load_protocol()
+
+
+def fake_cache(tmp_path, plan=None):
+    plan = plan or dict(P.CONFIGS["ci"], max_grid=8, pilot_seeds=[0, 1, 2])
+    return P.Cache(plan, "ci", "tiny", str(tmp_path), None)
+
+
+def put(cache, arm, lr, seed, tail=None, diverge=False):
+    """A made-up run of 16 forwards whose tail mean log loss is `tail` (or which diverged)."""
+    f = [0, 8, 16]
+    loss = [1.0, 0.9, math.exp(tail)] if not diverge else [1.0, 0.9, float("nan")]
+    run = dict(settings=dict(P.settings_of(cache.plan, cache.model, "sentiment", arm, lr, seed)),
+               curve=[dict(step=x // 2, forwards=x, loss=y, accuracy=0.5) for x, y in zip(f, loss)],
+               test=dict(accuracy=0.5), seconds=60.0)
+    path = cache.path("sentiment", arm, lr, seed)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pathlib.Path(path).write_text(json.dumps(run))
+
+
+def rate(k):
+    return P.lattice("ci", "sentiment", "mezo", k)
+
+
+def test_the_lattice_is_sqrt2_steps_rounded_to_3_digits():
+    assert [rate(k) for k in range(-1, 4)] == [7.07e-4, 1e-3, 1.41e-3, 2e-3, 2.83e-3]
+    # the full protocol's RLOO-8 start lies on the lattice anchored at MeZO's rate, so it meets issue 37's x2 rates
+    anchor, m = P.start_point("full", "topic", "rloo-8")
+    assert anchor == 5e-5 and 2 ** (m / 2) <= P.rloo_rate_ratio(8, P.X_DEV["topic"] or 0.0) < 2 ** ((m + 1) / 2)
+    assert [P.lattice("full", "topic", "rloo-8", 2 - m + 2 * j) for j in range(3)] == [1e-4, 2e-4, 4e-4]
+    assert P.rloo_rate_ratio(8, 0.0) == pytest.approx(7) and P.rloo_rate_ratio(8, 0.25) < 7
+
+
+def test_the_grid_goes_up_until_the_tail_gets_worse(tmp_path):
+    cache = fake_cache(tmp_path)
+    for s in range(3):
+        put(cache, "mezo", rate(0), s, tail=-1.0)
+        put(cache, "mezo", rate(1), s, tail=-1.2)
+        put(cache, "mezo", rate(2), s, tail=-1.1 - 0.01 * s)
+    st = P.pilot_state(cache, "sentiment", "mezo")
+    assert st["chosen"] == rate(1) and "worse than" in st["why"] and st["missing"] == []
+    assert [lr for lr, _ in st["grid"]] == [rate(0), rate(1), rate(2)]
+
+
+def test_a_rate_that_diverges_on_one_seed_ends_the_grid(tmp_path):
+    cache = fake_cache(tmp_path)
+    for s in range(3):
+        put(cache, "mezo", rate(0), s, tail=-1.0)
+        put(cache, "mezo", rate(1), s, tail=-1.5)
+    put(cache, "mezo", rate(2), 1, diverge=True)  # seeds 0 and 2 of this rate need not run
+    st = P.pilot_state(cache, "sentiment", "mezo")
+    assert st["chosen"] == rate(1) and st["why"] == f"{rate(2):g} diverged on seed 1"
+
+
+def test_missing_pilots_are_the_next_runs(tmp_path):
+    cache = fake_cache(tmp_path)
+    put(cache, "mezo", rate(0), 0, tail=-1.0)
+    st = P.pilot_state(cache, "sentiment", "mezo")
+    assert st["chosen"] is None and st["missing"] == [(rate(0), 1), (rate(0), 2)]
+    for s in (1, 2):
+        put(cache, "mezo", rate(0), s, tail=-1.0)
+    assert P.pilot_state(cache, "sentiment", "mezo")["missing"] == [(rate(1), s) for s in range(3)]
+    lines = "\n".join(P.plan_lines(cache, ["sentiment"], ["mezo"], "OUT"))
+    assert f"--run --arm mezo --task sentiment --runs {rate(1):g}:0 {rate(1):g}:1 {rate(1):g}:2 --out OUT" in lines
+
+
+def test_a_start_rate_that_diverges_sends_the_grid_down(tmp_path):
+    cache = fake_cache(tmp_path)
+    put(cache, "mezo", rate(0), 2, diverge=True)
+    assert P.pilot_state(cache, "sentiment", "mezo")["missing"] == [(rate(-1), s) for s in range(3)]
+    put(cache, "mezo", rate(-1), 0, diverge=True)
+    for s in range(3):
+        put(cache, "mezo", rate(-2), s, tail=-0.5)
+    st = P.pilot_state(cache, "sentiment", "mezo")
+    assert st["chosen"] == rate(-2) and "first stable rate below" in st["why"]
+
+
+def test_a_run_that_ends_above_its_zero_shot_loss_has_diverged(tmp_path):
+    cache = fake_cache(tmp_path)
+    put(cache, "mezo", rate(0), 0, tail=math.log(1.2))  # finite, but above the zero-shot 1.0
+    assert P.diverged(cache.get("sentiment", "mezo", rate(0), 0))
+
+
+def test_issue_37s_cached_runs_are_found_by_their_settings():
+    """Every MeZO and RLOO q = 8 run of issue 37 is found under protocol.py's description of its settings, as a pilot
+    of the full config (the lookup that lets them serve as pilots)."""
+    runs = ROOT / "experiments" / "results" / "real-model" / "runs"
+    cache = P.Cache(P.CONFIGS["full"], "full", f"smollm2-135m-{P.R.GGUF_SHA256[:16]}", "/nonexistent", str(runs))
+    found = 0
+    for path in sorted(runs.glob("*.json")):
+        s = json.loads(path.read_text())["settings"]
+        if s["arm"] in ("mezo", "rloo-8"):
+            assert cache.reused_path(s["task"], s["arm"], s["lr"], s["seed"]) == str(path)
+            assert cache.get(s["task"], s["arm"], s["lr"], s["seed"])["source"] == "issue 37"
+            found += 1
+    assert found >= 20
+    # a fresh seed is never taken from issue 37's runs (they evaluate differently)
+    assert cache.reused_path("sentiment", "mezo", 1e-4, 3) is None
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from curvzo_ds.tasks import demo_model_config, load_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    conf = demo_model_config("llama")
+    conf.tie_word_embeddings = True
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(conf).save_pretrained(path)
+    load_tokenizer("llama").save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
+    """--plan, --run, --report on a tiny random Llama (16 forwards a run). A random model's loss moves by noise, so
+    the pilots that decide the rates are made up (stable, the second rate worse: each arm chooses its start rate);
+    one real pilot run checks the pilot's evaluation; the fresh seeds run for real, and the report compares them."""
+    arms = ["mezo", "rloo-8"] + (["rloo-8-std"] if "step_normalization" in TrainConfig.__dataclass_fields__ else [])
+    out = tmp_path / "out"
+    common = ["--config", "ci", "--model", tiny_model, "--out", str(out), "--reuse", ""]
+    cache = P.Cache(P.CONFIGS["ci"], "ci", os.path.basename(tiny_model), str(out), None)
+    P.main(["--plan", *common])
+    first = f"--run --arm mezo --task sentiment --runs {rate(0):g}:0 {rate(0):g}:1 --out {out}"
+    assert first in capsys.readouterr().out
+    threads = torch.get_num_threads()
+    try:
+        P.main(["--run", "--arm", "mezo", "--task", "sentiment", "--runs", f"{rate(3):g}:0", *common])
+        pilot = cache.get("sentiment", "mezo", rate(3), 0)
+        assert [c["forwards"] for c in pilot["curve"]] == [0, 8, 16] and "subset_loss" not in pilot["curve"][0]
+        for arm in arms:
+            for seed in P.CONFIGS["ci"]["pilot_seeds"]:
+                put(cache, arm, P.lattice("ci", "sentiment", arm, 0), seed, tail=-0.5)
+                put(cache, arm, P.lattice("ci", "sentiment", arm, 1), seed, tail=-0.4)
+            st = P.pilot_state(cache, "sentiment", arm)
+            assert st["chosen"] == P.lattice("ci", "sentiment", arm, 0) and not st["missing"]
+            P.main(["--run", "--arm", arm, "--task", "sentiment", "--runs",
+                    *[f"{st['chosen']:g}:{s}" for s in P.CONFIGS["ci"]["fresh_seeds"]], *common])
+    finally:
+        torch.set_num_threads(threads)
+    fresh = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+    fresh = [r for r in fresh if r["settings"]["stage"] == "fresh"]
+    assert len(fresh) == len(P.CONFIGS["ci"]["fresh_seeds"]) * len(arms)
+    for r in fresh:
+        points = {c["forwards"]: c for c in r["curve"]}
+        if not P.diverged(r):
+            assert sorted(points) == [0, 8, 16] and all("subset_loss" in c and "loss" in c for c in points.values())
+        assert r["provenance"]["code"]["path"] == str(ROOT) and "commit" in r["provenance"]["code"]
+        assert r["provenance"]["machine"]["node"] and r["seconds"] > 0 and "accuracy" in r["test"]
+    # the subset is the same examples in every run: the zero-shot subset loss is the same whatever the seed
+    assert len({round(r["curve"][0]["subset_loss"], 9) for r in fresh}) == 1
+    log_lines = (out / "progress.log").read_text().count(" run ")
+    P.main(["--run", "--arm", "mezo", "--task", "sentiment", "--runs", f"{rate(0):g}:2", *common])
+    assert (out / "progress.log").read_text().count(" run ") == log_lines  # from the cache
+    capsys.readouterr()
+    P.main(["--report", "--arms", *arms, *common])
+    report = capsys.readouterr().out
+    rows = [line for line in report.splitlines() if line.startswith("| sentiment |")]
+    assert [row.split(" | ")[1] for row in rows] == arms
+    assert all(row.endswith(("| yes |", "| no |")) for row in rows[1:]) and rows[0].endswith("| - |")
+    P.main(["--plan", *common])
+    assert "still to run (fresh): none" in capsys.readouterr().out
