@@ -64,9 +64,9 @@ def worker(width: str, batch: int, seq: int, steps: int, out: str) -> None:
     from transformers import LlamaForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
+    from curvzo_ds.layout.memory import plan_memory
     from curvzo_ds.shard.digest import params_digest
     from curvzo_ds.shard.distributed import init_distributed
-    from curvzo_ds.shard.memory import plan_memory
     from curvzo_ds.sysinfo import peak_rss_bytes, rss_bytes
 
     rank, world, _ = init_distributed()

@@ -14,10 +14,15 @@ from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.data.stream import MicroBatches, split_batch
 from curvzo_ds.engine import StepResult, ZOEngine
 from curvzo_ds.errors import ConfigError, NonFiniteLossError
+from curvzo_ds.startup import extensions_dir, quiet_known_warnings
 from curvzo_ds.versions import check_versions
 
 __version__ = "0.1.0"
 
+# DeepSpeed's CPU op is built once per Python environment in curvzo_ds's cache (startup.py): a user's own script
+# (accelerate launch, ZOTrainer) that imports curvzo_ds shares the CLI's build instead of building it again.
+extensions_dir()
+quiet_known_warnings()
 check_versions()  # an unsupported torch, deepspeed, transformers, accelerate or peft is named here (versions.py)
 
 __all__ = [

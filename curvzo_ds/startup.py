@@ -6,6 +6,9 @@ stdout.
   different torch or DeepSpeed builds then rebuild the op on every start (60-130 s). Unless the user set it,
   `TORCH_EXTENSIONS_DIR` becomes `<cache>/torch_extensions/<this environment>`, where `<cache>` is
   `$CURVZO_DS_CACHE` or `~/.cache/curvzo_ds` (as for the noise kernel) and the last part names `sys.prefix`.
+- `quiet_known_warnings()`: torch warns once per rank, on every ZeRO-3 run, that DeepSpeed's call of
+  `all_gather_into_tensor` is deprecated; that is DeepSpeed's to change, not the user's, so it is filtered (that
+  message only).
 - `stdout_to_log()`: what DeepSpeed prints while it starts (`... built successfully`) is kept and logged by
   `logs.setup_logging` (the rank's log file, and rank 0's console on stderr); compiler output goes to stderr.
 """
@@ -17,6 +20,7 @@ import hashlib
 import io
 import os
 import sys
+import warnings
 
 _captured: list[str] = []
 
@@ -30,6 +34,12 @@ def extensions_dir() -> str:
     name = f"{os.path.basename(prefix) or 'python'}-{hashlib.sha256(prefix.encode()).hexdigest()[:12]}"
     os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, "torch_extensions", name)
     return os.environ["TORCH_EXTENSIONS_DIR"]
+
+
+def quiet_known_warnings() -> None:
+    """Filter the one warning every ZeRO-3 rank printed that only DeepSpeed can act on (module docstring)."""
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
 
 
 @contextlib.contextmanager

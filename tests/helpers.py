@@ -20,7 +20,9 @@ from tests import launches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "check_run.py"  # the output contract (docs/contracts.md), checked on every test run
-COMMON = ["--set", "max_steps=12", "--set", "eval_steps=3", "--set", "save_steps=3", "--set", "num_train=200",
+# method=curvzo: the runs exercise the paper's method (pi, budgets, scores), not the default mezo.
+COMMON = ["--set", "method=curvzo", "--set", "max_steps=12", "--set", "eval_steps=3", "--set", "save_steps=3",
+          "--set", "num_train=200",
           "--set", "num_dev=16", "--set", "num_eval=16", "--set", "global_batch_size=8",
           "--set", "micro_batch_size=2", "--set", "disable_tqdm=true", "--set", "report_to=none",
           "--set", "save_total_limit=2", "--deepspeed", str(ROOT / "ds_configs" / "zero3.json")]

@@ -88,10 +88,14 @@ def test_bench_suite_writes_every_contract_field(tmp_path):
     # One round: each ratio is the ratio of the reported times, each memory figure that of the reported peaks.
     mezo = entry["methods"]["mezo"]
     assert mezo["our_mezo_over_reference"] == mezo["step_seconds"] / entry["reference_step_seconds"]
-    for method, forwards in (("mezo", 2), ("curvzo_fixed_0.3", 2), ("curvzo_adaptive", 2), ("rloo_4", 4)):
+    for method, forwards, passes in (("mezo", 2, 3), ("curvzo_fixed_0.3", 2, 3), ("curvzo_adaptive", 2, 3),
+                                     ("rloo-4", 4, 5), ("rloo-8", 8, 9)):
         m = entry["methods"][method]
         assert m["ratio_to_two_forwards"] == m["step_seconds"] / entry["two_forwards_seconds"] > 1
         assert m["forwards_per_step"] == forwards and m["seconds_per_forward"] == m["step_seconds"] / forwards
+        assert m["passes_per_step"] == passes  # issue 46: q + 1 passes for RLOO, 3 for a central step
+        assert m["other_per_forward_over_mezo"] == m["other_seconds_per_forward"] / (
+            entry["methods"]["mezo"]["other_seconds_per_forward"])
         assert m["zo_over_inference_peak_memory"] == m["peak_bytes"] / entry["inference_peak_bytes"]
         assert_sections_add_up(m)
     assert abs(entry["methods"]["curvzo_fixed_0.3"]["budget_fraction"] - 0.3) < 1e-9

@@ -293,26 +293,30 @@ def test_budget_min_above_max_and_no_trainable_parameters():
         ZOEngine(frozen, ce_loss, ZOConfig())
 
 
-def test_noise_generated_three_times_per_selected_tensor(monkeypatch):
-    """+eps z, -2 eps z, then restore-and-update in one pass: 3 generations of each element, fused into the edit."""
+@pytest.mark.parametrize("q", [1, 4])
+def test_noise_generated_three_times_per_selected_tensor_and_direction(monkeypatch, q):
+    """MeZO: +eps z, -2 eps z, then the update (which undoes -eps z in the same pass): 3 generations of each
+    element, fused into the edit. RLOO with q directions: the first point (1), q - 1 moves (2 each: out of z_k,
+    into z_k+1) and the update (q keys): 3q - 1."""
     from curvzo_ds.shard import perturb
 
     net = TinyNet()
     x, y = toy_task(16)
-    engine = ZOEngine(net, ce_loss, ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-3))
+    cfg = dict(num_directions=q, difference="rloo") if q > 1 else {}
+    engine = ZOEngine(net, ce_loss, ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-3, **cfg))
     generated: dict[str, int] = {}
     real = perturb.cpu_kernel.run_rows
 
-    def counting(rows, coef, num_blocks, want_sq, threads=1):
-        for row in rows:
+    def counting(rows, coef, num_blocks, want_sq, threads=1, keys=None):
+        for row, row_keys in zip(rows, keys if keys is not None else [[0]] * len(rows)):
             if not row[perturb.KIND] & perturb.COPY:
                 name = engine.entries[row[perturb.ENTRY]].name
-                generated[name] = generated.get(name, 0) + int(row[perturb.N])
-        return real(rows, coef, num_blocks, want_sq, threads)
+                generated[name] = generated.get(name, 0) + int(row[perturb.N]) * len(row_keys)
+        return real(rows, coef, num_blocks, want_sq, threads, keys=keys)
 
     monkeypatch.setattr(perturb.cpu_kernel, "run_rows", counting)
     engine.step((x, y))
-    assert generated == {e.name: 3 * e.numel for e in engine.entries}
+    assert generated == {e.name: (3 * q - (q > 1)) * e.numel for e in engine.entries}
 
 
 def test_weight_decay_scales_selected_tensors_by_one_minus_lr_wd_over_pi():
@@ -427,3 +431,115 @@ def test_max_weight_rate_correction_is_the_step_at_lr_times_min_pi(method):
         for x, y in zip(a.ws, b.ws):
             assert torch.equal(x, y)
         assert not torch.equal(a.ws[0], Quadratic().ws[0])  # the steps moved the weights
+
+
+# ------------------------------------------------------------------ pinned against a hand computation
+
+
+def _hand_axpy(w: torch.Tensor, zs: list[torch.Tensor], alphas: list[float], scale: float = 1.0) -> torch.Tensor:
+    """The kernels' arithmetic, written out (noise/reference.py's definition): acc = a_0 z_0 + a_1 z_1 + ..., each
+    product and sum rounded in float32, then w * scale + acc."""
+    from curvzo_ds.noise.gaussian import f32
+
+    acc = zs[0] * f32(alphas[0])
+    for z, a in zip(zs[1:], alphas[1:]):
+        acc = acc + z * f32(a)
+    return (w * f32(scale) if scale != 1.0 else w) + acc
+
+
+def _hand_loss(net: TinyNet, weights: dict, batch) -> float:
+    """The step's loss of `net` at `weights`: loss_sum / count in float64, as the engine reduces it."""
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            p.copy_(weights[name].view_as(p))
+        loss_sum, count = ce_loss(net, batch)
+    return float(loss_sum.double()) / count
+
+
+@pytest.mark.parametrize("difference,q,steps", [("central", 1, 3), ("rloo", 3, 2)])
+def test_a_short_trajectory_equals_the_hand_computation_bit_for_bit(difference, q, steps):
+    """tests/test_zero3.py checks that every world size gives the same bits, which a formula wrong the same way
+    everywhere would pass. Here the trajectory of one rank is computed by hand from the noise's definition (the
+    keys of NoiseSource, the torch reference's normals): MeZO's +eps, -2 eps, update, and RLOO's chain of points
+    w + eps z_k with its moves and its one update pass, each pass in the kernels' float32 arithmetic. The engine's
+    losses and weights after every step equal it bit for bit."""
+    from curvzo_ds.noise import reference
+
+    torch.manual_seed(3)
+    net, hand_net = TinyNet(), TinyNet()
+    x, y = toy_task(32)
+    batch = (x[:16], y[:16])
+    lr, eps = 0.05, 1e-2
+    cfg = ZOConfig(method="mezo", learning_rate=lr, zo_eps=eps, num_directions=q, difference=difference, seed=5)
+    engine = ZOEngine(net, ce_loss, cfg)
+    names = [e.name for e in engine.entries]
+    w = {name: p.detach().clone().view(-1) for name, p in net.named_parameters()}
+    src = NoiseSource(cfg.seed)
+    for t in range(steps):
+        z = [{n: reference.normals(*src.key(t, n, d), 0, w[n].numel()) for n in names} for d in range(q)]
+        if difference == "central":
+            plus = {n: _hand_axpy(w[n], [z[0][n]], [eps]) for n in names}
+            minus = {n: _hand_axpy(plus[n], [z[0][n]], [-2 * eps]) for n in names}
+            losses = [_hand_loss(hand_net, plus, batch), _hand_loss(hand_net, minus, batch)]
+            coef = [lr * (losses[0] - losses[1]) / (2 * eps)]  # Eq. 28 with pi = 1
+            w = {n: _hand_axpy(minus[n], [z[0][n]], [eps - coef[0]]) for n in names}  # -(-eps z) - c z
+        else:
+            point, losses = w, []
+            for k in range(q):
+                point = {n: _hand_axpy(point[n], [z[k - 1][n], z[k][n]] if k else [z[0][n]],
+                                       [-eps, eps] if k else [eps]) for n in names}
+                losses.append(_hand_loss(hand_net, point, batch))
+            total = sum(losses)
+            coef = [lr / q * (lk - (total - lk) / (q - 1)) / eps for lk in losses]
+            alphas = [-c for c in coef]
+            alphas[-1] -= eps  # the last point's +eps z removed in the same pass
+            w = {n: _hand_axpy(point[n], [z[k][n] for k in range(q)], alphas) for n in names}
+        r = engine.step(batch)
+        if difference == "central":
+            assert (r.loss_plus, r.loss_minus) == tuple(losses)
+        else:
+            assert r.loss == total / q
+        for name, p in net.named_parameters():
+            assert torch.equal(p.detach().view(-1), w[name]), (t, name)
+
+
+def test_a_steps_block_statistics_are_the_sums_of_z_squared_of_its_noise():
+    """The block sums of z^2 that the step's all-reduce carries (the scores' ||v_Gi||^2) equal the fixed-point sums
+    of z^2 computed directly from the noise's definition over each drawn block, and 0 for the blocks not drawn."""
+    from curvzo_ds.noise import reference
+    from curvzo_ds.noise.gaussian import FIXED_POINT_BITS
+
+    net = TinyNet()
+    x, y = toy_task(16)
+    engine = ZOEngine(net, ce_loss, ZOConfig(method="fixed", budget=0.5, score_init=1.0, score_warmup_steps=0,
+                                             learning_rate=1e-3, zo_eps=1e-3, seed=9))
+    seen = []
+    real = engine._reduce
+    engine._reduce = lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]
+    src = NoiseSource(9)
+    for t in range(3):
+        engine.step((x, y))
+        block_sq, mask = seen[-1].block_sq, engine.last_mask
+        assert mask.any() and not mask.all()
+        for i, e in enumerate(engine.entries):  # block_granularity=tensor: block i is entry i
+            z = reference.normals(*src.key(t, e.name), 0, e.numel)
+            expected = float(reference.fixed_point_sum_of_squares(z)) / 2.0**FIXED_POINT_BITS if mask[i] else 0.0
+            assert float(block_sq[i]) == expected, (t, e.name)
+
+
+def test_check_state_refuses_another_noise_another_model_and_another_seed():
+    """ZOEngine.check_state, before a checkpoint's state is loaded: each of its three refusals, in one line that
+    names what differs."""
+    engine = ZOEngine(TinyNet(), ce_loss, ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-3, seed=4))
+    good = engine.state_dict()
+    engine.check_state(good)
+    cases = [({"noise": {"ident": "philox-v0"}}, "written by another noise generator"),
+             ({"blocks": good["blocks"][:-1]}, "checkpoint blocks differ from this model's trainable parameters"),
+             ({"seed": 5}, "checkpoint seed 5 differs from seed=4")]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message) as e:
+            engine.check_state({**good, **change})
+        assert "\n" not in str(e.value)
+        with pytest.raises(ValueError, match=message):
+            engine.load_state_dict({**good, **change})
+    assert engine.step_count == 0

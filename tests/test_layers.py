@@ -4,8 +4,8 @@ Layers, bottom to top (docs/architecture.md draws them); a unit (a top-level mod
 its own layer or below, never from above:
 0. foundations: errors, the algorithm (algo/), noise/, config/, data/, tasks/, JSON, system info, versions, the
    hub probe, start-up;
-1. shard/: the weights one rank holds, the passes over them, the collectives, the DeepSpeed wing, the planner's
-   memory model;
+1. shard/: the weights one rank holds, the passes over them, the collectives, the DeepSpeed wing; layout/: where
+   the weights live (the layout decision and the planner's memory model);
 2. engine/;
 3. checkpoint/ and models;
 4. train/: the one build, the loop, outputs, and the Accelerate and Trainer front ends;
@@ -21,7 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "curvzo_ds"
 LAYERS = {
     0: {"errors", "config", "jsonio", "sysinfo", "versions", "hub", "startup", "algo", "noise", "data",
         "tasks"},
-    1: {"shard"},
+    1: {"shard", "layout"},
     2: {"engine"},
     3: {"checkpoint", "models"},
     4: {"train"},

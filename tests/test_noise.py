@@ -70,17 +70,28 @@ def test_any_slice_is_the_slice_of_the_whole():
         src.slice(3, "layer.weight", numel, 0, 10, out=torch.empty(11))
 
 
+def fused(out: torch.Tensor, key, start: int, scale: float, alpha: float, want_sq: bool = True):
+    """out <- out * scale + alpha * z in place through the C kernel (the Perturber's in-place rows), or the torch
+    reference's runner for a dtype the kernel lacks; the scalars rounded as the callers round them."""
+    exact = out.dtype == torch.float64
+    s, a = (scale, alpha) if exact else (f32(scale), f32(alpha))
+    if backend(out.device, out.dtype) == "c":
+        return cpu_kernel.run(*key, start, out, rows.MODES[out.dtype], s, a, want_sq)
+    total = reference.run([key], start, out, None, s, [a], want_sq)
+    return int(total) if total is not None else None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_fused_update_equals_separately_rounded_operations(dtype):
-    """axpy_ = out * scale + alpha * z with each operation rounded in float32 (float64 for float64), then
-    stored in out's dtype; the sum of squares is the reference's. Kernel (float32/bf16/fp16) or fallback."""
+    """A fused in-place pass = out * scale + alpha * z with each operation rounded in float32 (float64 for
+    float64), then stored in out's dtype; the sum of squares is the reference's."""
     src = NoiseSource(seed=3)
     gen = torch.Generator().manual_seed(1)
     for scale, alpha in ((1.0, 1e-3), (0.999, -2e-3), (1.0 - 1e-7, 0.37)):
         for start, n in ((0, 1000), (3, 4097), (1 << 33, 77)):
             base = torch.randn(n, generator=gen).to(dtype)
             out = base.clone()
-            total = src.axpy_(out, 9, "w", start, scale, alpha, want_sq=True)
+            total = fused(out, src.key(9, "w"), start, scale, alpha)
             z = reference.normals(*src.key(9, "w"), start, n)
             expected = base.clone()
             exact = dtype == torch.float64  # float64 tensors take float64 scalars; the rest float32 ones
@@ -90,9 +101,9 @@ def test_fused_update_equals_separately_rounded_operations(dtype):
 
 
 def test_fixed_point_sums_add_up_over_any_split():
-    src = NoiseSource(seed=11)
-    whole = src.axpy_(torch.zeros(10_000), 0, "w", 0, 1.0, 0.0, want_sq=True)
-    parts = sum(src.axpy_(torch.zeros(hi - lo), 0, "w", lo, 1.0, 0.0, want_sq=True)
+    key = NoiseSource(seed=11).key(0, "w")
+    whole = fused(torch.zeros(10_000), key, 0, 1.0, 0.0)
+    parts = sum(fused(torch.zeros(hi - lo), key, lo, 1.0, 0.0)
                 for lo, hi in ((0, 1), (1, 4002), (4002, 9999), (9999, 10_000)))
     assert parts == whole
 
@@ -112,7 +123,7 @@ def test_the_fixed_point_scale_is_one_number_everywhere():
     assert literals == {name: [str(scale)] for name in literals}
     z = NoiseSource(seed=5).slice(0, "w", 5000, 0, 5000)
     expected = sum(round(float(v) ** 2 * scale) for v in z.tolist())
-    total = NoiseSource(seed=5).axpy_(torch.zeros(5000), 0, "w", 0, 1.0, 0.0, want_sq=True)
+    total = fused(torch.zeros(5000), NoiseSource(seed=5).key(0, "w"), 0, 1.0, 0.0)
     assert total == expected == int(reference.fixed_point_sum_of_squares(z))
 
 
@@ -271,14 +282,79 @@ for key, start, n, dtype, mode in CASES:
 print("bad", bad)
 """
 
+# Rows with K keys (gpu.launch's `keys`) against the C kernel (cpu.run_rows's `keys`), in the same subprocess: K = 1,
+# 2, 4; float32 and bfloat16 in place and bfloat16 from a float32 master copy; three rows per launch (starts of
+# several residues mod 4, the 2^32-group carry, past 2^33) with stat blocks 0, -1, 1; K = 1 also against the one-key
+# launch (keys None), and a WRITE_Z target with 2 keys (the last key's z).
+TRITON_KEYS_CHECK = r"""
+import numpy as np
+from curvzo_ds.noise import cpu, rows as L
+assert cpu.available()
+SPANS, STATS = [(3, 1000), (4 * (1 << 32) - 6, 2100), ((1 << 33) + 5, 2051)], [0, -1, 1]
+offsets = [0, 1000, 3100, 5151]  # each row's elements in one base tensor
+bad_keys = []
+def word(k0, k1):
+    v = k0 | k1 << 32
+    return v - (1 << 64) if v >= 1 << 63 else v
+def table(nk, gen):
+    t = torch.zeros(len(SPANS), L.WIDTH, dtype=torch.int64)
+    for r, (start, n) in enumerate(SPANS):
+        t[r, L.DST], t[r, L.SRC], t[r, L.N], t[r, L.START] = offsets[r], offsets[r], n, start
+        t[r, L.STAT], t[r, L.ENTRY] = STATS[r], r
+    keys = torch.tensor([[word(*(int(v) for v in torch.randint(0, 1 << 32, (2,), generator=gen)))
+                          for _ in range(nk)] for _ in SPANS], dtype=torch.int64)
+    keys[0, 0] = word(0xFFFFFFFF, 0xFFFFFFFF)
+    t[:, L.KEY] = keys[:, 0]
+    coef = torch.cat([torch.tensor([[1.0], [0.999], [0.5]]), torch.randn(len(SPANS), nk, generator=gen) * 1e-2], 1)
+    return t, keys, coef.float()
+def gpu_pass(t, keys, coef, dst, src, write_z=False):
+    per = gpu.programs_per_row(t[:, L.N], t[:, L.START])
+    prefix = torch.cat([torch.zeros(1, dtype=torch.int64), per.cumsum(0)])
+    sums = torch.zeros(2, dtype=torch.int64)
+    gpu.launch(dst, src, t, prefix, int(prefix[-1]), coef, sums, write_z=write_z, keys=keys)
+    return sums.tolist()
+def c_pass(t, keys, coef, dst, src):
+    c = t.numpy().copy()
+    src_ = dst if src is None else src
+    c[:, L.DST] = dst.data_ptr() + c[:, L.DST] * dst.element_size()
+    c[:, L.SRC] = src_.data_ptr() + c[:, L.SRC] * src_.element_size()
+    c[:, L.KIND] = L.kind(L.MODES[dst.dtype], L.MODES[src_.dtype])
+    return cpu.run_rows(c, coef.double().numpy(), 2, True, keys=keys.numpy()).tolist()
+gen = torch.Generator().manual_seed(0)
+for nk in (1, 2, 4):
+    for dtype, master in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+        t, keys, coef = table(nk, gen)
+        base = torch.randn(offsets[-1], generator=gen).to(dtype)
+        src = torch.randn(offsets[-1], generator=gen) if master else None
+        a, b = base.clone(), base.clone()
+        sa, sb = gpu_pass(t, keys, coef, a, src), c_pass(t, keys, coef, b, src)
+        if not torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)) or sa != sb:
+            bad_keys.append(("c", nk, str(dtype), master))
+        if nk == 1:
+            legacy = base.clone()
+            if gpu_pass(t, None, coef, legacy, src) != sa or not torch.equal(legacy, a):
+                bad_keys.append(("legacy", str(dtype), master))
+t, keys, coef = table(2, gen)
+out = torch.full((offsets[-1],), float("nan"))
+sums = gpu_pass(t, keys, coef, out, None, write_z=True)
+z = [reference.normals(keys[r, 1].item() & 0xFFFFFFFF, (keys[r, 1].item() >> 32) & 0xFFFFFFFF, *SPANS[r])
+     for r in range(len(SPANS))]
+if not torch.equal(out, torch.cat(z)) or sums != [int(reference.fixed_point_sum_of_squares(z[0])),
+                                                  int(reference.fixed_point_sum_of_squares(z[2]))]:
+    bad_keys.append(("write_z",))
+print("bad keys", bad_keys)
+"""
+
 
 def test_triton_kernel_logic_matches_the_reference_under_the_interpreter():
     """The GPU kernel's integer and float logic, run by Triton's interpreter on CPU tensors (numpy, IEEE
-    float32): the same bits as the reference, in every mode, at the edge keys and starts. On a GPU the same check
-    is `pytest -m gpu` (tests/test_gpu.py), with the compiled kernel's exponent path (the interpreter has no
-    libdevice)."""
+    float32): the same bits as the reference, in every mode, at the edge keys and starts; and rows with K = 1, 2, 4
+    noise keys the same bits and sums as the C kernel's (TRITON_KEYS_CHECK, in the same process). On a GPU the
+    one-key check is `pytest -m gpu` (tests/test_gpu.py), with the compiled kernel's exponent path (the interpreter
+    has no libdevice)."""
     env = {**ENV, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", TRITON_CHECK], capture_output=True, text=True, env=env,
-                          cwd=str(ROOT), timeout=600)
+    proc = subprocess.run([sys.executable, "-c", TRITON_CHECK + TRITON_KEYS_CHECK], capture_output=True, text=True,
+                          env=env, cwd=str(ROOT), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "bad []", proc.stdout[-3000:]
+    assert proc.stdout.strip().splitlines()[-2:] == ["bad []", "bad keys []"], proc.stdout[-3000:]

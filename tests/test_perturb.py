@@ -197,8 +197,7 @@ def test_offsets_beyond_2_to_the_31_on_the_meta_device(monkeypatch):
     assert owned == [(r * part, min((r + 1) * part, numel)) for r in range(K)] and owned[-1][1] == numel
     assert owned[-1][0] > 2**31 and numel > 2**32
     src, start = NoiseSource(3), int(ends[-1]) - 1000
-    z = torch.zeros(1000)
-    src.axpy_(z, 0, "weight", start, 0.0, 1.0)
+    z = src.slice(0, "weight", numel, start, 1000)
     assert torch.equal(z, reference.normals(*src.key(0, "weight"), start, 1000))
 
 
@@ -233,3 +232,62 @@ def test_keys_equal_the_one_at_a_time_definition():
     for direction in (0, 5):
         keys = src.keys(123, names, direction)
         assert [int(k) for k in keys] == [k1 << 32 | k0 for k0, k1 in (src.key(123, n, direction) for n in names)]
+
+
+@pytest.mark.parametrize("difference,q,expected", [("central", 1, 3), ("rloo", 4, 5), ("rloo", 8, 9),
+                                                   ("central", 3, 7)])
+def test_a_step_reads_its_weights_q_plus_one_times(difference, q, expected):
+    """The passes over the weights of one step, counted by the Perturber: MeZO 3 (+eps, -2 eps, update); RLOO with q
+    directions q + 1 (the first point, q - 1 moves, the update); central with q, 2q + 1. fp32 weights: no copy."""
+    engine = ZOEngine(tiny_params(6), sum_loss, ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-3,
+                                                         num_directions=q, difference=difference))
+    engine.step(None)
+    assert engine.perturber.step_passes == expected
+    assert len(engine.perturber.step_launches) == expected
+    assert engine.perturber._copies == {}
+
+
+def test_bf16_rows_of_a_several_direction_step_are_written_from_one_copy():
+    """bf16 weights edited in place (no fp32 master): with q > 1 the step copies them once (one more pass), writes
+    every point from the copy, and drops the copy with the update; with an fp32 master copy, nothing is copied."""
+    for master, copies, passes in ((False, 1, 6), (True, 0, 6)):
+        engine = ZOEngine(tiny_params(6, (torch.bfloat16,)), sum_loss,
+                          ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-2, num_directions=4,
+                                   difference="rloo", fp32_master_weights=master))
+        held = []
+        p, real = engine.perturber, engine.perturber.update
+        p.update = lambda *a, p=p, real=real, held=held, **k: held.append(dict(p._copies)) or real(*a, **k)
+        engine.step(None)
+        assert len(held[0]) == copies and engine.perturber._copies == {}
+        if copies:
+            (copy,) = held[0].values()
+            assert copy.group.src_base.dtype == torch.bfloat16 and copy.group.src_base.numel() == 6 * 8
+        assert engine.perturber.step_passes == passes  # copy + 4 points + update; master: 4 points, update, copies
+
+
+def test_a_move_is_one_pass_of_two_keys_and_bf16_points_are_exact():
+    """A move from w + a z_0 to w + b z_1 leaves fp32 weights at w + (-a z_0 + b z_1), each product and the sum
+    rounded once in float32 (the kernels' keyed rows); bf16 weights of a several-direction step are at
+    bf16(w + b z_1) exactly, as from w (their copy). Checked against the torch reference's draws."""
+    from curvzo_ds.noise.gaussian import NoiseSource, f32
+
+    for dtype in (torch.float32, torch.bfloat16):
+        params = tiny_params(3, (dtype,))
+        w = [p.detach().clone() for p in params]
+        engine = ZOEngine(params, sum_loss, ZOConfig(method="mezo", learning_rate=1e-3, zo_eps=1e-2,
+                                                     num_directions=2, difference="rloo",
+                                                     fp32_master_weights=False))
+        p = engine.perturber
+        p.begin(0, torch.ones(3, dtype=torch.bool), 2)
+        a, b = 1e-2, -1e-2
+        p.move(None, (0, a))
+        p.move((0, a), (1, b))
+        src = NoiseSource(engine.cfg.seed)
+        for e, start in zip(engine.entries, w):
+            z0, z1 = (reference.normals(*src.key(0, e.name, d), 0, e.numel) for d in (0, 1))
+            if dtype == torch.float32:
+                once = start.view(-1) + f32(a) * z0
+                expected = once + (f32(-a) * z0 + f32(b) * z1)
+            else:
+                expected = (start.view(-1).float() + f32(b) * z1).to(torch.bfloat16)
+            assert torch.equal(e.param.detach().view(-1), expected), (dtype, e.name)

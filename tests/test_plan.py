@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 from curvzo_ds.cli import main
-from curvzo_ds.shard.memory import GiB, parse_memory, plan_memory, published_key, shard_elements
+from curvzo_ds.layout.memory import GiB, parse_memory, plan_memory, published_key, shard_elements
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -21,18 +21,19 @@ def run_plan(capsys, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def test_last_line_says_fits_or_does_not_fit(capsys):
+def test_last_line_says_fits_or_does_not_fit_and_the_exit_code_follows(capsys):
+    """docs/plan.md: exit 0 when the plan fits, 1 when it does not, so that a script can branch on it."""
     code, out, _ = run_plan(capsys, "--model", "llama2-7b", "--world-size", "8", "--batch", "16", "--seq-len", "256")
     assert code == 0 and out.strip().splitlines()[-1].startswith("fits: ")
     code, out, _ = run_plan(capsys, "--model", "llama2-13b", "--world-size", "1", "--gpu-memory", "24GiB")
-    assert code == 0 and out.strip().splitlines()[-1].startswith("does not fit: ")
+    assert code == 1 and out.strip().splitlines()[-1].startswith("does not fit: ")
 
 
 def test_a_plan_that_does_not_fit_says_whether_offloading_makes_it_fit(capsys):
     args = ["--model", "llama2-13b", "--world-size", "1"]
     code, out, _ = run_plan(capsys, *args, "--gpu-memory", "24GiB")
     *_, hint, verdict = out.strip().splitlines()
-    assert code == 0 and verdict.startswith("does not fit: ")
+    assert code == 1 and verdict.startswith("does not fit: ")
     assert hint.startswith("offload: with --offload cpu it fits (train with --set offload_param=cpu): "), hint
     offloaded = plan_memory(model="llama2-13b", world_size=1, offload="cpu", gpu_memory="24GiB")
     # the bf16 weights (26 GB) move to the host; ZeRO-3 fetches them to the GPU module by module even at K = 1
@@ -40,11 +41,11 @@ def test_a_plan_that_does_not_fit_says_whether_offloading_makes_it_fit(capsys):
     assert f"{offloaded.total / GiB:.2f} GiB of 24.0 GiB per rank on the GPU" in hint
     code, out, _ = run_plan(capsys, *args, "--gpu-memory", "1GiB")
     *_, hint, verdict = out.strip().splitlines()
-    assert code == 0 and verdict.startswith("does not fit: ")
+    assert code == 1 and verdict.startswith("does not fit: ")
     assert hint.startswith("offload: --offload cpu does not make it fit either: "), hint
-    for fitting in (["--gpu-memory", "80GiB"], ["--offload", "cpu", "--gpu-memory", "1GiB"]):
-        code, out, _ = run_plan(capsys, *args, *fitting)
-        assert code == 0 and "offload:" not in out
+    for other, expected in ((["--gpu-memory", "80GiB"], 0), (["--offload", "cpu", "--gpu-memory", "1GiB"], 1)):
+        code, out, _ = run_plan(capsys, *args, *other)
+        assert code == expected and "offload:" not in out
 
 
 @pytest.mark.parametrize("args", [["--world-size", "0"], ["--world-size", "-8"],
@@ -107,6 +108,10 @@ def test_plan_recommends_the_layout_auto_takes(capsys):
     assert code == 0 and lines[-1].startswith("fits: ")
     layout = [line for line in lines if line.startswith("layout: ")]
     assert len(layout) == 1 and layout[0].startswith("layout: zero_stage=0 replicas=8"), out
+    # the table and the verdict are the chosen layout's: the whole model on each rank (shard group 1)
+    whole = plan_memory("llama2-7b", 8, shard_group_size=1)
+    assert "world size 8, shard group 1," in lines[0] and lines[-1].startswith(f"fits: {whole.total / GiB:.2f} GiB")
+    assert layout[0].split(": ")[2].startswith(f"{whole.total / GiB:.2f} GiB per rank")
     also = [line for line in lines if line.startswith("  also fits: ")]
     assert any("zero_stage=3 shard_group_size=8" in line and "all-gathered per rank per step" in line
                for line in also), out
@@ -123,8 +128,25 @@ def test_plan_recommends_the_layout_auto_takes(capsys):
     assert layout[0].startswith("layout: zero_stage=3 shard_group_size=4 replicas=4"), out
 
 
+def test_a_step_of_several_directions_counts_its_copy_of_the_bf16_weights_only(capsys):
+    """--num-directions q > 1: bf16 weights without an fp32 copy are copied once per step (shard/perturb.py), fp32
+    weights and fp32-copied tensors not at all; at q = 1 nothing. The copy is the shard of those tensors."""
+    one = plan_memory("llama2-7b", 8, shard_group_size=8, dtype="bf16")
+    eight = plan_memory("llama2-7b", 8, shard_group_size=8, dtype="bf16", num_directions=8)
+    assert one.step_copy == 0 and eight.total - one.total == eight.step_copy
+    masters = plan_memory("llama2-7b", 8, shard_group_size=8, dtype="bf16", fp32_master=True, num_directions=8)
+    assert masters.step_copy == 0
+    # auto: the 1-D tensors have fp32 copies, so the copy is the matrices' shard: all but a sliver of the weights
+    assert 0.99 * eight.shard < eight.step_copy < eight.shard
+    assert plan_memory("llama2-7b", 8, shard_group_size=8, dtype="fp32", num_directions=8).step_copy == 0
+    code, out, _ = run_plan(capsys, "--model", "llama2-7b", "--world-size", "8", "--shard-group-size", "8",
+                            "--dtype", "bf16", "--num-directions", "8")
+    row = next(line for line in out.splitlines() if "copy of bf16/fp16 weights for a step of 8 directions" in line)
+    assert code == 0 and row.rstrip().endswith(f"{eight.step_copy / GiB:.3f} GiB")
+
+
 def test_auto_prefers_groups_inside_a_node():
-    from curvzo_ds.shard.layouts import group_candidates
+    from curvzo_ds.layout.choice import group_candidates
 
     assert group_candidates(16, 8) == [1, 2, 4, 8, 16]
     assert group_candidates(12, 4) == [1, 2, 4, 3, 6, 12]
@@ -183,7 +205,7 @@ def test_gather_peak_replays_deepspeeds_prefetcher():
     lives (one tensor of it still unfetched). With gloo, the second gather's own temporary too."""
     from types import SimpleNamespace
 
-    from curvzo_ds.shard.prefetch import gather_peak
+    from curvzo_ds.layout.prefetch import gather_peak
 
     zero = SimpleNamespace(max_live_parameters=10**9, prefetch_bucket_size=150, max_reuse_distance=0)
     calls = [[], [0], [1], [2], [3]]
@@ -206,8 +228,8 @@ def test_fp32_copy_follows_the_rule():
 
 
 def test_table_row_is_the_perturbers():
+    from curvzo_ds.layout import memory
     from curvzo_ds.noise import rows
-    from curvzo_ds.shard import memory
 
     assert memory.TABLE_ROW == rows.ROW_BYTES == 8 * len(rows.COLUMNS)
 

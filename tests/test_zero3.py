@@ -48,6 +48,12 @@ SCENARIOS = [
             "difference": "rloo"}},
     {"name": "rloo_replicas", "steps": 10, "n_micro": 2, "shard_group_size": 1,
      "zo": {**ZO, "method": "curvzo", "num_directions": 6, "difference": "rloo"}},
+    # step_normalization=loss_std: sigma and the coefficients from the same float64 losses on every rank, alone and
+    # with replica groups of one rank.
+    {"name": "rloo_std", "steps": 10, "n_micro": 3, "zo": {**ZO, "method": "mezo", "num_directions": 4,
+                                                           "difference": "rloo", "step_normalization": "loss_std"}},
+    {"name": "rloo_std_replicas", "steps": 8, "n_micro": 2, "shard_group_size": 1,
+     "zo": {**ZO, "method": "mezo", "num_directions": 6, "difference": "rloo", "step_normalization": "loss_std"}},
     {"name": "disagree", "steps": 0, "n_micro": 1, "disagree": "seed", "min_world": 2, "zo": ZO},
 ]
 
@@ -66,7 +72,8 @@ def runs(tmp_path_factory):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", ["curvzo", "mezo", "offload", "small_batch", "lora", "bf16", "bf16_master",
-                                  "static_mask", "static_mask_bf16", "rloo", "rloo_mezo", "rloo_bf16", "rloo_replicas"])
+                                  "static_mask", "static_mask_bf16", "rloo", "rloo_mezo", "rloo_bf16", "rloo_replicas",
+                                  "rloo_std", "rloo_std_replicas"])
 def test_bit_identical_at_1_2_3_ranks(runs, name):
     ref = runs[1][name]
     assert len(ref["traj"]) > 0

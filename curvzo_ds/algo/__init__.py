@@ -1,1 +1,2 @@
-"""The algorithm, pure: CurvZO's sampler and its method table (sampling)."""
+"""The algorithm, pure: CurvZO's sampler and its method table (sampling), the per-block score estimators
+(estimators), and the finite-difference estimators with their table (differences)."""

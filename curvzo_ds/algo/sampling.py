@@ -306,6 +306,7 @@ class CurvZOSampler:
         self.warmup_sum = torch.zeros(self.num_blocks, dtype=torch.float64)
         self.spec = METHOD_SPECS[Method(cfg.method)]
         self.scored = self.spec.scored
+        self._logged_scale: float | None = None  # the last rate correction logged (plan)
         if cfg.budget_floor == 0 and self.spec.follows_scores:
             log.warning("budget_floor=0 is the paper's literal rule: a block whose pi reaches 0 is never drawn "
                         "again (pi = 0 is absorbing). A floor > 0 is recommended.")
@@ -328,24 +329,29 @@ class CurvZOSampler:
     def plan(self, step: int) -> StepPlan:
         pi, budget, d_eff, h = self.probabilities(step)
         mask = self.mask_uniforms(step, self.num_blocks) < pi
-        return StepPlan(step, pi, budget, d_eff, h, mask, self.in_warmup(step),
-                        rate_scale(pi, self.cfg.rate_correction))
+        scale = rate_scale(pi, self.cfg.rate_correction)
+        if scale != 1.0 and (self._logged_scale is None or not 0.5 < scale / self._logged_scale < 2):
+            self._logged_scale = scale  # the rate the step takes, never silently: at its first use and each 2x
+            log.info("rate_correction=max_weight: step %d takes learning_rate %g x min pi %.4g = %g (set "
+                     "rate_correction=none for the paper's step at the rate as given; docs/algorithm.md §2)",
+                     step + 1, self.learning_rate(step), scale, self.learning_rate(step) * scale)
+        return StepPlan(step, pi, budget, d_eff, h, mask, self.in_warmup(step), scale)
 
     def update_coefficients(self, plan: StepPlan, delta: float, lr: float,
                             weight_decay: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eq. 28 with Horvitz-Thompson weights: w_i <- keep_i w_i - step_i z_i for a selected block i.
+        """Eq. 28 with Horvitz-Thompson weights: w_i <- keep_i w_i - coef_i z_i for a selected block i.
 
-        step_i = lr Delta / pi_i; keep_i = 1 - lr wd / pi_i (MeZO-style decay, unbiased for the same
-        reason as the step). Both are 0 and 1 for unselected blocks. float64 [G] each.
+        (coef, keep): coef_i = lr Delta / pi_i, the step's coefficient of z; keep_i = 1 - lr wd / pi_i (MeZO-style
+        decay, unbiased for the same reason as the step). Both are 0 and 1 for unselected blocks. float64 [G] each.
         """
-        step = torch.where(plan.mask, lr * delta / plan.pi, torch.zeros_like(plan.pi))
+        coef = torch.where(plan.mask, lr * delta / plan.pi, torch.zeros_like(plan.pi))
         keep = torch.where(plan.mask, 1.0 - lr * weight_decay / plan.pi, torch.ones_like(plan.pi))
-        return step, keep
+        return coef, keep
 
     def direction_updates(self, plan: StepPlan, deltas: list[float], lr: float,
                           weight_decay: float = 0.0) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The q directions of one step: Eq. 28's step of direction d with rate lr/q (the update is the mean of
-        the q estimates, applied from w direction by direction), and the decay factor, applied once."""
+        """The q directions of one step: ([coef_d] per direction, keep): Eq. 28's coefficients of z_d with rate
+        lr/q (the update is the mean of the q estimates, applied in one pass), and the decay factor, applied once."""
         q = len(deltas)
         keep = self.update_coefficients(plan, 0.0, lr, weight_decay)[1]
         return [self.update_coefficients(plan, x, lr / q)[0] for x in deltas], keep

@@ -33,12 +33,13 @@ SUITE_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num
                    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024,
                    tie_word_embeddings=False)
 # The methods timed: MeZO (every block), CurvZO at a fixed budget of 0.3 G, adaptive CurvZO (burnt in first), and
-# MeZO's directions with the leave-one-out difference, q = 4 (four one-sided forwards a step).
+# MeZO's directions with the leave-one-out difference, q = 4 and q = 8 (q one-sided forwards a step).
 METHODS = {
     "mezo": dict(method="mezo"),
     "curvzo_fixed_0.3": dict(method="fixed", budget=0.3, score_init=1.0, score_warmup_steps=0),
     "curvzo_adaptive": dict(method="curvzo", score_warmup_steps=1),
-    "rloo_4": dict(method="mezo", difference="rloo", num_directions=4),
+    "rloo-4": dict(method="mezo", difference="rloo", num_directions=4),
+    "rloo-8": dict(method="mezo", difference="rloo", num_directions=8),
 }
 
 
@@ -153,6 +154,7 @@ def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str) -> d
         rows: dict[str, list] = {"two_forwards": [], "reference": [], **{m: [] for m in METHODS}}
         sections = {m: [] for m in METHODS}
         budgets = {m: [] for m in METHODS}
+        passes = {}
 
         for r in range(rounds + 1):  # round 0 warms up (kernel build, allocator, adaptive scores) and is dropped
             t_fwd, _ = _timed(sync, two_forwards, model, ids)
@@ -163,6 +165,7 @@ def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str) -> d
                     rows[name].append(t_step)
                     sections[name].append(dict(engine.timer.totals))
                     budgets[name].append(result.budget / engine.num_blocks)
+                    passes[name] = engine.perturber.step_passes
             t_ref, _ = _timed(sync, mezo_reference_step, model, ids, r, 1e-3, 1e-7)
             if r:
                 rows["two_forwards"].append(t_fwd)
@@ -186,9 +189,16 @@ def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str) -> d
                  "reference_ratio_to_two_forwards": _median([a / b for a, b in zip(rows["reference"], two)]),
                  "inference_peak_bytes": inference_peak, "reference_peak_bytes": reference_peak,
                  "reference_over_inference_peak_memory": reference_peak / inference_peak, "methods": {}}
+        # The time outside the forwards, per forward, as a ratio to MeZO's (issue 46): what a method's passes over
+        # the weights, reduction and bookkeeping cost per forward it buys.
+        other = {name: _median([step - sec.get("forwards", 0.0) for step, sec in zip(rows[name], sections[name])])
+                 / forwards_per_step(METHODS[name]) for name in METHODS}
         for name in METHODS:
             split = {k: _median([s.get(k, 0.0) for s in sections[name]]) for k in SECTIONS}
             entry["methods"][name] = {
+                "passes_per_step": passes.get(name),
+                "other_seconds_per_forward": other[name],
+                "other_per_forward_over_mezo": other[name] / other["mezo"],
                 "step_seconds": _median(rows[name]),
                 "forwards_per_step": forwards_per_step(METHODS[name]),
                 "seconds_per_forward": _median(rows[name]) / forwards_per_step(METHODS[name]),
@@ -227,6 +237,19 @@ def python_overhead(blocks: int = 723, numel: int = 64, steps: int = 30) -> dict
     return out
 
 
+def fused_pass(source: NoiseSource, buf: torch.Tensor) -> None:
+    """buf <- buf + 1e-3 z in place, as the Perturber's in-place rows do: the C kernel on CPU, Triton on CUDA."""
+    from curvzo_ds.noise import cpu as cpu_kernel
+    from curvzo_ds.noise.rows import MODES
+
+    if buf.device.type == "cuda":
+        from curvzo_ds.noise import gpu
+
+        gpu.run(*source.key(1, "w"), 0, buf, MODES[buf.dtype], 1.0, 1e-3, False)
+    else:
+        cpu_kernel.run(*source.key(1, "w"), 0, buf, MODES[buf.dtype], 1.0, 1e-3, False)
+
+
 def noise_speed(numel: int = 1 << 24, rounds: int = 5, device: str = "cpu") -> dict:
     """Normals per second on one core (one thread), in the same process: torch.randn, the generator's slice (into
     a new tensor, as torch.randn, and into a reused buffer), its fused in-place update (the engine's path), and the
@@ -241,7 +264,7 @@ def noise_speed(numel: int = 1 << 24, rounds: int = 5, device: str = "cpu") -> d
         "torch_randn": lambda: torch.randn(numel, generator=gen, device=device),
         "slice": lambda: source.slice(1, "w", numel, 0, numel, device=device),
         "slice_into_buffer": lambda: source.slice(1, "w", numel, 0, numel, out=buf),
-        "fused_axpy": lambda: source.axpy_(buf, 1, "w", 0, 1.0, 1e-3),
+        "fused_axpy": lambda: fused_pass(source, buf),
         "torch_reference": lambda: reference.normals(*source.key(1, "w"), 0, min(numel, 1 << 22), device=device),
     }
     backend = ("triton" if device == "cuda" else "c" if cpu_kernel.available() else "torch-eager")

@@ -274,7 +274,8 @@ def register(sub) -> None:
 def handle(args) -> None:
     from curvzo_ds.config.load import load_config
 
-    cfg = load_config(args.config, args.set, None)
+    # CurvZO steps whatever the library's default method (mezo: pi = 1, no scores to diagnose); a later --set wins.
+    cfg = load_config(args.config, ["method=curvzo", *args.set], None)
     for line in diagnose(cfg, [x.strip() for x in args.estimators.split(",") if x.strip()], args.steps,
                          args.probe_every, args.out):
         print(line)

@@ -1,7 +1,9 @@
-"""`curvzo-ds plan`: per-rank memory of CurvZO training under ZeRO-3, from the model's config alone (no weights).
+"""`curvzo-ds plan`: per-rank memory of CurvZO training, from the model's config alone (no weights), for the
+layout the run would take.
 
-The memory model is curvzo_ds/shard/memory.py (`plan_memory`, `Plan`); docs/plan.md states each formula. This
-module is the command: its options, and the plan printed.
+The memory model is curvzo_ds/layout/memory.py (`plan_memory`, `Plan`) and the layout choice layout/choice.py;
+docs/plan.md states each formula. This module is the command: its options, and the plan printed; its exit code is
+1 when the plan does not fit.
 """
 
 from __future__ import annotations
@@ -9,8 +11,11 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from curvzo_ds.errors import EXIT_FAILED, EXIT_OK, ConfigError
+
 if TYPE_CHECKING:
-    from curvzo_ds.shard.memory import Plan
+    from curvzo_ds.layout.choice import Layout
+    from curvzo_ds.layout.memory import Plan
 
 
 def register(sub) -> None:
@@ -44,26 +49,41 @@ def register(sub) -> None:
     p.set_defaults(handler=handle)
 
 
-def handle(args) -> None:
-    plan(model=args.model, world_size=args.world_size, shard_group_size=args.shard_group_size, dtype=args.dtype,
-         offload=args.offload, batch=args.batch, seq_len=args.seq_len, gpu_memory=args.gpu_memory,
-         fp32_master=args.fp32_master_weights, deepspeed=args.deepspeed, device=args.device,
-         label_positions=args.label_positions, trust_remote_code=args.trust_remote_code,
-         num_directions=args.num_directions, gpus_per_node=args.gpus_per_node)
+def handle(args) -> int:
+    """Print the plan; the exit code is 0 when it fits and 1 when it does not (docs/plan.md), so a script can branch."""
+    result = plan(model=args.model, world_size=args.world_size, shard_group_size=args.shard_group_size,
+                  dtype=args.dtype, offload=args.offload, batch=args.batch, seq_len=args.seq_len,
+                  gpu_memory=args.gpu_memory, fp32_master=args.fp32_master_weights, deepspeed=args.deepspeed,
+                  device=args.device, label_positions=args.label_positions, trust_remote_code=args.trust_remote_code,
+                  num_directions=args.num_directions, gpus_per_node=args.gpus_per_node)
+    return EXIT_OK if result.fits else EXIT_FAILED
 
 
 def plan(num_directions: int = 1, gpus_per_node: int | None = None, **kwargs) -> Plan:
-    """`curvzo-ds plan`: print the plan, then the layout that `zero_stage: auto` would take and the alternatives
-    that fit (`layout_lines`), then the verdict (the last line says `fits` or `does not fit`); return the plan."""
-    from curvzo_ds.errors import ConfigError
-    from curvzo_ds.shard.memory import plan_memory  # transformers comes with it: imported when a plan is made
+    """`curvzo-ds plan`: the layout the run takes (`zero_stage: auto`, layout/choice.py's `plan_layouts`, unless
+    --shard-group-size names one), its per-rank table, the other layouts that fit (`layout_lines`), then its verdict
+    (the last line says `fits` or `does not fit`); return the plan of that layout."""
+    from curvzo_ds.layout.choice import Layout, plan_layouts
+    from curvzo_ds.layout.memory import parse_memory, plan_memory  # transformers comes with it: imported here
 
     if num_directions < 1 or (gpus_per_node is not None and gpus_per_node < 1):
         raise ConfigError(f"--num-directions {num_directions} / --gpus-per-node {gpus_per_node}: use integers >= 1")
+    kwargs["num_directions"] = num_directions
+    world, memory = kwargs["world_size"], kwargs.get("gpu_memory", "80GiB")
+    memory = parse_memory(memory) if isinstance(memory, str) else int(memory)
+    if kwargs.get("shard_group_size") is None:  # the layout auto takes, planned; the others as alternatives
+        rest = {k: v for k, v in kwargs.items() if k not in ("world_size", "shard_group_size", "gpu_memory",
+                                                             "num_directions")}
+        chosen, fits = plan_layouts(world, memory, gpus_per_node or min(world, 8), num_directions, **rest)
+        kwargs["shard_group_size"] = 1 if chosen.zero_stage == 0 else chosen.shard_group_size
+    else:
+        result = plan_memory(**kwargs)
+        group = kwargs["shard_group_size"]
+        chosen = Layout(3, group, world // group, f"shard_group_size={group} (--shard-group-size)", result.total)
+        fits = []
     result = plan_memory(**kwargs)
     *body, verdict = result.format().split("\n")
-    layouts = layout_lines(result, num_directions, gpus_per_node, kwargs)
-    print("\n".join([*body, *layouts, *offload_lines(result, kwargs), verdict]))
+    print("\n".join([*body, *layout_lines(chosen, fits), *offload_lines(result, kwargs), verdict]))
     return result
 
 
@@ -71,7 +91,7 @@ def offload_lines(result: Plan, kwargs: dict) -> list[str]:
     """A GPU plan that does not fit without offloading: one line that says whether `--offload cpu` (the run's
     `offload_param: cpu`) makes it fit, planned again with it; none when the plan fits, already offloads, or
     its DeepSpeed config decides the offload."""
-    from curvzo_ds.shard.memory import GiB, plan_memory
+    from curvzo_ds.layout.memory import GiB, plan_memory
 
     if result.fits or result.device != "gpu" or result.offload != "none":
         return []
@@ -87,16 +107,12 @@ def offload_lines(result: Plan, kwargs: dict) -> list[str]:
             f"{offloaded.max_batch})"]
 
 
-def layout_lines(result: Plan, num_directions: int, gpus_per_node: int | None, kwargs: dict) -> list[str]:
-    """`layout: ...` (what `zero_stage: auto` takes at --batch and --seq-len in --gpu-memory, `plan_layouts`) and one
-    line per other layout that fits: its per-rank memory, the parameter bytes it all-gathers per rank per step, and
-    the replicas it offers for directions."""
-    from curvzo_ds.shard.layouts import plan_layouts
-    from curvzo_ds.shard.memory import GiB
+def layout_lines(chosen: Layout, fits: list[Layout]) -> list[str]:
+    """`layout: ...` (the layout the table above describes: what `zero_stage: auto` takes at --batch and --seq-len in
+    --gpu-memory, or the --shard-group-size given) and one line per other layout that fits: its per-rank memory,
+    the parameter bytes it all-gathers per rank per step, and the replicas it offers for directions."""
+    from curvzo_ds.layout.memory import GiB
 
-    world = result.world_size
-    rest = {k: v for k, v in kwargs.items() if k not in ("world_size", "shard_group_size", "gpu_memory")}
-    chosen, fits = plan_layouts(world, result.memory, gpus_per_node or min(world, 8), num_directions, **rest)
     lines = [f"layout: {chosen.describe()}: {chosen.per_rank / GiB:.2f} GiB per rank; {chosen.reason}"]
     for alt in fits:
         if alt.zero_stage == chosen.zero_stage and alt.shard_group_size == chosen.shard_group_size:

@@ -249,7 +249,7 @@ def _map_zero(zero: Any, cfg, hidden_size: int | None, warnings: list[str]) -> t
             raise ConfigError(f"zero_optimization.offload_param.device={device!r} is invalid: use \"cpu\" or \"none\"")
     else:
         device = cfg.offload_param
-    if device == "cpu" and stage != 3:
+    if device == "cpu" and stage not in (3, "auto"):  # auto: the layout takes ZeRO-3 (layout/choice.py)
         raise ConfigError("offload_param=cpu needs ZeRO stage 3: set zero_optimization.stage to 3, or remove "
                           "offload_param")
     if stage == 0:

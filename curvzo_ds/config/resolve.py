@@ -12,28 +12,28 @@ from curvzo_ds.config.schema import TrainConfig, ZOConfig, field_names, freeze, 
 
 
 def resolve(cfg: TrainConfig, *, world_size: int | None = None, hidden_size: int | None = None,
-            user_ds: dict | None = None, explicit: dict[str, str] | None = None, where: str = "the deepspeed config",
-            notes: list[str] | None = None, ds_out: dict | None = None, chosen: dict | None = None) -> TrainConfig:
+            user_ds: dict | None = None, where: str = "the deepspeed config", notes: list[str] | None = None,
+            ds_out: dict | None = None, chosen: dict | None = None) -> TrainConfig:
     """A new, resolved (validated and frozen) config from `cfg`, which is not changed.
 
-    1. presets (`preset_values`): the keys left `None` that depend on the model and LoRA;
+    1. presets (`preset_values`): the keys left `None` that depend on the model and LoRA, filled once: a config
+       that is already resolved has them;
     2. the DeepSpeed config `user_ds` mapped onto the batch, dtype and ZeRO keys (`resolve_ds_config`), only when
        `world_size` is given (the ranks' shard-group size): the mapping checks every value it sets, and refuses a
-       key given explicitly (`explicit`, default: `cfg`'s sources) that it would set otherwise;
+       key given explicitly (`cfg`'s sources) that it would set otherwise;
     3. one `validate()`, unless `cfg` is already resolved; validate needs no world size, so the CLI resolves
-       before the process group starts (a bad value: exit 2, one line), and `Run` resolves again with the world
-       size, which only maps the DeepSpeed config;
+       before the process group starts (a bad value: exit 2, one line), and the build (train/build.py) resolves
+       again with the world size, which only maps the DeepSpeed config;
     4. frozen: assigning a key raises dataclasses.FrozenInstanceError; the engine does not validate it again.
 
     `notes` (a list) receives the mapping's warnings and `ds_out` (a dict) the config for deepspeed.initialize.
     """
     # replace keeps `sources` and drops `resolved`; `chosen`: values decided for this run's ranks (the layout that
-    # zero_stage/shard_group_size "auto" takes, train/build.py's choose_layout), valid by construction.
-    new = dataclasses.replace(cfg, **{**preset_values(cfg), **(chosen or {})})
+    # zero_stage/shard_group_size "auto" takes, layout/choice.py's choose_layout), valid by construction.
+    new = dataclasses.replace(cfg, **{**({} if cfg.resolved else preset_values(cfg)), **(chosen or {})})
     if world_size is not None:
-        ds, mapped, warnings = resolve_ds_config(
-            user_ds, world_size, hidden_size, explicit=sources_of(cfg) if explicit is None else explicit,
-            where=where, **{k: getattr(new, k) for k in MAPPED_FIELDS})
+        ds, mapped, warnings = resolve_ds_config(user_ds, world_size, hidden_size, explicit=sources_of(cfg),
+                                                 where=where, **{k: getattr(new, k) for k in MAPPED_FIELDS})
         new = dataclasses.replace(new, **mapped)
         if notes is not None:
             notes.extend(warnings)

@@ -13,8 +13,9 @@ import enum
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from curvzo_ds.algo.differences import DIFFERENCE_SPECS, Difference, StepNormalization
 from curvzo_ds.algo.estimators import ESTIMATORS
 from curvzo_ds.algo.sampling import Method
 from curvzo_ds.config.ds_policy import REFUSAL_BY_KEY
@@ -31,10 +32,12 @@ class Granularity(str, enum.Enum):
 
 
 # The valid values of the mode keys, from their one definition each (sampling.Method, estimators.ESTIMATORS,
-# Granularity above).
+# Granularity above, differences.Difference and StepNormalization).
 METHODS = tuple(m.value for m in Method)
 SCORE_ESTIMATORS = tuple(ESTIMATORS)
 GRANULARITIES = tuple(g.value for g in Granularity)
+DIFFERENCES = tuple(d.value for d in Difference)
+NORMALIZATIONS = tuple(n.value for n in StepNormalization)
 
 
 def key(default: Any, doc: str):
@@ -81,8 +84,14 @@ class ZOConfig:
             raise dataclasses.FrozenInstanceError(f"cannot delete {name}: this config is resolved")
         super().__delattr__(name)
 
-    method: str = key("curvzo", "curvzo (adaptive budget), mezo (every block), us_ab (uniform pi, adaptive "
-                                "budget), fixed (budget B)")
+    # The valid ranges of learning_rate and zo_eps, (lower test, upper bound (exclusive), why): the Python API's are
+    # open (a rate of 0 measures drift; toy problems take rates above 1); TrainConfig's are the CLI's.
+    SCALES: ClassVar[dict] = {"learning_rate": (lambda v: v >= 0, "a number >= 0"),
+                              "zo_eps": (lambda v: v > 0, "a number > 0")}
+
+    method: str = key("mezo", "mezo (every block: the default, the method that measured best on a real model, "
+                              "README 'Which method'), curvzo (the paper's: curvature-sampled blocks, adaptive "
+                              "budget), us_ab (uniform pi, adaptive budget), fixed (budget B)")
     seed: int = key(42, "seeds the noise, the block masks, the data order and the demo model")
     learning_rate: float = key(1e-6, "MeZO's for full fine-tuning (the CLI's presets: demo 3e-4, demo "
                                      "LoRA 1e-2, full 1e-6, LoRA 5e-5)")
@@ -122,6 +131,9 @@ class ZOConfig:
                                      "direction) or rloo (one forward L(w + eps z_k) per direction, the mean of the "
                                      "other directions' losses as baseline; needs num_directions >= 2; "
                                      "docs/algorithm.md)")
+    step_normalization: str = key("none", "none, or loss_std (difference=rloo only): the step divided by the "
+                                          "standard deviation of the q losses, learning_rate then a step length in "
+                                          "units of z (start near 1e-3; docs/algorithm.md)")
     static_mask: float = key(0.0, "perturb only this fraction of the elements, the largest squared gradients of one "
                                   "backprop per batch over static_mask_batches batches (SensZOQ's mechanism; "
                                   "method mezo; 0: off; docs/algorithm.md)")
@@ -137,10 +149,10 @@ class ZOConfig:
         need(self.method in METHODS, "method", f"one of {', '.join(METHODS)}")
         need(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0, "seed",
              "an integer >= 0")
-        if self.learning_rate is not None:
-            need(_finite(self.learning_rate) and self.learning_rate >= 0, "learning_rate", "a number >= 0")
-        if self.zo_eps is not None:
-            need(_finite(self.zo_eps) and self.zo_eps > 0, "zo_eps", "a number > 0")
+        for name, (valid, text) in self.SCALES.items():  # the one statement of the rate and eps ranges
+            value = getattr(self, name)
+            if value is not None and not (_finite(value) and valid(value)):
+                raise ConfigError(f"{name}={value!r} is invalid: it must be {text}")
         need(_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a number >= 0")
         need(self.lr_scheduler_type in ("constant", "linear"), "lr_scheduler_type", "constant or linear")
         if self.lr_scheduler_type == "linear" and self.max_steps == 0:
@@ -177,11 +189,19 @@ class ZOConfig:
         need(isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1,
              "max_consecutive_skips", "an integer >= 1")
         need(_posint(self.num_directions), "num_directions", "an integer >= 1")
-        need(self.difference in ("central", "rloo"), "difference", "central or rloo")
-        if self.difference == "rloo" and self.num_directions < 2:
-            raise ConfigError(f"difference=rloo needs num_directions >= 2 (the baseline of a direction is the mean of "
-                              f"the others' losses), not num_directions={self.num_directions}: set num_directions=2 "
-                              "or more, or difference=central")
+        need(self.difference in DIFFERENCES, "difference", " or ".join(DIFFERENCES))
+        spec = DIFFERENCE_SPECS[Difference(self.difference)]
+        if self.num_directions < spec.min_directions:
+            raise ConfigError(f"difference={self.difference} needs num_directions >= {spec.min_directions} (the "
+                              "baseline of a direction is the mean of the others' losses), not "
+                              f"num_directions={self.num_directions}: set num_directions={spec.min_directions} or "
+                              "more, or difference=central")
+        need(self.step_normalization in NORMALIZATIONS, "step_normalization", " or ".join(NORMALIZATIONS))
+        if self.step_normalization != "none" and not spec.normalizable:
+            raise ConfigError(f"step_normalization={self.step_normalization} needs difference=rloo (it divides the "
+                              "step by the spread of the q one-sided losses), not difference="
+                              f"{self.difference}: set difference=rloo and num_directions >= 2, or "
+                              "step_normalization=none")
         need(_finite(self.static_mask) and 0 <= self.static_mask <= 1, "static_mask",
              "a fraction of the trainable elements in [0, 1] (0: off)")
         need(_posint(self.static_mask_batches), "static_mask_batches", "an integer >= 1")
@@ -193,6 +213,14 @@ class ZOConfig:
 @dataclass
 class TrainConfig(ZOConfig):
     """Everything `curvzo-ds train` reads. Keys and meanings: docs/config.md."""
+
+    # A ZO update moves each weight by learning_rate * projected_grad * z, and the perturbation is zo_eps * z.
+    SCALES: ClassVar[dict] = {
+        "learning_rate": (lambda v: 0 < v < 1, "a number in (0, 1); a ZO update moves each weight by learning_rate * "
+                          "projected_grad * z, so 0 trains nothing and 1 or more wrecks the weights in a step (MeZO: "
+                          "1e-7 to 1e-4)"),
+        "zo_eps": (lambda v: 0 < v < 1, "a number in (0, 1); each weight is perturbed by zo_eps * z, so 1 or more "
+                   "swamps the weights (MeZO: 1e-3)")}
 
     # None: filled from a preset (resolve_presets) once the model and LoRA setting are known.
     learning_rate: float | None = key(None, "preset: demo 3e-4 (LoRA 1e-2), full 1e-6 (MeZO), LoRA 5e-5 "
@@ -220,6 +248,9 @@ class TrainConfig(ZOConfig):
     max_length: int = key(512, "tokens per sequence; longer prompts are cut from the left")
     max_new_tokens: int = key(50, "generation tasks")
     train_as_classification: bool = key(True, "cross-entropy over candidates; false: label-token LM loss")
+    objective: str = key("loss", "what a step minimizes: loss (the cross-entropy), accuracy (classification) or f1 "
+                                 "(generation: greedy generation in every forward), the metric negated; raise "
+                                 "zo_eps and learning_rate (docs/config.md, 'Metric objectives')")
     lora: bool = key(False, "train LoRA adapters (peft) instead of every parameter")
     lora_r: int = key(8, "LoRA rank")
     lora_alpha: int = key(16, "LoRA scaling alpha")
@@ -266,14 +297,6 @@ class TrainConfig(ZOConfig):
         if not isinstance(self.output_dir, str) or not self.output_dir.strip():
             raise ConfigError(f"output_dir={self.output_dir!r} is invalid: it must name a directory, for example "
                               "--set output_dir=runs/mine")
-        # A ZO update moves each weight by learning_rate * projected_grad * z, and the perturbation is zo_eps * z.
-        if self.learning_rate is not None and not (_finite(self.learning_rate) and 0 < self.learning_rate < 1):
-            raise ConfigError(f"learning_rate={self.learning_rate!r} is invalid: it must be a number in (0, 1); a ZO "
-                              "update moves each weight by learning_rate * projected_grad * z, so 0 trains nothing "
-                              "and 1 or more wrecks the weights in a step (MeZO: 1e-7 to 1e-4)")
-        if self.zo_eps is not None and not (_finite(self.zo_eps) and 0 < self.zo_eps < 1):
-            raise ConfigError(f"zo_eps={self.zo_eps!r} is invalid: it must be a number in (0, 1); each weight is "
-                              "perturbed by zo_eps * z, so 1 or more swamps the weights (MeZO: 1e-3)")
         for key in ("global_batch_size", "micro_batch_size", "num_train", "num_eval", "max_length",
                     "max_new_tokens", "lora_r", "lora_alpha", "logging_steps"):
             need(_posint(getattr(self, key)), key, "an integer >= 1")
@@ -287,6 +310,7 @@ class TrainConfig(ZOConfig):
         if self.threads is not None:
             need(_posint(self.threads), "threads", "an integer >= 1 or null")
         need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "float32, bfloat16 or float16")
+        need(self.objective in ("loss", "accuracy", "f1"), "objective", "loss, accuracy or f1")
         stage_refusal = REFUSAL_BY_KEY["zero_optimization.stage"]
         if stage_refusal.refuses(self.zero_stage):
             raise ConfigError(f"zero_stage={self.zero_stage} is not supported: {stage_refusal.reason}; "

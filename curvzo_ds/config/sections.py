@@ -11,20 +11,20 @@ import dataclasses
 import functools
 from typing import Any
 
-from curvzo_ds.config.schema import TrainConfig, field_names
+from curvzo_ds.config.schema import TrainConfig
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     # The zeroth-order step: SPSA, its schedule, the blocks and the precision of the update.
     "engine": ("seed", "learning_rate", "zo_eps", "weight_decay", "lr_scheduler_type", "max_steps",
                "block_granularity", "block_chunk_size", "fp32_master_weights", "num_directions", "difference",
-               "static_mask", "static_mask_batches", "max_consecutive_skips"),
+               "step_normalization", "static_mask", "static_mask_batches", "max_consecutive_skips"),
     # Which blocks a step perturbs: the method, the budget rule and the curvature scores.
     "sampler": ("method", "budget_min", "budget_max", "budget_alpha", "budget", "budget_unit", "score_beta",
                 "budget_floor", "rate_correction", "score_estimator", "score_init", "score_warmup_steps"),
     "model": ("model", "tokenizer", "trust_remote_code", "dtype", "lora", "lora_r", "lora_alpha",
               "lora_target_modules"),
     "data": ("task", "data_dir", "global_batch_size", "micro_batch_size", "num_train", "num_dev", "num_eval",
-             "max_length", "max_new_tokens", "train_as_classification"),
+             "max_length", "max_new_tokens", "train_as_classification", "objective"),
     "eval": ("eval_steps",),
     "checkpoint": ("output_dir", "overwrite_output_dir", "save_steps", "save_total_limit"),
     # What a run reports, and the health checks it logs.
@@ -49,13 +49,3 @@ def section(cfg: TrainConfig, name: str) -> Any:
     if name not in SECTIONS:
         raise KeyError(f"no config section {name!r}; the sections: {', '.join(SECTIONS)}")
     return _section_class(name)(**{k: getattr(cfg, k) for k in SECTIONS[name]})
-
-
-def check_sections() -> list[str]:
-    """What is wrong with `SECTIONS`: keys in no section, in two, or unknown. Empty when each key is in one."""
-    keys = field_names(TrainConfig)
-    listed = [k for ks in SECTIONS.values() for k in ks]
-    problems = [f"{k}: in no section" for k in keys if k not in listed]
-    problems += [f"{k}: in {listed.count(k)} sections" for k in sorted(set(listed)) if listed.count(k) > 1]
-    problems += [f"{k}: not a key" for k in sorted(set(listed) - set(keys))]
-    return problems

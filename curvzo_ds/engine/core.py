@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from curvzo_ds.algo.differences import Estimate, FiniteDifference
 from curvzo_ds.algo.sampling import CurvZOSampler, StepPlan
 from curvzo_ds.config.resolve import engine_config
 from curvzo_ds.config.schema import ZOConfig
@@ -27,7 +28,7 @@ from curvzo_ds.shard.forwards import Reduced, check_batch, eval_mode, reduce_ste
 from curvzo_ds.shard.mask import MaskedPerturber, StaticMask
 from curvzo_ds.shard.mask import fit as fit_mask
 from curvzo_ds.shard.params import ParamEntry, collect_entries, make_blocks
-from curvzo_ds.shard.perturb import Perturber, StepPasses
+from curvzo_ds.shard.perturb import Perturber, Point, StepPasses
 from curvzo_ds.shard.visibility import VisibilityMonitor
 
 log = logging.getLogger("curvzo_ds")
@@ -54,7 +55,6 @@ class ZOEngine:
         self.loss_fn = loss_fn
         # The step's all-reduce spans the job; ZeRO-3's partition and the micro-batches are the shard group's.
         self.topology = topology if topology is not None else Topology.of(group)
-        self.topology.check_directions(cfg.num_directions)
         self.comm: Comm = self.topology.shard
         self.entries: list[ParamEntry] = collect_entries(self.module, replicated_rank=self.comm.rank,
                                                          fp32_master=cfg.fp32_master_weights)
@@ -73,6 +73,7 @@ class ZOEngine:
         self.device = self.comm.device if self.comm.world_size > 1 else ds_compat.storage_device(self.entries[0].param)
         self.sampler = CurvZOSampler(section(cfg, "sampler"), section(cfg, "engine"), self.sizes,
                                      self.noise.mask_uniforms)
+        self.estimator = FiniteDifference(cfg.difference, cfg.step_normalization, cfg.zo_eps)
         self.perturber: StepPasses = Perturber(self.entries, self.blocks, self.noise, self.device)
         self.static_mask: StaticMask | None = None  # static_mask: set by fit_static_mask or a checkpoint
         self.visibility = VisibilityMonitor(self.entries, self.blocks, self.device, cfg.visibility_steps,
@@ -87,9 +88,13 @@ class ZOEngine:
             check_ranks_agree(self.topology.job, {
                 "config": dataclasses.asdict(cfg), "blocks": [(b.name, b.size) for b in self.blocks],
                 "noise": self.noise.describe(), "kernel": self.noise.reference_digest(self.device)})
-        log.info("ZOEngine: method %s, learning_rate %g (%s), zo_eps %g, weight_decay %g; %d blocks, %d trainable "
-                 "parameters; noise %s", cfg.method, cfg.learning_rate, cfg.lr_scheduler_type, cfg.zo_eps,
-                 cfg.weight_decay, self.num_blocks, self.num_params, self.noise.ident)
+        corrected = " x min pi per step (rate_correction=max_weight)" if cfg.rate_correction == "max_weight" else ""
+        log.info("ZOEngine: method %s, difference %s, num_directions %d%s, learning_rate %g%s (%s), zo_eps %g, "
+                 "weight_decay %g; %d blocks, %d trainable parameters; noise %s", cfg.method, cfg.difference,
+                 cfg.num_directions, f", step_normalization {cfg.step_normalization}"
+                 if cfg.step_normalization != "none" else "", cfg.learning_rate, corrected if cfg.method != "mezo"
+                 else "", cfg.lr_scheduler_type, cfg.zo_eps, cfg.weight_decay, self.num_blocks, self.num_params,
+                 self.noise.ident)
 
     @property
     def num_blocks(self) -> int:
@@ -99,6 +104,7 @@ class ZOEngine:
         """static_mask (docs/algorithm.md, "A static mask"): pick the top `cfg.static_mask` fraction of elements by
         one backprop per batch of `batches` (the first `static_mask_batches` training batches), and perturb only
         those from now on. Collective; call it once before the first step (the CLI does)."""
+        self._check_static_mask_key()
         self.set_static_mask(fit_mask(self, batches, self.cfg.static_mask))
         log.info("static_mask: %d of %d trainable elements (%.4g%%) chosen by backprop on %d batches",
                  self.static_mask.selected, self.num_params, 100 * self.static_mask.selected / self.num_params,
@@ -107,13 +113,17 @@ class ZOEngine:
 
     def set_static_mask(self, mask: StaticMask) -> None:
         """Perturb and update only the elements of `mask` (a checkpoint's, or fit_static_mask's)."""
-        if self.cfg.method != "mezo":
-            raise ValueError(f"static_mask needs method=mezo (a fixed set of elements, perturbed at every step with no "
-                             f"1/pi weights), not method={self.cfg.method}")
+        self._check_static_mask_key()
         if self.partitioned:  # a persistent tensor's region is all of it: gathered, as after a first forward
             ds_compat.gather_persistent([e.param for e in self.entries])
         self.static_mask = mask
         self.perturber = MaskedPerturber(mask, self.noise)
+
+    def _check_static_mask_key(self) -> None:
+        """A static mask is the `static_mask` key's (whose validation states what it needs: method=mezo)."""
+        if not self.cfg.static_mask:
+            raise ValueError("a static mask needs the static_mask key: set static_mask to the fraction of elements "
+                             "to perturb (and method=mezo) in the engine's config")
 
     # ----------------------------------------------------------------- the step
     @torch.no_grad()
@@ -130,16 +140,17 @@ class ZOEngine:
             self._end_step(plan, None, None)
             return StepResult(plan.step + 1, None, None, None, None, skipped="empty_mask",
                               stop=self._agree(stop_requested), **info)
-        evals, moved = self._perturb_and_forward(plan, batch)
+        evals, moved, at = self._perturb_and_forward(plan, batch)
         with self._section("reduce"):
             red = self._reduce(evals, batch, moved, stop_requested)
-        info.update(stop=red.stop, loss_spread=red.loss_spread,
+        est = self.estimator.estimate(red.losses)  # the finite difference: algo/differences.py
+        info.update(stop=red.stop, loss_spread=est.loss_spread, loss_std=est.loss_std,
                     **(self.visibility.report(red.moved, plan.mask) if red.moved is not None else {}))
-        if not red.finite:
-            return self._skip_non_finite(plan, red, info)
-        self._update(plan, red, lr)
-        self._end_step(plan, red.score_deltas, red.block_sq)  # the scores
-        return StepResult(plan.step + 1, red.loss, red.loss_plus, red.loss_minus, red.delta, **info)
+        if not est.finite:
+            return self._skip_non_finite(plan, est, info, at)
+        self._update(plan, est, lr, at)
+        self._end_step(plan, est.score_deltas, red.block_sq)  # the scores
+        return StepResult(plan.step + 1, est.loss, est.loss_plus, est.loss_minus, est.delta, **info)
 
     def _check_step(self, batch) -> None:
         check_batch(batch)
@@ -156,44 +167,47 @@ class ZOEngine:
                     max_inv_pi=plan.max_inv_pi, learning_rate=lr, d_eff=plan.d_eff, score_entropy=plan.entropy,
                     pi=plan.pi)
 
-    def _perturb_and_forward(self, plan: StepPlan, batch) -> tuple[list, torch.Tensor | None]:
-        """For each direction this replica group evaluates: +eps z (with the block sums of z^2), forwards, -2 eps z,
-        forwards (rloo: no -2 eps z, L+ stands for L-). Returns [(direction, block sums, L+ rows, L- rows)] and the
-        visibility counts; the weights are left at w - eps z with one direction, at w (the snapshot) with several."""
+    def _perturb_and_forward(self, plan: StepPlan, batch) -> tuple[list, torch.Tensor | None, Point]:
+        """Walk the step's chain of points w + o eps z_d, for d = 0 .. q-1 and the estimator's offsets o (central:
+        +1, -1; rloo: +1), one move each (shard/perturb.py). Every replica group walks the whole chain, so that each
+        point is the same bits whatever the grouping; a group runs the forwards of its own directions (d = its index
+        mod the number of groups), with the block sums of z_d^2 at the first point when the method scores. Returns
+        [(direction, block sums, [loss rows per point])], the visibility counts and the last point, where the
+        weights are left."""
         replicas, replica = self.topology.replicas, self.topology.replica
         if replicas > 1 and not isinstance(batch, MicroBatches):
             raise ValueError("with replica groups, step() takes the global batch as MicroBatches (every group "
                              "evaluates the same data)")
         eps, q, perturber = self.cfg.zo_eps, self.cfg.num_directions, self.perturber
-        # With q > 1 every direction starts from the same w: the edited values are kept and put back exactly,
-        # in every copy (so persistent parameters are gathered first, as the first forward would do).
+        # A step with several directions edits the same tables from its first pass to its last: persistent
+        # parameters are gathered first, as the first forward would do, in every copy.
         if q > 1 and self.partitioned:
             ds_compat.gather_persistent([e.param for e in self.entries])
         perturber.begin(plan.step, plan.mask, q)
-        saved = perturber.snapshot() if q > 1 else None
-        evals = []
+        evals, at = [], None
         with eval_mode(self.module):
             # The visibility counts come from direction 0 (replica group 0); the other groups send zeros.
             # A static mask writes its elements from fp32 values: no block to watch.
             watch = (self.visibility.watch(plan.step, perturber if replica == 0 else None)
                      if self.static_mask is None else None)
             moved = None if replica == 0 else self.visibility.moved(watch)
-            for d in range(replica, q, replicas):
-                with self._section("perturb_stats"):
-                    block_fixed = perturber.perturb(0.0, eps, stats=self.sampler.scored, direction=d)
-                if d == 0:
-                    moved = self.visibility.moved(watch)
-                with self._section("forwards"):
-                    plus = self._forwards(batch)
-                if self.cfg.difference == "central":
-                    with self._section("perturb"):
-                        perturber.perturb(eps, -eps, direction=d)
-                with self._section("forwards"):
-                    minus = self._forwards(batch) if self.cfg.difference == "central" else plus
-                if saved is not None:
-                    perturber.restore(saved)
-                evals.append((d, block_fixed, plus, minus))
-        return evals, moved
+            for d in range(q):
+                mine, rows, block_fixed = d % replicas == replica, [], None
+                for i, offset in enumerate(self.estimator.offsets):
+                    with self._section("perturb_stats" if i == 0 else "perturb"):
+                        fixed = perturber.move(at, (d, offset * eps), stats=mine and i == 0 and self.sampler.scored)
+                    at = (d, offset * eps)
+                    if not mine:
+                        continue
+                    if i == 0:
+                        block_fixed = fixed
+                        if d == 0:
+                            moved = self.visibility.moved(watch)
+                    with self._section("forwards"):
+                        rows.append(self._forwards(batch))
+                if mine:
+                    evals.append((d, block_fixed, rows))
+        return evals, moved, at
 
     def _forwards(self, batch) -> list[tuple[int, torch.Tensor]]:
         return run_forwards(self.model, self.loss_fn, batch, self.comm, self.device, self.partitioned)
@@ -201,14 +215,13 @@ class ZOEngine:
     def _reduce(self, evals, batch, moved=None, stop_requested=None) -> Reduced:
         """The step's one all-reduce over every rank (all replica groups): reduce_step (forwards.py)."""
         return reduce_step(self.topology.job, evals, slot_count(batch, self.comm.world_size),
-                           directions=self.cfg.num_directions, eps=self.cfg.zo_eps,
+                           directions=self.cfg.num_directions, evaluations=len(self.estimator.offsets),
                            sums=self.num_blocks if self.sampler.scored else 0, blocks=self.num_blocks, moved=moved,
-                           stop_requested=stop_requested, device=self.device, difference=self.cfg.difference)
+                           stop_requested=stop_requested, device=self.device)
 
-    def _skip_non_finite(self, plan: StepPlan, red: Reduced, info: dict[str, Any]) -> StepResult:
-        """Put the weights back (one direction left w - eps z), count the skip, stop at max_consecutive_skips."""
-        if self.cfg.num_directions == 1:
-            self.perturber.perturb(-self.cfg.zo_eps, 0.0)
+    def _skip_non_finite(self, plan: StepPlan, red: Estimate, info: dict[str, Any], at: Point) -> StepResult:
+        """Move the weights back from the last point `at`, count the skip, stop at max_consecutive_skips."""
+        self.perturber.move(at, None)
         self._end_step(plan, None, None)
         self.skips_in_row += 1
         self.skipped_total += 1
@@ -221,16 +234,12 @@ class ZOEngine:
         return StepResult(plan.step + 1, _finite_or_none(red.loss), _finite_or_none(red.loss_plus),
                           _finite_or_none(red.loss_minus), None, skipped="non_finite_loss", **info)
 
-    def _update(self, plan: StepPlan, red: Reduced, lr: float) -> None:
-        """The update of the weights, which with one direction also undoes the perturbation."""
-        cfg = self.cfg
+    def _update(self, plan: StepPlan, est: Estimate, lr: float, at: Point) -> None:
+        """The update of the weights from the last point `at` (the same pass undoes the perturbation)."""
         self.skips_in_row = 0
         with self._section("update"):
-            steps, keep = self.sampler.direction_updates(plan, red.deltas, lr, cfg.weight_decay)
-            if cfg.num_directions == 1:
-                self.perturber.update(steps[0], keep, cfg.zo_eps, cfg.weight_decay)
-            else:
-                self.perturber.update_directions(steps, keep, cfg.weight_decay)
+            coefs, keep = self.sampler.direction_updates(plan, est.deltas, lr, self.cfg.weight_decay)
+            self.perturber.update(coefs, keep, at, self.cfg.weight_decay)
 
     def _section(self, name: str):
         return self.timer.section(name) if self.timer is not None else contextlib.nullcontext()
@@ -254,8 +263,8 @@ class ZOEngine:
         check_batch(batch)
         with eval_mode(self.module):
             local = self._forwards(batch)
-        return reduce_step(self.comm, [(0, None, local, local)], slot_count(batch, self.comm.world_size),
-                           directions=1, eps=self.cfg.zo_eps, device=self.device).loss_plus
+        return reduce_step(self.comm, [(0, None, [local])], slot_count(batch, self.comm.world_size),
+                           directions=1, evaluations=1, device=self.device).losses[0][0]
 
     # ----------------------------------------------------------------- state
     def state_hash(self) -> str:
@@ -272,6 +281,7 @@ class ZOEngine:
             "step": self.step_count,
             "seed": self.cfg.seed,
             **self.sampler.state_dict(),
+            **self.estimator.state_dict(),
             "skipped_total": self.skipped_total,
             "skips_in_row": self.skips_in_row,
             "noise": self.noise.describe(),
@@ -295,6 +305,7 @@ class ZOEngine:
         self.check_state(state)
         self.step_count = int(state["step"])
         self.sampler.load_state_dict(state)
+        self.estimator.load_state_dict(state)
         self.skipped_total = int(state["skipped_total"])
         self.skips_in_row = int(state["skips_in_row"])
 

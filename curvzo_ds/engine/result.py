@@ -30,25 +30,28 @@ class StepResult:
     visibility_block: str | None = None
     skipped: str | None = None
     loss_spread: float | None = None  # difference=rloo: max - min of the step's q direction losses
+    loss_std: float | None = None  # step_normalization=loss_std: sigma, the standard deviation of the q losses
     stop: bool = False  # with step(batch, stop_requested=...): some rank asked to stop (not a metric)
     pi: torch.Tensor | None = None  # [G] the inclusion probabilities this update drew from (not a metric)
 
     def as_dict(self) -> dict[str, Any]:
         """The metrics.jsonl fields (docs/outputs.md)."""
         values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in ("stop", "pi"))
-        return {k: v for k, v in values if v is not None or k.startswith("loss") or k == "projected_grad"}
+        return {k: v for k, v in values if v is not None or k in ALWAYS}
 
 
+# metrics.jsonl's train lines always carry these (docs/contracts.md), null where not finite or not measured
+ALWAYS = ("loss", "loss_plus", "loss_minus", "projected_grad")
 LossFn = Callable[[Any, Any], Any]
 
 
 class StepTimer:
     """Wall time per section of `ZOEngine.step`, for benchmarks: `engine.timer = StepTimer()`.
 
-    Sections: "perturb_stats" (+eps z, with the score statistics when the method has them), "perturb"
-    (-2 eps z: the same work without statistics), "forwards", "reduce" (the all-reduce and its read-back),
-    "update" (the update; with one direction it also undoes the perturbation in the same pass; with several,
-    each direction's edited values are put back between its forwards and the next, outside any section).
+    Sections: "perturb_stats" (the move to a direction's first point, with the score statistics when the method
+    has them), "perturb" (a move to another point of the same direction: -2 eps z for central), "forwards",
+    "reduce" (the all-reduce and its read-back), "update" (the update, which also undoes the last point in the same
+    pass).
     `sync` (torch.cuda.synchronize on a GPU) runs at each edge.
     """
 

@@ -9,7 +9,7 @@ no torch headers, so a build takes about a second.
 Flags: `-march=native` for the widest vectors; `-ffp-contract=off -fno-fast-math` keep every float
 operation separately rounded (no FMA contraction), which is what makes the values bit-identical to the
 torch reference and to the GPU kernel; `-fno-math-errno` only lets gcc vectorise sqrtf. Every build also gets the
-row layout and the element modes as -D flags (rows.c_defines()).
+row format and the element modes as -D flags (rows.c_defines()).
 Without a compiler, `available()` is False and the backend chooser (gaussian.backend) picks the torch reference.
 """
 
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from curvzo_ds.noise import rows as R
+from curvzo_ds.noise import rows as row_abi
 from curvzo_ds.noise.rows import ElementMode
 
 log = logging.getLogger("curvzo_ds")
@@ -47,8 +47,8 @@ def _cpu_flags() -> str:
 
 
 def build(flags: list[str] | None = None) -> str:
-    """Path of the compiled library for `flags` (default FLAGS) and the row layout, building it if it is not cached."""
-    flags = list(FLAGS if flags is None else flags) + R.c_defines()
+    """Path of the compiled library for `flags` (default FLAGS) and the row format, building it if it is not cached."""
+    flags = list(FLAGS if flags is None else flags) + row_abi.c_defines()
     cc = os.environ.get("CC", "gcc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc}) to build the noise kernel")
@@ -83,6 +83,9 @@ def load(flags: list[str] | None = None) -> ctypes.CDLL:
                                 ctypes.c_double, ctypes.c_double, ctypes.c_int]
     lib.noise_rows.restype = None
     lib.noise_rows.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.noise_rows_keys.restype = None
+    lib.noise_rows_keys.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -115,9 +118,17 @@ def run(k0: int, k1: int, start: int, out: torch.Tensor, mode: ElementMode, scal
 _pool: ThreadPoolExecutor | None = None
 
 
-def run_rows(rows: np.ndarray, coef: np.ndarray, num_blocks: int, want_sq: bool, threads: int = 1) -> np.ndarray:
-    """One pass over a row table (rows.py's layout: int64 [R, WIDTH], coef float64 [R, 2]); returns the int64 sums of
-    round(z^2 2^24) per block [num_blocks] (zeros without want_sq).
+def run_rows(rows: np.ndarray, coef: np.ndarray, num_blocks: int, want_sq: bool, threads: int = 1,
+             keys: np.ndarray | None = None) -> np.ndarray:
+    """One pass over a row table (rows.py's format: int64 [R, WIDTH]); returns the int64 sums of round(z^2 2^24) per
+    block [num_blocks] (zeros without want_sq).
+
+    keys None: each row's noise key is its KEY column and coef is float64 [R, 2] = (scale, alpha): a row does
+    dst = src * scale + alpha * z. keys int64 [R, K] (each k0 | k1 << 32, K >= 1; the KEY column is then not read):
+    coef is float64 [R, 1 + K] = (scale, alpha_0 .. alpha_{K-1}) and a row does dst = src * scale + acc with
+    acc = alpha_0 z_0, then acc = acc + alpha_k z_k for k = 1 .. K-1 (each op rounded separately, in float32; float64
+    rows in float64), every z_k drawn at the row's START; the statistics are the last key's z. K = 1 gives the bits
+    of keys None. Copy rows ignore the keys.
 
     With threads > 1 the rows are cut into `threads` parts of about equal element counts, each run by one thread:
     the ctypes call releases the GIL, so offloaded parameters get every core. The values do not depend on the
@@ -128,15 +139,30 @@ def run_rows(rows: np.ndarray, coef: np.ndarray, num_blocks: int, want_sq: bool,
         return sums
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     coef = np.ascontiguousarray(coef, dtype=np.float64)
-    if threads <= 1 or len(rows) == 1 and rows[0, R.N] < (1 << 16):
-        _lib.noise_rows(len(rows), rows.ctypes.data, coef.ctypes.data, sums.ctypes.data, int(want_sq))
+    if keys is not None:
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        if keys.ndim != 2 or keys.shape[0] != len(rows) or keys.shape[1] < 1:
+            raise ValueError(f"keys must be int64 [{len(rows)}, K] with K >= 1, not {list(keys.shape)}")
+        if coef.shape != (len(rows), 1 + keys.shape[1]):
+            raise ValueError(f"with {keys.shape[1]} keys per row coef must be [{len(rows)}, {1 + keys.shape[1]}] "
+                             f"(scale, alpha_0 .. alpha_{keys.shape[1] - 1}), not {list(coef.shape)}")
+
+    def call(r: np.ndarray, c: np.ndarray, k: np.ndarray | None, out: np.ndarray) -> None:
+        if k is None:
+            _lib.noise_rows(len(r), r.ctypes.data, c.ctypes.data, out.ctypes.data, int(want_sq))
+        else:
+            _lib.noise_rows_keys(len(r), r.ctypes.data, c.ctypes.data, k.shape[1], k.ctypes.data, out.ctypes.data,
+                                 int(want_sq))
+
+    if threads <= 1 or len(rows) == 1 and rows[0, row_abi.N] < (1 << 16):
+        call(rows, coef, keys, sums)
         return sums
-    parts = split_rows(rows, coef, threads)
+    parts = split_rows(rows, coef, threads, keys)
     if _pool is None or _pool._max_workers < threads:
         _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="curvzo-noise")
     part_sums = [np.zeros(num_blocks, dtype=np.int64) for _ in parts]
-    futures = [_pool.submit(_lib.noise_rows, len(r), r.ctypes.data, c.ctypes.data, ps.ctypes.data, int(want_sq))
-               for (r, c), ps in zip(parts, part_sums)]
+    futures = [_pool.submit(call, part[0], part[1], part[2] if keys is not None else None, ps)
+               for part, ps in zip(parts, part_sums)]
     for f in futures:
         f.result()
     for ps in part_sums:
@@ -144,27 +170,36 @@ def run_rows(rows: np.ndarray, coef: np.ndarray, num_blocks: int, want_sq: bool,
     return sums
 
 
-def split_rows(rows: np.ndarray, coef: np.ndarray, parts: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The table cut into `parts` tables of about equal element counts (a row may be cut in two)."""
-    total = int(rows[:, R.N].sum())
+def split_rows(rows: np.ndarray, coef: np.ndarray, parts: int, keys: np.ndarray | None = None) -> list[tuple]:
+    """The table cut into `parts` tables of about equal element counts (a row may be cut in two): (rows, coef)
+    tuples, or (rows, coef, keys) tuples when `keys` (int64 [R, K], run_rows's) is given, each piece of a row
+    keeping the row's coef and keys."""
+    total = int(rows[:, row_abi.N].sum())
     target = -(-total // parts)
-    out, cur_r, cur_c, filled = [], [], [], 0
-    for row, c in zip(rows, coef):
-        n, at = int(row[R.N]), 0
+    out, cur_r, cur_c, cur_k, filled = [], [], [], [], 0
+    row_keys = keys if keys is not None else [None] * len(rows)
+
+    def flush() -> None:
+        piece = (np.array(cur_r, dtype=np.int64), np.array(cur_c, dtype=np.float64))
+        out.append(piece if keys is None else (*piece, np.array(cur_k, dtype=np.int64).reshape(len(cur_r), -1)))
+
+    for row, c, k in zip(rows, coef, row_keys):
+        n, at = int(row[row_abi.N]), 0
         while n - at > 0:
             take = min(n - at, target - filled)
             piece = row.copy()
-            piece[R.DST] += at * R.ELEMENT_SIZE[R.dst_mode(int(row[R.KIND]))]
-            if row[R.SRC]:
-                piece[R.SRC] += at * R.ELEMENT_SIZE[R.src_mode(int(row[R.KIND]))]
-            piece[R.N], piece[R.START] = take, row[R.START] + at
+            piece[row_abi.DST] += at * row_abi.ELEMENT_SIZE[row_abi.dst_mode(int(row[row_abi.KIND]))]
+            if row[row_abi.SRC]:
+                piece[row_abi.SRC] += at * row_abi.ELEMENT_SIZE[row_abi.src_mode(int(row[row_abi.KIND]))]
+            piece[row_abi.N], piece[row_abi.START] = take, row[row_abi.START] + at
             cur_r.append(piece)
             cur_c.append(c)
+            cur_k.append(k)
             filled += take
             at += take
             if filled >= target:
-                out.append((np.array(cur_r, dtype=np.int64), np.array(cur_c, dtype=np.float64)))
-                cur_r, cur_c, filled = [], [], 0
+                flush()
+                cur_r, cur_c, cur_k, filled = [], [], [], 0
     if cur_r:
-        out.append((np.array(cur_r, dtype=np.int64), np.array(cur_c, dtype=np.float64)))
+        flush()
     return out

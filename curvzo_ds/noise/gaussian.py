@@ -9,9 +9,10 @@ operations only (noise/reference.py holds the definition). So:
 - the CPU kernel, the GPU kernel and the torch reference give the same bits (tests/test_noise.py checks
   CPU against the reference, and the Triton kernel's logic under Triton's interpreter).
 
-Backends: `backend()` chooses the kernel, for NoiseSource and the Perturber alike (shard/perturb.py). `axpy_`
-updates a tensor in place without materialising z and can return the exact fixed-point sum of z^2 over the range
-(the score statistics) from the same pass.
+Backends: `backend()` chooses the kernel, for NoiseSource and the Perturber alike (shard/perturb.py); where no
+compiled kernel serves a device or dtype, both go through the torch reference's one runner (`reference.run`). The
+Perturber's passes update the weights in place without materialising z and return the exact fixed-point sums of z^2
+(the score statistics) from the same pass; NoiseSource draws z itself (`slice`: the static mask, the start-up check).
 
 Everything that draws noise goes through `NoiseSource`, whose `ident` goes into checkpoints: a resume
 with another generator is refused, and ranks compare `reference_digest` at start-up (ZOEngine), so a rank
@@ -109,47 +110,21 @@ class NoiseSource:
             out = torch.empty(length, dtype=torch.float32, device=device)
         elif out.dtype != torch.float32 or out.numel() != length:
             raise ValueError(f"out must be a float32 tensor of {length} elements")
-        self._run(self.key(step, name, direction), start, out, ElementMode.WRITE_Z, 0.0, 0.0, False)
+        self._run(self.key(step, name, direction), start, out)
         return out
 
-    def axpy_(self, out: torch.Tensor, step: int, name: str, start: int, scale: float, alpha: float,
-              want_sq: bool = False, direction: int = 0):
-        """out <- out * scale + alpha * z[start: start + len(out)], in place (out contiguous and 1-D).
-
-        Each operation is rounded separately in float32 (float64 tensors in float64) and stored in
-        out's dtype with round-to-nearest-even. With `want_sq`, returns sum round(z^2 2^24) over the
-        range: an int on CPU, a 0-d int64 tensor on a GPU (no host synchronisation); else None.
-        """
-        if out.dtype != torch.float64:  # the kernels compute in float32: round the scalars once, here
-            scale, alpha = f32(scale), f32(alpha)
-        return self._run(self.key(step, name, direction), start, out, None, scale, alpha, want_sq)
-
-    def _run(self, key, start: int, out: torch.Tensor, mode: ElementMode | None, scale: float, alpha: float,
-             want_sq: bool):
-        """One range through the kernel of out's device; `mode` None: out's dtype (no kernel has some dtypes: the
-        torch reference then)."""
-        k0, k1 = key
-        kind = out.device.type
-        if mode is None:
-            mode = MODES.get(out.dtype)
+    def _run(self, key, start: int, out: torch.Tensor) -> None:
+        """z of one range into `out` (float32) through the kernel of out's device (`backend`), or the torch
+        reference's one runner where there is none."""
         chosen = backend(out.device, out.dtype)
         if chosen == "c":
-            total = cpu_kernel.run(k0, k1, start, out, mode, scale, alpha, want_sq)
-            return total if want_sq else None
-        if chosen == "triton":
+            cpu_kernel.run(*key, start, out, ElementMode.WRITE_Z, 0.0, 0.0, False)
+        elif chosen == "triton":
             from curvzo_ds.noise import gpu
 
-            total = gpu.run(k0, k1, start, out, mode, scale, alpha, want_sq)
-            return int(total) if want_sq and kind == "cpu" else total
-        z = reference.normals(k0, k1, start, out.numel(), out.device)
-        if mode == ElementMode.WRITE_Z:
-            out.copy_(z)
+            gpu.run(*key, start, out, ElementMode.WRITE_Z, 0.0, 0.0, False)
         else:
-            reference.axpy_(out, z, scale, alpha)
-        if not want_sq:
-            return None
-        total = reference.fixed_point_sum_of_squares(z)
-        return int(total) if kind == "cpu" else total
+            reference.run([key], start, out)
 
     def mask_uniforms(self, step: int, count: int) -> torch.Tensor:
         """Uniform [0, 1) float64 draws for the block mask of `step`, the same on every rank (CPU)."""

@@ -1,10 +1,13 @@
 """The GPU noise kernel (Triton): the same definition as reference.py and philox.c, one launch per pass.
 
-A pass is a table of rows (rows.py's layout; perturb.py builds it once per step): row r reads n elements from a
+A pass is a table of rows (rows.py's format; perturb.py builds it once per step): row r reads n elements from a
 source, writes them to a target, both given as element offsets from one base pointer per dtype (any tensor of that
 dtype: the addresses of every row are then plain offsets from it), with
     target[i] = source[i] * scale_r + alpha_r * z[start_r + i]     (a copy row: target[i] = source[i])
-where z is the stream of key_r. One launch covers every row of one (target dtype, source dtype) pair: program p
+where z is the stream of key_r; or, with K keys per row (launch's `keys`),
+    target[i] = source[i] * scale_r + acc,   acc = alpha_r0 z_0[start_r + i], then acc = acc + alpha_rk z_k[...]
+for k = 1 .. K-1 in that order (each op rounded separately, K a compile-time constant, the statistics of z_{K-1};
+K = 1 is the line above, bit for bit). One launch covers every row of one (target dtype, source dtype) pair: program p
 finds its row by a binary search in the prefix sum of programs per row, then handles SUB x BLOCK Philox groups
 (4 elements each) of it. The fixed-point sums of z^2 (round(z^2 2^24), int64) of the rows that count statistics
 are added per block with integer atomics: exact, order-free, on the device, no host synchronisation.
@@ -27,20 +30,19 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from curvzo_ds.noise import reference as R
-from curvzo_ds.noise import rows
+from curvzo_ds.noise import reference, rows
 
-SIN1, SIN3, SIN5, SIN7 = (tl.constexpr(v) for v in (R.SIN1, R.SIN3, R.SIN5, R.SIN7))
-COS2, COS4, COS6, COS8 = (tl.constexpr(v) for v in (R.COS2, R.COS4, R.COS6, R.COS8))
-LOG3, LOG5, LOG7 = (tl.constexpr(v) for v in (R.LOG3, R.LOG5, R.LOG7))
-LN2_HI, LN2_LO = tl.constexpr(R.LN2_HI), tl.constexpr(R.LN2_LO)
+SIN1, SIN3, SIN5, SIN7 = (tl.constexpr(v) for v in (reference.SIN1, reference.SIN3, reference.SIN5, reference.SIN7))
+COS2, COS4, COS6, COS8 = (tl.constexpr(v) for v in (reference.COS2, reference.COS4, reference.COS6, reference.COS8))
+LOG3, LOG5, LOG7 = (tl.constexpr(v) for v in (reference.LOG3, reference.LOG5, reference.LOG7))
+LN2_HI, LN2_LO = tl.constexpr(reference.LN2_HI), tl.constexpr(reference.LN2_LO)
 FIXED_POINT_SCALE = tl.constexpr(16777216.0)  # 2^24: gaussian.FIXED_POINT_BITS (tests/test_noise.py checks they agree)
 # The launch shape, from a sweep on an H100 (tools/kernel_profile.py --sweep; benchmarks/RESULTS.md): 512 groups x 4
 # sub-blocks x 4 warps needs 46 registers a thread and ran a pass 1.49x faster than 1024 x 4 x 4 (80 registers).
 BLOCK = 512  # Philox groups per sub-block: 2048 elements
 SUB = 4  # sub-blocks per program: 8192 elements
 WARPS = 4  # warps per program
-# rows.py's layout, as constants the kernel can read
+# rows.py's format, as constants the kernel can read
 ROW_WIDTH, ROW_DST, ROW_SRC, ROW_N, ROW_START, ROW_KEY, ROW_STAT = (
     tl.constexpr(v) for v in (rows.WIDTH, rows.DST, rows.SRC, rows.N, rows.START, rows.KEY, rows.STAT))
 # Element codes (rows.ElementMode): WRITE_Z (as a target), FLOAT32, BFLOAT16, FLOAT16; no FLOAT64 here.
@@ -90,9 +92,10 @@ def _box_muller(a, b, RZ: tl.constexpr):
 
 
 @triton.jit
-def _apply(dst, src, e, n, z, scale, alpha, DST: tl.constexpr, SRC: tl.constexpr, INPLACE: tl.constexpr,
+def _apply(dst, src, e, n, z, acc, scale, DST: tl.constexpr, SRC: tl.constexpr, INPLACE: tl.constexpr,
            COPY: tl.constexpr, STATS: tl.constexpr):
-    """Element e (local to the row) of one row: load, update, store; returns the fixed-point z^2 sum (or 0)."""
+    """Element e (local to the row) of one row: load, target = source * scale + acc (acc = the sum of alpha_k z_k,
+    or alpha * z), store; returns the fixed-point sum of z^2 (z: the last key's) or 0."""
     inside = e.to(tl.uint32) < n.to(tl.uint32)  # 0 <= e < n in one unsigned compare
     if DST == WRITE_Z:
         y = z
@@ -106,7 +109,7 @@ def _apply(dst, src, e, n, z, scale, alpha, DST: tl.constexpr, SRC: tl.constexpr
         if COPY:
             y = x
         else:
-            y = x * scale + alpha * z
+            y = x * scale + acc
     if DST == BFLOAT16:
         # bfloat16 rounded to nearest even in integers (as philox.c does; NaN -> 0x7fc0), so the result does not
         # depend on how a backend converts fp32 -> bf16
@@ -125,10 +128,37 @@ def _apply(dst, src, e, n, z, scale, alpha, DST: tl.constexpr, SRC: tl.constexpr
     return total
 
 
+@triton.jit
+def _normals(g0_lo, g0_hi, gl, k0, k1, RZ: tl.constexpr):
+    """z of the 4 elements of each group g0 + gl (g0 = (g0_hi, g0_lo), gl int32 [BLOCK]) for the key words (k0, k1),
+    uint32: Philox4x32-10 of counter (g0 + gl), the carry into the high word by hand, then Box-Muller."""
+    x0 = g0_lo + gl.to(tl.uint32)
+    x1 = g0_hi + (x0 < g0_lo).to(tl.uint32)
+    x2 = tl.zeros_like(x0)
+    x3 = tl.zeros_like(x0)
+    ka = k0
+    kb = k1
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(x0, 0xD2511F53)
+        lo0 = x0 * 0xD2511F53
+        hi1 = tl.umulhi(x2, 0xCD9E8D57)
+        lo1 = x2 * 0xCD9E8D57
+        x0, x1, x2, x3 = hi1 ^ x1 ^ ka, lo1, hi0 ^ x3 ^ kb, lo0
+        ka = ka + 0x9E3779B9
+        kb = kb + 0xBB67AE85
+    za, zb = _box_muller(x0, x1, RZ)
+    zc, zd = _box_muller(x2, x3, RZ)
+    return za, zb, zc, zd
+
+
 @triton.jit(do_not_specialize=["n_rows"])
-def _rows_kernel(dst_base, src_base, rows, prefix, coef, sums, n_rows, DST: tl.constexpr, SRC: tl.constexpr,
+def _rows_kernel(dst_base, src_base, rows, prefix, coef, keys, sums, n_rows, DST: tl.constexpr, SRC: tl.constexpr,
                  INPLACE: tl.constexpr, COPY: tl.constexpr, STATS: tl.constexpr, RZ: tl.constexpr,
-                 BLOCK: tl.constexpr, SUB: tl.constexpr):
+                 KEYED: tl.constexpr, NKEYS: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr,
+                 SUB: tl.constexpr):
+    """KEYED: the row's NKEYS keys from keys[row] and coef[row] = (scale, alpha_0 .. alpha_{NKEYS-1}); else the
+    row's KEY column and coef[row] = (scale, alpha), NKEYS 1. Keys FIRST .. NKEYS-1 are drawn (FIRST = NKEYS - 1 for
+    a WRITE_Z target, which gets the last key's z; else 0)."""
     pid = tl.program_id(0).to(tl.int64)
     # the row of this program: the last r with prefix[r] <= pid (prefix[0] = 0, prefix[n_rows] = all programs)
     lo = tl.zeros([], dtype=tl.int64)
@@ -143,17 +173,21 @@ def _rows_kernel(dst_base, src_base, rows, prefix, coef, sums, n_rows, DST: tl.c
     src = src_base + tl.load(row + ROW_SRC)
     n = tl.load(row + ROW_N).to(tl.int32)  # rows are cut at 2^30 elements (perturb.py)
     start = tl.load(row + ROW_START)
-    key = tl.load(row + ROW_KEY)
     stat = tl.load(row + ROW_STAT)
-    scale = tl.load(coef + lo * 2)
-    alpha = tl.load(coef + lo * 2 + 1)
+    row_coef = coef + lo * (1 + NKEYS)
+    scale = tl.load(row_coef)
     first = pid - tl.load(prefix + lo)  # this program's index within the row
     g0 = start >> 2  # the row's first Philox group
     s0 = (start & 3).to(tl.int32)  # elements of that group before the row's start
     g0_lo = (g0 & 0xFFFFFFFF).to(tl.uint32)
     g0_hi = (g0 >> 32).to(tl.uint32)
-    k0 = (key & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    if KEYED:  # the first key drawn and its coefficient, loaded once per program
+        key_first = tl.load(keys + lo * NKEYS + FIRST)
+    else:
+        key_first = tl.load(row + ROW_KEY)
+    k0 = (key_first & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((key_first >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    alpha_first = tl.load(row_coef + 1 + FIRST)
     total = tl.zeros([], dtype=tl.int64)
     for sub in tl.static_range(SUB):
         base = ((first * SUB + sub) * BLOCK).to(tl.int32)  # the sub-block's first group, local to the row
@@ -161,32 +195,27 @@ def _rows_kernel(dst_base, src_base, rows, prefix, coef, sums, n_rows, DST: tl.c
             gl = base + tl.arange(0, BLOCK)  # local group of each lane
             e = gl * 4 - s0  # local index of the group's first element
             if COPY:
-                total += _apply(dst, src, e, n, 0.0, scale, alpha, DST, SRC, INPLACE, True, False)
-                total += _apply(dst, src, e + 1, n, 0.0, scale, alpha, DST, SRC, INPLACE, True, False)
-                total += _apply(dst, src, e + 2, n, 0.0, scale, alpha, DST, SRC, INPLACE, True, False)
-                total += _apply(dst, src, e + 3, n, 0.0, scale, alpha, DST, SRC, INPLACE, True, False)
+                total += _apply(dst, src, e, n, 0.0, 0.0, scale, DST, SRC, INPLACE, True, False)
+                total += _apply(dst, src, e + 1, n, 0.0, 0.0, scale, DST, SRC, INPLACE, True, False)
+                total += _apply(dst, src, e + 2, n, 0.0, 0.0, scale, DST, SRC, INPLACE, True, False)
+                total += _apply(dst, src, e + 3, n, 0.0, 0.0, scale, DST, SRC, INPLACE, True, False)
             else:
-                # Philox4x32-10 of counter (g0 + gl) as two uint32 words (the carry into the high word by hand)
-                x0 = g0_lo + gl.to(tl.uint32)
-                x1 = g0_hi + (x0 < g0_lo).to(tl.uint32)
-                x2 = tl.zeros([BLOCK], dtype=tl.uint32)
-                x3 = tl.zeros([BLOCK], dtype=tl.uint32)
-                ka = k0
-                kb = k1
-                for _ in tl.static_range(10):
-                    hi0 = tl.umulhi(x0, 0xD2511F53)
-                    lo0 = x0 * 0xD2511F53
-                    hi1 = tl.umulhi(x2, 0xCD9E8D57)
-                    lo1 = x2 * 0xCD9E8D57
-                    x0, x1, x2, x3 = hi1 ^ x1 ^ ka, lo1, hi0 ^ x3 ^ kb, lo0
-                    ka = ka + 0x9E3779B9
-                    kb = kb + 0xBB67AE85
-                za, zb = _box_muller(x0, x1, RZ)
-                zc, zd = _box_muller(x2, x3, RZ)
-                total += _apply(dst, src, e, n, za, scale, alpha, DST, SRC, INPLACE, False, STATS)
-                total += _apply(dst, src, e + 1, n, zb, scale, alpha, DST, SRC, INPLACE, False, STATS)
-                total += _apply(dst, src, e + 2, n, zc, scale, alpha, DST, SRC, INPLACE, False, STATS)
-                total += _apply(dst, src, e + 3, n, zd, scale, alpha, DST, SRC, INPLACE, False, STATS)
+                # acc = alpha_0 z_0 (with one key: alpha * z) ...
+                za, zb, zc, zd = _normals(g0_lo, g0_hi, gl, k0, k1, RZ)
+                aa, ab, ac, ad = alpha_first * za, alpha_first * zb, alpha_first * zc, alpha_first * zd
+                # ... then acc = acc + alpha_k z_k in key order: a loop, not unrolled (the kernel's size and its
+                # compile time do not grow with K)
+                for k in range(FIRST + 1, NKEYS):
+                    key = tl.load(keys + lo * NKEYS + k)
+                    alpha = tl.load(row_coef + 1 + k)
+                    za, zb, zc, zd = _normals(g0_lo, g0_hi, gl, (key & 0xFFFFFFFF).to(tl.uint32),
+                                              ((key >> 32) & 0xFFFFFFFF).to(tl.uint32), RZ)
+                    aa, ab, ac, ad = aa + alpha * za, ab + alpha * zb, ac + alpha * zc, ad + alpha * zd
+                # za .. zd: the last key's z, for WRITE_Z and the statistics
+                total += _apply(dst, src, e, n, za, aa, scale, DST, SRC, INPLACE, False, STATS)
+                total += _apply(dst, src, e + 1, n, zb, ab, scale, DST, SRC, INPLACE, False, STATS)
+                total += _apply(dst, src, e + 2, n, zc, ac, scale, DST, SRC, INPLACE, False, STATS)
+                total += _apply(dst, src, e + 3, n, zd, ad, scale, DST, SRC, INPLACE, False, STATS)
     if STATS:
         tl.atomic_add(sums + tl.maximum(stat, 0), total, mask=stat >= 0)
 
@@ -199,20 +228,32 @@ def programs_per_row(n: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
 
 def launch(dst_base: torch.Tensor, src_base: torch.Tensor | None, table: torch.Tensor, prefix: torch.Tensor,
            programs: int, coef: torch.Tensor, sums: torch.Tensor | None, copy: bool = False,
-           write_z: bool = False) -> None:
+           write_z: bool = False, keys: torch.Tensor | None = None) -> None:
     """One launch over every row of a (target dtype, source dtype) pair; all tensors on the same CUDA device.
 
-    table: int64 [R, rows.WIDTH] (rows.py's layout) with element offsets from dst_base (DST) and src_base (SRC;
+    table: int64 [R, rows.WIDTH] (rows.py's format) with element offsets from dst_base (DST) and src_base (SRC;
     src_base None: each row updates its target in place); prefix: int64 [R + 1], the running total of
     programs_per_row; coef: float32 [R, 2] (scale, alpha); sums: int64 [G] to add the rows' statistics to (None:
-    no statistics work at all); copy: target = source, no noise; write_z: target (float32) = z."""
+    no statistics work at all); copy: target = source, no noise; write_z: target (float32) = z.
+    keys: int64 [R, K] (each k0 | k1 << 32; the table's KEY column is then not read), with coef float32 [R, 1 + K]
+    (scale, alpha_0 .. alpha_{K-1}): target = source * scale + acc, acc = alpha_0 z_0 then acc + alpha_k z_k in key
+    order, the statistics (and write_z's z) the last key's; K is a compile-time constant (one compiled kernel per
+    K). K = 1 gives the bits of keys None."""
     src = dst_base if src_base is None else src_base
     as_bits = lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # noqa: E731
+    nkeys = 1 if keys is None else keys.shape[1]
+    keys = keys if keys is None else keys.contiguous()
+    if keys is not None and (keys.dim() != 2 or keys.shape[0] != table.shape[0] or nkeys < 1
+                             or tuple(coef.shape) != (table.shape[0], 1 + nkeys)):
+        raise ValueError(f"keys [{table.shape[0]}, K >= 1] and coef [{table.shape[0]}, 1 + K] for "
+                         f"{table.shape[0]} rows, not {list(keys.shape)} and {list(coef.shape)}")
     _rows_kernel[(programs,)](as_bits(dst_base), as_bits(src), table, prefix, coef,
-                              sums if sums is not None else table, table.shape[0],
+                              keys if keys is not None else table, sums if sums is not None else table,
+                              table.shape[0],
                               DST=int(rows.ElementMode.WRITE_Z) if write_z else CODES[dst_base.dtype],
                               SRC=CODES[src.dtype],
                               INPLACE=src_base is None, COPY=copy, STATS=sums is not None, RZ=not INTERPRETED,
+                              KEYED=keys is not None, NKEYS=nkeys, FIRST=nkeys - 1 if write_z else 0,
                               BLOCK=BLOCK, SUB=SUB, num_warps=WARPS, enable_fp_fusion=False)
 
 

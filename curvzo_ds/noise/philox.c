@@ -12,9 +12,11 @@
  *
  * Work is done per block of BLK groups in three passes over L1-resident buffers:
  * Philox (hand-vectorised, below) -> Box-Muller (branch-free, auto-vectorised by gcc)
- * -> store / axpy / sum of squares (auto-vectorised).
+ * -> store / axpy / sum of squares (auto-vectorised).  A row with several noise keys (noise_rows_keys)
+ * draws each key's block of z in turn into the same buffer, adds alpha_k z_k to an accumulator block
+ * (acc = alpha_0 z_0, then acc = acc + alpha_k z_k, in key order), then stores src * scale + acc once.
  * Build: gcc -O3 -march=native -ffp-contract=off -fno-fast-math -fno-math-errno
- *   -shared -fPIC, and the row layout and element modes as -D flags (noise/rows.py's c_defines(), which
+ *   -shared -fPIC, and the row format and element modes as -D flags (noise/rows.py's c_defines(), which
  *   noise/cpu.py's build() passes).  -fno-math-errno is needed for gcc to vectorise sqrtf (else a
  *   scalar errno check, ~8x slower transform); it does not change any result.
  */
@@ -22,7 +24,7 @@
 #include <string.h>
 
 #ifndef ROW_WIDTH
-#error "build through curvzo_ds/noise/cpu.py: it passes the row layout and the element modes (noise/rows.py)"
+#error "build through curvzo_ds/noise/cpu.py: it passes the row format and the element modes (noise/rows.py)"
 #endif
 
 #define PHILOX_M0 0xD2511F53u
@@ -181,24 +183,33 @@ static inline uint16_t bf16_bits(float x) {
     return (uint16_t)(x != x ? 0x7fc0u : r);
 }
 
-/* dst[i] = src[i] * scale + alpha * zs[i], three separately rounded float ops, for i < cnt; one loop per
- * (target, source) pair so that gcc vectorises each. src == dst for an in-place update. */
+/* dst[i] = src[i] * scale + alpha * zs[i] (acc NULL: one key, three separately rounded float ops), or
+ * dst[i] = src[i] * scale + acc[i] (several keys: acc = sum_k alpha_k z_k, accumulated by acc_block), for i < cnt;
+ * one loop per (target, source) pair so that gcc vectorises each. src == dst for an in-place update.  With one key
+ * both give the same bits (alpha * z is rounded before the add either way); the first loop saves a pass. */
 #define AXPY(DT, ST, LOAD, STORE)                                                      \
     do {                                                                               \
         DT *o = (DT *)dst + done;                                                      \
         const ST *x = (const ST *)src + done;                                          \
-        for (int64_t i = 0; i < cnt; i++) { float v = (LOAD) * scale + alpha * zs[i]; o[i] = STORE; } \
+        if (acc)                                                                       \
+            for (int64_t i = 0; i < cnt; i++) { float v = (LOAD) * scale + acc[i]; o[i] = STORE; } \
+        else                                                                           \
+            for (int64_t i = 0; i < cnt; i++) { float v = (LOAD) * scale + alpha * zs[i]; o[i] = STORE; } \
     } while (0)
 
 static void axpy_block(int dmode, void *dst, int smode, const void *src, int64_t done, int64_t cnt,
-                       const float *zs, float scale, float alpha, double scale64, double alpha64) {
+                       const float *zs, float scale, float alpha, double scale64, double alpha64,
+                       const float *acc, const double *acc64) {
     if (dmode == MODE_WRITE_Z) {
         float *o = (float *)dst + done;
         for (int64_t i = 0; i < cnt; i++) o[i] = zs[i];
     } else if (dmode == MODE_FLOAT64) {
         double *o = (double *)dst + done;
         const double *x = (const double *)src + done;
-        for (int64_t i = 0; i < cnt; i++) o[i] = x[i] * scale64 + alpha64 * (double)zs[i];
+        if (acc64)
+            for (int64_t i = 0; i < cnt; i++) o[i] = x[i] * scale64 + acc64[i];
+        else
+            for (int64_t i = 0; i < cnt; i++) o[i] = x[i] * scale64 + alpha64 * (double)zs[i];
     } else if (dmode == MODE_FLOAT32) {
         AXPY(float, float, x[i], v);
     } else if (dmode == MODE_BFLOAT16 && smode == MODE_BFLOAT16) {
@@ -212,13 +223,39 @@ static void axpy_block(int dmode, void *dst, int smode, const void *src, int64_t
     }
 }
 
-/* Elements [start, start + n) of the stream: dst = src * scale + alpha * z (dst mode 0: dst = z).  Returns sum
- * round(z^2 * 2^24) over the range if want_sq, else 0. */
-static int64_t run(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, void *dst, int dmode, const void *src,
-                   int smode, float scale, float alpha, double scale64, double alpha64, int want_sq) {
+/* Key k's term of the sum, for i < cnt: acc = alpha_0 * z_0 (first), then acc = acc + alpha_k * z_k, each op
+ * rounded separately (float64 targets: in double, from (double)z). */
+static void acc_block(int dmode, int first, int64_t cnt, const float *zs, float alpha, double alpha64,
+                      float *acc, double *acc64) {
+    if (dmode == MODE_FLOAT64) {
+        if (first)
+            for (int64_t i = 0; i < cnt; i++) acc64[i] = alpha64 * (double)zs[i];
+        else
+            for (int64_t i = 0; i < cnt; i++) acc64[i] = acc64[i] + alpha64 * (double)zs[i];
+    } else if (first) {
+        for (int64_t i = 0; i < cnt; i++) acc[i] = alpha * zs[i];
+    } else {
+        for (int64_t i = 0; i < cnt; i++) acc[i] = acc[i] + alpha * zs[i];
+    }
+}
+
+/* Elements [start, start + n) of nkeys streams (keys[k] = k0 | k1 << 32, all with the counter origin start):
+ * dst = src * scale + acc, acc = alpha_0 z_0 + alpha_1 z_1 + ... summed left to right (coef = scale, alpha_0 ..
+ * alpha_{nkeys-1}: rounded to float32 here, except for float64 targets).  A WRITE_Z target (dst mode 0) gets the
+ * last key's z, and only that key is drawn.  Returns sum round(z^2 * 2^24) of the last key's z over the range if
+ * want_sq, else 0.  Per block of BLK groups: each key's Philox -> Box-Muller in turn into z, its term added to acc
+ * (L1-resident, the size of z), then one store; with one key the store reads z directly. */
+static int64_t run(int nkeys, const uint64_t *keys, const double *coef, uint64_t start, int64_t n, void *dst,
+                   int dmode, const void *src, int smode, int want_sq) {
     uint32_t a[2 * BLK], b[2 * BLK];
     float z[4 * BLK];
-    int64_t acc = 0;
+    float acc[4 * BLK];
+    double acc64[4 * BLK];
+    int64_t total = 0;
+    int k_first = dmode == MODE_WRITE_Z ? nkeys - 1 : 0;   /* the first key drawn */
+    int multi = nkeys - k_first > 1;
+    float scale = (float)coef[0];
+    double scale64 = coef[0];
     uint64_t g = start >> 2;          /* first group */
     int64_t skip = (int64_t)(start & 3);   /* elements of the first group before start */
     int64_t done = 0;
@@ -226,19 +263,25 @@ static int64_t run(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, void *ds
         int64_t want = n - done + skip;   /* elements still needed from group g on */
         int ng = want >= 4 * BLK ? BLK : (int)((want + 3) >> 2);
         int ng8 = (ng + 7) & ~7;  /* whole vectors (VW <= 8); extra groups are unused */
-        philox_block((uint32_t)g, (uint32_t)(g >> 32), k0, k1, ng8, a, b);
-        box_muller(2 * ng8, a, b, z);
         int64_t cnt = 4 * (int64_t)ng - skip;
         if (cnt > n - done) cnt = n - done;
         const float *zs = z + skip;
-        axpy_block(dmode, dst, smode, src, done, cnt, zs, scale, alpha, scale64, alpha64);
+        for (int k = k_first; k < nkeys; k++) {
+            philox_block((uint32_t)g, (uint32_t)(g >> 32), (uint32_t)keys[k], (uint32_t)(keys[k] >> 32), ng8, a, b);
+            box_muller(2 * ng8, a, b, z);
+            if (multi)
+                acc_block(dmode, k == k_first, cnt, zs, (float)coef[1 + k], coef[1 + k], acc, acc64);
+        }
+        /* zs now holds the last key's z */
+        axpy_block(dmode, dst, smode, src, done, cnt, zs, scale, (float)coef[nkeys], scale64, coef[nkeys],
+                   multi && dmode != MODE_FLOAT64 ? acc : NULL, multi && dmode == MODE_FLOAT64 ? acc64 : NULL);
         if (want_sq)
-            for (int64_t i = 0; i < cnt; i++) acc += fixsq(zs[i]);
+            for (int64_t i = 0; i < cnt; i++) total += fixsq(zs[i]);
         done += cnt;
         g += (uint64_t)ng;
         skip = 0;
     }
-    return acc;
+    return total;
 }
 
 /* dst[i] = src[i] rounded to dst's mode: the master copy written back to a stored copy, no noise drawn. */
@@ -257,39 +300,63 @@ static void copy_cast(int dmode, void *dst, int smode, const void *src, int64_t 
 
 int64_t noise_run(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, void *out,
                   int mode, float scale, float alpha, int want_sq) {
-    return run(k0, k1, start, n, out, mode, out, mode, scale, alpha, 0.0, 0.0, want_sq);
+    uint64_t key = (uint64_t)k0 | (uint64_t)k1 << 32;
+    double coef[2] = {scale, alpha};   /* exact: (float) gives scale and alpha back */
+    return run(1, &key, coef, start, n, out, mode, out, mode, want_sq);
 }
 
 /* float64 targets (MODE_FLOAT64): the scalars stay double. */
 int64_t noise_run64(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, double *out,
                     double scale, double alpha, int want_sq) {
-    return run(k0, k1, start, n, out, MODE_FLOAT64, out, MODE_FLOAT64, 0.0f, 0.0f, scale, alpha, want_sq);
+    uint64_t key = (uint64_t)k0 | (uint64_t)k1 << 32;
+    double coef[2] = {scale, alpha};
+    return run(1, &key, coef, start, n, out, MODE_FLOAT64, out, MODE_FLOAT64, want_sq);
 }
 
-/* One pass of the Perturber over a table of rows (shard/perturb.py builds it, noise/cpu.py calls it; several
- * threads may each take a part of the table, with their own `sums`):
- *   rows: int64 [nrows][ROW_WIDTH], noise/rows.py's layout: ROW_DST and ROW_SRC addresses, ROW_N, ROW_START,
- *         ROW_KEY (k0 | k1 << 32), ROW_STAT block (-1: none), ROW_KIND (dst mode | src mode << KIND_SRC_SHIFT |
- *         KIND_COPY);
- *   coef: double [nrows][2] = scale, alpha (rounded to float32 here, except for float64 rows).
- * A row does dst[i] = src[i] * scale + alpha * z[start + i] (a copy row: dst[i] = src[i]); with want_sq, a
- * row with a stat block adds its sum round(z^2 2^24) to sums[block]. */
-void noise_rows(int64_t nrows, const int64_t *rows, const double *coef, int64_t *sums, int want_sq) {
+/* The row loop of noise_rows and noise_rows_keys: keys NULL takes each row's ROW_KEY column (nkeys 1). */
+static void rows_pass(int64_t nrows, const int64_t *rows, const double *coef, int nkeys, const int64_t *keys,
+                      int64_t *sums, int want_sq) {
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t *row = rows + ROW_WIDTH * r;
         void *dst = (void *)(intptr_t)row[ROW_DST];
         const void *src = (const void *)(intptr_t)row[ROW_SRC];
         int64_t n = row[ROW_N];
-        uint64_t key = (uint64_t)row[ROW_KEY];
         int dmode = (int)(row[ROW_KIND] & KIND_MODE_MASK);
         int smode = (int)((row[ROW_KIND] >> KIND_SRC_SHIFT) & KIND_MODE_MASK);
         if (row[ROW_KIND] & KIND_COPY) {
             copy_cast(dmode, dst, smode, src, n);
             continue;
         }
+        const uint64_t *row_keys = (const uint64_t *)(keys ? keys + (int64_t)nkeys * r : row + ROW_KEY);
         int stat = want_sq && row[ROW_STAT] >= 0;
-        int64_t total = run((uint32_t)key, (uint32_t)(key >> 32), (uint64_t)row[ROW_START], n, dst, dmode, src, smode,
-                            (float)coef[2 * r], (float)coef[2 * r + 1], coef[2 * r], coef[2 * r + 1], stat);
+        int64_t total = run(nkeys, row_keys, coef + (int64_t)(1 + nkeys) * r, (uint64_t)row[ROW_START], n, dst,
+                            dmode, src, smode, stat);
         if (stat) sums[row[ROW_STAT]] += total;
     }
+}
+
+/* One pass of the Perturber over a table of rows (shard/perturb.py builds it, noise/cpu.py calls it; several
+ * threads may each take a part of the table, with their own `sums`):
+ *   rows: int64 [nrows][ROW_WIDTH], noise/rows.py's format: ROW_DST and ROW_SRC addresses, ROW_N, ROW_START,
+ *         ROW_KEY (k0 | k1 << 32), ROW_STAT block (-1: none), ROW_KIND (dst mode | src mode << KIND_SRC_SHIFT |
+ *         KIND_COPY);
+ *   coef: double [nrows][2] = scale, alpha (rounded to float32 here, except for float64 rows).
+ * A row does dst[i] = src[i] * scale + alpha * z[start + i] (a copy row: dst[i] = src[i]); with want_sq, a
+ * row with a stat block adds its sum round(z^2 2^24) to sums[block]. */
+void noise_rows(int64_t nrows, const int64_t *rows, const double *coef, int64_t *sums, int want_sq) {
+    rows_pass(nrows, rows, coef, 1, NULL, sums, want_sq);
+}
+
+/* The same pass with nkeys >= 1 noise keys per row, from `keys` (the rows' ROW_KEY column is not read):
+ *   keys: int64 [nrows][nkeys], each k0 | k1 << 32;  coef: double [nrows][1 + nkeys] = scale, alpha_0 ..
+ *   alpha_{nkeys-1}.
+ * A row does, for i < n, with z_k the stream of keys[r][k] at the row's start (every key the same counters):
+ *   acc = alpha_0 * z_0[i];  acc = acc + alpha_k * z_k[i] for k = 1 .. nkeys-1;  dst[i] = src[i] * scale + acc
+ * each op rounded separately in float32 (float64 rows: in double), stored in dst's mode.  With want_sq, a row with
+ * a stat block adds the sum round(z^2 2^24) of its LAST key's z.  nkeys = 1 gives noise_rows's bits; a copy row
+ * ignores the keys; a WRITE_Z target gets the last key's z. */
+void noise_rows_keys(int64_t nrows, const int64_t *rows, const double *coef, int64_t nkeys, const int64_t *keys,
+                     int64_t *sums, int want_sq) {
+    if (nkeys < 1) return;   /* noise/cpu.py refuses it first */
+    rows_pass(nrows, rows, coef, (int)nkeys, keys, sums, want_sq);
 }

@@ -11,6 +11,10 @@ mantissa f in [sqrt(1/2), sqrt(2)); cos and sin of 2 pi u2 from an exact integer
 polynomials on [0, pi/4]. Measured against float64: ln within 1.7 ulp, sin/cos within 1.7 ulp, z within
 1.8e-7 R. u1 = (r0 | 1) 2^-32 with 24 significant bits, so |z| <= 6.66.
 
+An update of a range applies the stream(s) to a tensor: axpy_ (one stream: out * scale + alpha * z) and
+axpy_keys_ (K streams, one pass: source * scale + acc, acc = alpha_0 z_0 + ... + alpha_{K-1} z_{K-1} summed left
+to right), each operation rounded separately, as the kernels' row passes do.
+
 philox.c (CPU) and gpu.py (Triton) compute the same operations in the same order: the three give the
 same bits. uint32 arithmetic is emulated here in int64 tensors, with the 32x32 -> 64 multiply split into
 16-bit halves so that no int64 product overflows.
@@ -136,3 +140,40 @@ def axpy_(out: torch.Tensor, z: torch.Tensor, scale: float, alpha: float) -> Non
     if scale != 1.0:
         x = x * scale
     out.copy_(x + t)
+
+
+def axpy_keys_(out: torch.Tensor, source: torch.Tensor, zs: list[torch.Tensor], scale: float,
+               alphas: list[float]) -> None:
+    """out <- source * scale + acc with acc = alphas[0] * zs[0], then acc = acc + alphas[k] * zs[k] for k = 1 ..
+    K-1 in that order: several noise streams (zs: float32 tensors of out's length, as normals() draws them) in one
+    update, as the kernels' rows with K keys do. Each operation is rounded separately in float32 (float64 when out
+    is float64: the z are widened exactly first), the result stored in out's dtype with round-to-nearest-even.
+    source may be out itself (in place) or another tensor of out's length (a float32 master copy into a bfloat16
+    target); scale and alphas must already be float32 values (for non-float64 out), as for axpy_. With one stream
+    this is axpy_'s arithmetic, bit for bit. No fused ops (`add_(..., alpha=)`, addcmul): see axpy_."""
+    if len(zs) != len(alphas) or not zs:
+        raise ValueError(f"{len(zs)} noise streams for {len(alphas)} coefficients: need one each, at least one")
+    compute = torch.float64 if out.dtype == torch.float64 else torch.float32
+    acc = zs[0].to(compute) * alphas[0]
+    for z, alpha in zip(zs[1:], alphas[1:]):
+        acc = acc + z.to(compute) * alpha
+    x = source.to(compute)
+    if scale != 1.0:  # x * 1 is exact: the same bits without the pass
+        x = x * scale
+    out.copy_(x + acc)
+
+
+def run(keys: list[tuple[int, int]], start: int, target: torch.Tensor, source: torch.Tensor | None = None,
+        scale: float = 1.0, alphas: list[float] | None = None, want_sq: bool = False):
+    """The torch-eager fallback, the one runner of every caller without a compiled kernel (NoiseSource on a device
+    or dtype the kernels lack, the Perturber's rows): target <- source * scale + sum_k alphas[k] z_k over the range
+    [start, start + len(target)) of the streams of `keys` (axpy_keys_'s arithmetic; source None: target itself);
+    alphas None: target <- z of the last key (float32). Returns sum round(z^2 2^24) of the last key's z as a 0-d
+    int64 tensor on the target's device when `want_sq`, else None."""
+    n = target.numel()
+    zs = [normals(k0, k1, start, n, target.device) for k0, k1 in (keys if alphas is not None else keys[-1:])]
+    if alphas is None:
+        target.copy_(zs[-1])
+    else:
+        axpy_keys_(target, target if source is None else source, zs, scale, alphas)
+    return fixed_point_sum_of_squares(zs[-1]) if want_sq else None

@@ -1,4 +1,4 @@
-"""The row table's layout, defined once: the Perturber builds it (shard/perturb.py), the C kernel (cpu.py, philox.c:
+"""The row table's format, defined once: the Perturber builds it (shard/perturb.py), the C kernel (cpu.py, philox.c:
 `cpu.build` passes these numbers as -D flags) and the Triton kernel (gpu.py) read it.
 
 A row is int64 [WIDTH], one contiguous range of one stored copy:
@@ -6,10 +6,16 @@ A row is int64 [WIDTH], one contiguous range of one stored copy:
     SRC    source (the same, for the source)
     N      elements
     START  global index of the first element (the noise counter)
-    KEY    noise key, k0 | k1 << 32
+    KEY    noise key, k0 | k1 << 32 (not read by a pass with several keys per row: cpu.run_rows' and
+           gpu.launch's `keys`, int64 [R, K], beside the table)
     STAT   block whose fixed-point z^2 sum the row adds to (-1: none)
     KIND   target mode | source mode << SRC_SHIFT | COPY (a copy row: target = source, no noise)
     ENTRY  index of the row's ParamEntry (the Perturber's; no kernel reads it)
+
+A row does target[i] = source[i] * scale + alpha * z[START + i] with coef (scale, alpha), or, with K keys and coef
+(scale, alpha_0 .. alpha_{K-1}), target[i] = source[i] * scale + acc, acc = alpha_0 z_0[START + i] then
+acc = acc + alpha_k z_k[START + i] for k = 1 .. K-1 (each op rounded separately; K = 1 is the first form, bit for
+bit). Its STAT block counts the fixed-point z^2 of its (last) key's z.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ COPY = 256
 
 class ElementMode(enum.IntEnum):
     """How a kernel reads and writes elements. WRITE_Z, as a target: store z itself (float32); the others name the
-    stored dtype, for out <- out * scale + alpha * z."""
+    stored dtype, for out <- source * scale + alpha * z (or + acc, the sum of several keys' terms); a WRITE_Z target
+    with several keys gets the last key's z."""
 
     WRITE_Z = 0
     FLOAT32 = 1
@@ -58,7 +65,7 @@ def src_mode(kind_code: int) -> int:
 
 
 def c_defines() -> list[str]:
-    """The layout as C preprocessor flags, for philox.c."""
+    """The row format as C preprocessor flags, for philox.c."""
     names = [(f"ROW_{c}", i) for i, c in enumerate(COLUMNS)] + [("ROW_WIDTH", WIDTH), ("KIND_MODE_MASK", MODE_MASK),
                                                                 ("KIND_SRC_SHIFT", SRC_SHIFT), ("KIND_COPY", COPY)]
     names += [(f"MODE_{m.name}", int(m)) for m in ElementMode]

@@ -1,3 +1,4 @@
-"""The weights as one rank holds them: params and blocks, the passes over them (perturb), the bf16 visibility check,
-the collectives and Topology (comm, distributed), and the DeepSpeed wing (ds_compat, ds_policy, ds_config). Planned
-before a run: the memory one rank needs (memory; the prefetcher's replay in prefetch, the models' shapes in shapes)."""
+"""The weights as one rank holds them: params and blocks, the passes of a step over them (perturb; a static mask's
+in mask), the forwards and the step's one all-reduce (forwards), the bf16 visibility check, the weights' digest
+(digest), the collectives and Topology (comm, distributed), and DeepSpeed's privates (ds_compat). Where the
+weights live is decided in layout/."""

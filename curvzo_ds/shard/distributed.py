@@ -73,6 +73,7 @@ def init_distributed(timeout_seconds: float = 1800):
     the engine's reductions run there. `timeout_seconds` bounds every collective: a rank that hangs
     instead of dying fails the job after that long (the `ddp_timeout` key).
     """
+    check_launcher_env(os.environ)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank_of() % torch.cuda.device_count())
     if not dist.is_initialized():
@@ -104,6 +105,38 @@ def init_distributed(timeout_seconds: float = 1800):
         _unlink_shm_buffer()
     rank, world = dist.get_rank(), dist.get_world_size()
     return rank, world, local_rank_of()
+
+
+# (rank, size) pairs of each launcher's variables; a rank must be below its size.
+_LAUNCHER_PAIRS = (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"),
+                   ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
+
+
+def check_launcher_env(env) -> None:
+    """The launcher's variables that init_distributed reads, checked before any of them is used: each that is set is
+    a whole number (a size at least 1), a rank is below its size (RANK=5 with WORLD_SIZE=2 would wait for ranks that
+    never come until ddp_timeout), and MASTER_PORT is a port. Raises a one-line ConfigError naming the variable.
+    SLURM's are checked only in an srun step (launcher_kind): an sbatch script's own shell has them too."""
+    slurm_step = "SLURM_STEP_ID" in env
+    for rank_key, size_key in _LAUNCHER_PAIRS:
+        if rank_key.startswith("SLURM") and not slurm_step:
+            continue
+        values = {}
+        for key, least in ((rank_key, 0), (size_key, 1)):
+            raw = env.get(key)
+            if raw is None:
+                continue
+            if not raw.strip().isdecimal() or int(raw) < least:
+                raise ConfigError(f"the launcher's environment: {key}={raw!r} is not a whole number >= {least}: a "
+                                  "launcher (torchrun, deepspeed, mpirun, srun) sets it; unset it to run one process")
+            values[key] = int(raw)
+        if len(values) == 2 and values[rank_key] >= values[size_key]:
+            raise ConfigError(f"the launcher's environment: {rank_key}={values[rank_key]} is not below "
+                              f"{size_key}={values[size_key]} (the ranks are 0..{values[size_key] - 1}): the job would "
+                              "wait for ranks that never come; check the launcher's settings")
+    port = env.get("MASTER_PORT")
+    if port is not None and not (port.strip().isdecimal() and 1 <= int(port) <= 65535):
+        raise ConfigError(f"the launcher's environment: MASTER_PORT={port!r} is not a port (1-65535)")
 
 
 def _unlink_shm_buffer() -> None:
@@ -197,13 +230,6 @@ class Topology:
         if job.world_size % shard.world_size or job.rank % shard.world_size != shard.rank:
             raise ValueError("hybrid sharding needs equal, contiguous shard groups (ranks g*K .. g*K+K-1)")
         return cls(job, shard, replica_group)
-
-    def check_directions(self, num_directions: int) -> None:
-        """Each replica group evaluates its own directions, so every group must get as many."""
-        if num_directions % self.replicas:
-            raise ConfigError(f"num_directions={num_directions} must be a multiple of the number of replica groups "
-                              f"({self.replicas} = world size {self.job.world_size} / shard_group_size "
-                              f"{self.shard.world_size}), so that every group evaluates the same number of directions")
 
 
 class GroupMPU:

@@ -13,7 +13,6 @@ float64 in micro-batch order.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -75,62 +74,31 @@ def _loss_row(out, device) -> torch.Tensor:
 
 @dataclass
 class Reduced:
-    """What a step's all-reduce returns, the same on every rank, and the SPSA estimates read from it.
+    """What a step's all-reduce returns, the same on every rank: each direction's losses (one per evaluation of the
+    direction, each a mean_loss over the micro-batch slots), the block sums of z^2 ([G] with one direction,
+    [q * G] with q; zeros for MeZO), the counts of moved bf16/fp16 elements per block (visibility steps only), and
+    whether some rank asked to stop. The estimate from the losses is algo.differences'."""
 
-    `difference` (docs/algorithm.md): "central", (L+, L-) per direction; "rloo", one loss L_k = L(w + eps z_k) per
-    direction (carried in both places), and the leave-one-out baseline in place of L-."""
-
-    losses: list[tuple[float, float]]  # (L+, L-) of each direction, each a mean_loss over the micro-batch slots
-    block_sq: torch.Tensor  # the block sums of z^2: [G] with one direction, [q * G] with q (zeros for MeZO)
-    moved: torch.Tensor | None  # the counts of moved bf16/fp16 elements per block (visibility steps only)
-    stop: bool  # some rank asked to stop
-    eps: float
-    difference: str = "central"
-
-    def __post_init__(self):
-        q = len(self.losses)
-        self.loss_spread = None
-        if self.difference == "rloo":
-            self._rloo([lp for lp, _ in self.losses])
-            return
-        self.deltas = [(lp - lm) / (2 * self.eps) for lp, lm in self.losses]  # the projected gradient per direction
-        self.score_deltas = self.deltas
-        self.loss_plus, self.loss_minus = (sum(x[i] for x in self.losses) / q for i in (0, 1))
-        self.delta = sum(self.deltas) / q
-        self.loss = 0.5 * (self.loss_plus + self.loss_minus)
-
-    def _rloo(self, values: list[float]) -> None:
-        """Delta_k = (L_k - mean_{j != k} L_j) / eps, the update's coefficient of z_k; the scores read
-        sqrt((q - 1) / q) Delta_k, whose square has the central Delta^2's mean, ||g_M||^2 (docs/algorithm.md);
-        `delta` (projected_grad) is the root mean square of the Delta_k (their mean is 0 identically)."""
-        q, total = len(values), sum(values)
-        self.deltas = [(v - (total - v) / (q - 1)) / self.eps for v in values]
-        self.score_deltas = [math.sqrt((q - 1) / q) * x for x in self.deltas]
-        self.loss_plus = self.loss_minus = None
-        self.loss = total / q
-        self.loss_spread = max(values) - min(values)
-        self.delta = math.sqrt(sum(x * x for x in self.deltas) / q)
-
-    @property
-    def finite(self) -> bool:
-        losses = (self.loss,) if self.difference == "rloo" else (self.loss_plus, self.loss_minus)
-        return all(math.isfinite(x) for x in (*losses, self.delta, *self.deltas))
+    losses: list[tuple[float, ...]]
+    block_sq: torch.Tensor
+    moved: torch.Tensor | None
+    stop: bool
 
 
-def reduce_step(comm: Comm, evals, slots: int, *, directions: int, eps: float, sums: int = 0, blocks: int = 0,
-                moved: torch.Tensor | None = None, stop_requested: bool | None = None, device=None,
-                difference: str = "central") -> Reduced:
-    """The one all-reduce over `comm` of a step's `evals`, [(direction, its `sums` block sums of z^2, L+ rows,
-    L- rows)] as run_forwards returns the rows: for each direction its block sums (`sums` = 0: none, as for MeZO,
-    which reads no scores); with `moved`, the counts of moved bf16/fp16 elements of the `blocks` blocks; (L+, L-,
-    count) of every direction and slot (with `difference` rloo, L- rows are the L+ rows); with `stop_requested`, the
-    stop flag."""
+def reduce_step(comm: Comm, evals, slots: int, *, directions: int, evaluations: int, sums: int = 0, blocks: int = 0,
+                moved: torch.Tensor | None = None, stop_requested: bool | None = None, device=None) -> Reduced:
+    """The one all-reduce over `comm` of a step's `evals`, [(direction, its `sums` block sums of z^2, [loss rows of
+    each of its `evaluations` (1 or 2) evaluations])], the rows as run_forwards returns them: for each
+    direction its block sums (`sums` = 0: none, as for MeZO, which reads no scores); with `moved`, the counts of
+    moved bf16/fp16 elements of the `blocks` blocks; two (loss, count) pairs per direction and slot (a direction
+    with one evaluation sends it twice); with `stop_requested`, the stop flag."""
     packet = StepPacket(directions, sums, slots, moved=blocks if moved is not None else 0,
                         stop=stop_requested is not None, device=device)
-    for d, block_fixed, plus, minus in evals:
+    for d, block_fixed, rows in evals:
         if sums:
             packet.put_sums(d, block_fixed)
-        for (slot, lp), (_, lm) in zip(plus, minus):
+        first, second = rows[0], rows[-1]
+        for (slot, lp), (_, lm) in zip(first, second):
             packet.put_losses(d, slot, lp, lm)
     if moved is not None:
         packet.put_moved(moved)
@@ -139,6 +107,6 @@ def reduce_step(comm: Comm, evals, slots: int, *, directions: int, eps: float, s
     packet.all_reduce(comm)
     block_sq = (packet.block_sums().to(torch.float64) / 2.0**FIXED_POINT_BITS if sums
                 else torch.zeros(directions * blocks, dtype=torch.float64))
-    losses = [tuple(mean_loss((row[i], row[2]) for row in rows) for i in (0, 1)) for rows in packet.losses()]
-    return Reduced(losses, block_sq if directions > 1 else block_sq[:blocks], packet.moved(), packet.stop(), eps,
-                   difference)
+    losses = [tuple(mean_loss((row[i], row[2]) for row in rows) for i in range(evaluations))
+              for rows in packet.losses()]
+    return Reduced(losses, block_sq if directions > 1 else block_sq[:blocks], packet.moved(), packet.stop())

@@ -70,9 +70,7 @@ def fit(engine, batches, fraction: float) -> StaticMask:
     """The mask of the top `fraction` of trainable elements by squared batch gradient over `batches` (a list of
     MicroBatches or of micro-batches: each item is one step's global batch). Collective over the engine's ranks."""
 
-    entries, module = engine.entries, engine.module
-    if not 0 < fraction <= 1:
-        raise ValueError(f"static_mask={fraction!r}: the fraction of elements to perturb must be in (0, 1]")
+    entries, module = engine.entries, engine.module  # `fraction`: the static_mask key, validated with the config
     grad = [torch.zeros(e.region[1] - e.region[0], dtype=torch.float32, device=ds_compat.storage_device(e.param))
             for e in entries]
     squared = [torch.zeros_like(g) for g in grad]
@@ -205,31 +203,23 @@ class MaskedPerturber(StepPasses):
         if step != self._step:
             self._step, self._z = step, {}
 
-    def perturb(self, at: float, to: float, stats: bool = False, direction: int = 0) -> None:
-        """Write w + to z at the selected elements (w itself is kept in fp32, so `at` needs no undoing)."""
+    def move(self, frm, to, stats: bool = False) -> None:
+        """Write w + b z_e (`to` = (e, b); None: w) at the selected elements: w itself is kept in fp32, so `frm` needs
+        no undoing and a move is exact."""
         if stats:
             raise ValueError("static_mask draws no blocks and computes no score statistics: use method=mezo")
-        for j, z in enumerate(self._noise(direction)):
-            self._write(j, self.values[j] + to * z)
+        for j in range(len(self.used)):
+            self._write(j, self.values[j] if to is None else self.values[j] + to[1] * self._noise(to[0])[j])
 
-    def update(self, steps: torch.Tensor, keeps: torch.Tensor, eps: float, weight_decay: float) -> None:
-        self.update_directions([steps], keeps, weight_decay)
-
-    def update_directions(self, steps: list[torch.Tensor], keeps: torch.Tensor, weight_decay: float) -> None:
-        """w <- keep w - sum_d step_d z_d at the selected elements (decay on matrices only), then write w. With
-        method mezo every block has the same coefficients (pi = 1), so block 0's serve every tensor."""
+    def update(self, coefs: list[torch.Tensor], keep: torch.Tensor, at, weight_decay: float) -> None:
+        """w <- keep w - sum_d coef_d z_d at the selected elements (decay on matrices only), then write w (`at` needs
+        no undoing: see move). With method mezo every block has the same coefficients (pi = 1), so block 0's serve
+        every tensor."""
         for j, i in enumerate(self.used):
             if weight_decay and self.entries[i].decay:
-                self.values[j].mul_(float(keeps[0]))
-            for d, step_d in enumerate(steps):
-                self.values[j].sub_(float(step_d[0]) * self._noise(d)[j])
-            self._write(j, self.values[j])
-
-    def snapshot(self) -> None:
-        return None  # the fp32 values are w
-
-    def restore(self, saved) -> None:
-        for j in range(len(self.used)):
+                self.values[j].mul_(float(keep[0]))
+            for d, coef_d in enumerate(coefs):
+                self.values[j].sub_(float(coef_d[0]) * self._noise(d)[j])
             self._write(j, self.values[j])
 
     def owned_low_precision(self) -> list:

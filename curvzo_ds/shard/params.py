@@ -72,16 +72,18 @@ class ParamEntry:
             view[vs].copy_(values[zs])
 
     def region_values(self) -> torch.Tensor:
-        """The current values of the region, fp32 (from the master copy when there is one)."""
+        """The current values of the region, fp32 (from the master copy when there is one; float64 tensors in
+        float64, so that a checkpoint of them is exact)."""
         if self.master is not None:
             return self.master
         lo, hi = self.region
-        out = torch.empty(hi - lo, dtype=torch.float32, device=ds_compat.storage_device(self.param))
+        dtype = torch.promote_types(self.param.dtype, torch.float32)
+        out = torch.empty(hi - lo, dtype=dtype, device=ds_compat.storage_device(self.param))
         targets = self.targets()
         if max(off + view.numel() for view, off in targets) < hi - lo or min(off for _, off in targets) > 0:
             raise RuntimeError(f"{self.name}: only the shard is here; gather the parameter to read its region")
         for view, off in targets:
-            out[off: off + view.numel()] = view.float()
+            out[off: off + view.numel()] = view.to(dtype)
         return out
 
 

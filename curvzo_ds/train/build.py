@@ -24,22 +24,21 @@ from typing import Any
 import deepspeed
 import torch
 from accelerate.utils import DeepSpeedPlugin
-from deepspeed.accelerator import get_accelerator
 
 from curvzo_ds import data as D
 from curvzo_ds.checkpoint.manager import CheckpointManager
 from curvzo_ds.config.ds_config import load_ds_config
 from curvzo_ds.config.resolve import resolve, resolve_run, zo_part
-from curvzo_ds.config.schema import TrainConfig, ZOConfig, resolve_presets, sources_of
+from curvzo_ds.config.schema import TrainConfig, ZOConfig
 from curvzo_ds.config.sections import section
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.errors import ConfigError
+from curvzo_ds.layout.choice import choose_layout
 from curvzo_ds.models import build_model, model_hidden_size
 from curvzo_ds.shard import ds_compat
 from curvzo_ds.shard.comm import Comm, main_process_first
 from curvzo_ds.shard.distributed import GroupMPU, Topology, init_distributed, pin_threads
-from curvzo_ds.shard.layouts import Layout, group_candidates, plan_layouts
 from curvzo_ds.train.evaluate import Evaluator
 from curvzo_ds.train.inputs import (
     check_batch_fits,
@@ -98,14 +97,15 @@ def build(cfg: TrainConfig) -> Job:
     """The Job of `curvzo-ds train` / `eval` on this rank: the process group and topology, the config resolved (the
     presets, the DeepSpeed config mapped), the data checked, the model under DeepSpeed ZeRO-3, the engine, the
     evaluator. Every user error is a ConfigError, raised on every rank."""
+    cfg = resolve(cfg)  # the presets, once (a config the CLI resolved has them), and the one validation
     rank, _, _ = init_distributed(cfg.ddp_timeout)
     setup_logging(rank, cfg.log_level)
     threads = pin_threads(cfg.threads)
     user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()  # read once, not edited
-    layout, decided = choose_layout(cfg, user_ds)  # zero_stage and shard_group_size: "auto" decided
-    topology = Topology.create(decided["shard_group_size"])  # the shard and replica groups, once
-    topology.check_directions(cfg.num_directions)
-    cfg, ds_config = resolve_config(cfg, topology, decided, user_ds)
+    layout = choose_layout(cfg, user_ds)  # layout/: zero_stage and shard_group_size, "auto" decided
+    topology = Topology.create(layout.group)  # the shard and replica groups, once
+    cfg, ds_config = resolve_config(cfg, topology, {"zero_stage": layout.zero_stage, "shard_group_size": layout.group},
+                                    user_ds)
     if topology.job.rank == 0:
         warn_idle_ranks(section(cfg, "data"), topology.shard.world_size)
     with main_process_first(topology.job):  # rank 0 fills the download and tokenizer caches first
@@ -118,7 +118,8 @@ def build(cfg: TrainConfig) -> Job:
         ds_compat.sync_replicas(model, topology.replica_group)
     ds_engine, *_ = deepspeed.initialize(model=model, config=ds_config, mpu=mpu)
     device = ds_engine.device
-    loss = D.loss_fn_for(task, cfg.train_as_classification)
+    loss = D.loss_fn_for(task, cfg.train_as_classification, cfg.objective, tokenizer, cfg.max_new_tokens,
+                         cfg.micro_batch_size)
     engine = engine_for(ds_engine, lambda m, mb: loss(m, D.to_device(mb, device)), zo_part(cfg), topology=topology)
     check_data_agrees(topology.job, train_data, eval_data)
     evaluator = Evaluator(ds_engine, task, tokenizer, eval_data, cfg.micro_batch_size, topology.job, device,
@@ -136,7 +137,8 @@ def build_plain(cfg: TrainConfig) -> Job:
     cfg = resolve(cfg)
     task, tokenizer, train_data, eval_data = load_data(section(cfg, "data"), section(cfg, "model"), cfg.seed)
     model, keep_alive = build_model(section(cfg, "model"), cfg.seed, {})
-    loss = D.loss_fn_for(task, cfg.train_as_classification)
+    loss = D.loss_fn_for(task, cfg.train_as_classification, cfg.objective, tokenizer, cfg.max_new_tokens,
+                         cfg.micro_batch_size)
     engine = engine_for(model, loss, zo_part(cfg))
     device = torch.device("cpu")
     evaluator = Evaluator(model, task, tokenizer, eval_data, cfg.micro_batch_size, Comm(None), device,
@@ -214,90 +216,6 @@ def install_checkpoint_hooks(ds_engine, engine: ZOEngine) -> None:
     ds_engine.load_checkpoint = load_checkpoint
 
 
-def choose_layout(cfg: TrainConfig, user_ds: dict | None) -> tuple[Layout, dict]:
-    """Decide `zero_stage` and `shard_group_size` where they are "auto" (before the topology and the DeepSpeed
-    mapping read them): the layout, and the two keys' values for the run's config (`cfg` is not changed); log the
-    choice and its reason in one line. An explicit stage (--set, the YAML, `user_ds`'s zero_optimization.stage:
-    the DeepSpeed file or the Accelerate config) and an explicit shard_group_size are kept. `auto` (docs/scaling.md;
-    `plan_layouts` states the rule) plans with the memory model of `curvzo-ds plan` at the run's micro-batch and
-    max_length, fed the smallest device memory of the job's ranks: a GPU's free memory, or on CPU the host's memory
-    divided by the ranks on the node. Collective (every rank calls it)."""
-    job = Comm(None)
-    world = job.world_size
-    cfg = resolve_presets(cfg)
-    zero = user_ds.get("zero_optimization") if isinstance(user_ds, dict) else None
-    ds_stage = zero.get("stage") if isinstance(zero, dict) else None
-    where = f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config"
-    group, stage, reason = cfg.shard_group_size, cfg.zero_stage, None
-    if stage != "auto":
-        reason = f"zero_stage={stage} ({sources_of(cfg).get('zero_stage', 'set')})"
-    elif ds_stage in (0, 3) and not isinstance(ds_stage, bool):
-        stage, reason = ds_stage, f"zero_optimization.stage={ds_stage} in {where}"
-    elif group != "auto":
-        stage, reason = 3, f"shard_group_size={group} ({sources_of(cfg).get('shard_group_size', 'set')})"
-    if stage == 3 and group == "auto" and cfg.num_directions == 1:  # one replica group: the whole job, no plan
-        layout = Layout(3, world, 1, f"{reason}; shard_group_size auto: num_directions=1 needs one replica group, "
-                                     f"the whole job ({world} rank{'s' * (world != 1)})")
-    elif stage == "auto" or (stage == 3 and group == "auto"):
-        memory, kind = device_memory(job)  # collective: outside the try, so that every rank reaches it
-        try:
-            chosen, _ = plan_layouts(world, memory, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                                     cfg.num_directions, **planner_args(cfg, user_ds, kind))
-        except Exception as e:  # noqa: BLE001  a model the planner cannot read: today's layout, on every rank
-            chosen = Layout(3, world, 1, f"the memory model could not plan model {cfg.model} ({first_line(e)}): "
-                                         "ZeRO-3 over the whole job")
-        if stage == "auto":
-            layout = chosen
-        elif chosen.zero_stage == 3:
-            layout = dataclasses.replace(chosen, reason=f"{reason}; shard_group_size auto: {chosen.reason}")
-        else:  # the whole model fits, but the stage is 3: the smallest group is then the whole job when q = 1
-            group = next((k for k in group_candidates(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-                          if k > 1 and cfg.num_directions % (world // k) == 0), world)
-            why = (f"the smallest group of more than one rank whose {world // group} replica groups divide "
-                   f"num_directions={cfg.num_directions}" if group < world else f"the whole job ({world} ranks)")
-            layout = Layout(3, group, world // group, f"{reason}; shard_group_size auto: {why}")
-    elif stage == 0:
-        k = world if group in ("auto", None) else group
-        layout = Layout(0, 1 if k == world else k, world if k == world else world // k, reason)
-    else:
-        k = world if group in (None, "auto") else group
-        layout = Layout(3, k, world // k if k and world % k == 0 else 1, reason)
-    if layout.zero_stage == 0:
-        shard_group_size = None if group in ("auto", None) else group
-    else:
-        shard_group_size = None if layout.shard_group_size == world else layout.shard_group_size
-    if job.rank == 0:
-        log.info("layout: %s: %s", layout.describe(), layout.reason)
-    return layout, {"zero_stage": layout.zero_stage, "shard_group_size": shard_group_size}
-
-
-def device_memory(job: Comm) -> tuple[int, str]:
-    """(bytes of device memory per rank, the smallest over the job; "gpu" or "cpu"): a CUDA device's free memory,
-    or on CPU the host's physical memory divided by the ranks on this node."""
-    if torch.cuda.is_available() and get_accelerator().device_name() == "cuda":
-        mine, kind = torch.cuda.mem_get_info()[0], "gpu"
-    else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", job.world_size))
-        mine, kind = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1), "cpu"
-    return min(job.all_gather_object(int(mine))), kind
-
-
-def planner_args(cfg: TrainConfig, user_ds: dict | None, kind: str) -> dict:
-    """`plan_memory`'s arguments for this run: its model, micro-batch and max_length, and its dtype and offload
-    (a DeepSpeed file's bf16/fp16 and offload_param device count, as the mapping will take them)."""
-    dtype, offload = cfg.dtype, cfg.offload_param
-    if isinstance(user_ds, dict):
-        for section, name in (("bf16", "bfloat16"), ("fp16", "float16")):
-            if isinstance(user_ds.get(section), dict) and user_ds[section].get("enabled") is True:
-                dtype = name
-        zero = user_ds.get("zero_optimization")
-        off = zero.get("offload_param") if isinstance(zero, dict) else None
-        if isinstance(off, dict) and off.get("device") == "cpu":
-            offload = "cpu"
-    return dict(model=cfg.model, dtype=dtype, offload=offload, batch=cfg.micro_batch_size, seq_len=cfg.max_length,
-                device=kind, trust_remote_code=bool(getattr(cfg, "trust_remote_code", False)))
-
-
 def resolve_config(cfg: TrainConfig, topology: Topology, decided: dict, user_ds: dict | None
                    ) -> tuple[TrainConfig, dict]:
     """(the config with its presets, the layout `decided` (choose_layout) and the DeepSpeed-mapped keys applied,
@@ -305,7 +223,7 @@ def resolve_config(cfg: TrainConfig, topology: Topology, decided: dict, user_ds:
     # Each replica group processes the whole global batch: DeepSpeed's data-parallel world is the shard group.
     # A mapped key given explicitly (--set or the YAML) that the DeepSpeed config sets otherwise is refused. A
     # config the CLI resolved is not validated again (config.resolve): the mapping checks what it sets.
-    hidden_size = model_hidden_size(section(resolve_presets(cfg), "model"))
+    hidden_size = model_hidden_size(section(cfg, "model"))
     cfg, ds_config, notes = resolve_run(
         cfg, world_size=topology.shard.world_size, hidden_size=hidden_size,
         user_ds=user_ds, where=f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config",
@@ -314,8 +232,3 @@ def resolve_config(cfg: TrainConfig, topology: Topology, decided: dict, user_ds:
         log.warning("deepspeed config: %s", note)
     check_dtype(cfg.dtype)
     return cfg, ds_config
-
-
-def first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

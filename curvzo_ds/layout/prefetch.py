@@ -1,5 +1,5 @@
 """What ZeRO-3 holds gathered on one rank during a forward: DeepSpeed's parameter coordinator replayed over the
-modules' call order (`gather_peak`), for the memory plan (shard/memory.py, docs/plan.md)."""
+modules' call order (`gather_peak`), for the memory plan (layout/memory.py, docs/plan.md)."""
 
 from __future__ import annotations
 

@@ -14,12 +14,12 @@ import re
 
 from curvzo_ds.config.ds_config import load_ds_config, resolve_ds_config
 from curvzo_ds.errors import ConfigError
+from curvzo_ds.layout.prefetch import SMALL_BLOCK, gather_peak, shard_elements
+from curvzo_ds.layout.shapes import PUBLISHED, hidden_size_of, meta_model, model_config, published_key
 from curvzo_ds.noise.rows import ROW_BYTES
-from curvzo_ds.shard.prefetch import SMALL_BLOCK, gather_peak, shard_elements
-from curvzo_ds.shard.shapes import PUBLISHED, hidden_size_of, meta_model, model_config, published_key
 
 GiB = 2**30
-TABLE_ROW = ROW_BYTES  # bytes of one row of the Perturber's piece table (noise/rows.py)
+TABLE_ROW = ROW_BYTES  # bytes of one row of the Perturber's row table (noise/rows.py)
 # A CPU run only (--device cpu), measured here (docs/plan.md): the process memory a run adds above the imported
 # libraries besides its tensors (DeepSpeed's engine and hooks, tokenizer, data, compiled noise kernel).
 RUNTIME_CPU = 35 * 2**20
@@ -41,19 +41,21 @@ def parse_memory(text: str) -> int:
     return size
 
 
-def zero_settings(deepspeed: str | None, dtype: str, offload: str, world_size: int, hidden: int | None):
-    """(ZeRO config as DeepSpeed reads it, dtype, offload): the DeepSpeed config mapped as `curvzo-ds train` maps it
-    (its bf16/fp16 and offload_param win; "auto" sizes resolved from the hidden size), DeepSpeed's defaults for
-    every key it leaves out (stage3_prefetch_bucket_size 5e7, stage3_max_live_parameters 1e9,
+def zero_settings(deepspeed: str | dict | None, dtype: str, offload: str, world_size: int, hidden: int | None):
+    """(ZeRO config as DeepSpeed reads it, dtype, offload): the DeepSpeed config (a file's path, read by
+    config.ds_config's one reader, or the dict a run read) mapped by config.ds_config's mapping, as `curvzo-ds train`
+    maps it (its bf16/fp16 and offload_param win; "auto" sizes resolved from the hidden size), DeepSpeed's defaults
+    for every key it leaves out (stage3_prefetch_bucket_size 5e7, stage3_max_live_parameters 1e9,
     stage3_param_persistence_threshold 1e5 elements)."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    user = load_ds_config(deepspeed) if deepspeed else {"zero_optimization": {"stage": 3}}
+    user = load_ds_config(deepspeed) if isinstance(deepspeed, str) else (
+        deepspeed or {"zero_optimization": {"stage": 3}})
     ds, mapped, _ = resolve_ds_config(user, world_size, hidden, dtype=dtype, offload_param=offload)
     zero = dict(ds["zero_optimization"])
     if zero.pop("stage") not in (3, "auto"):
-        raise ConfigError(f"--deepspeed {deepspeed}: curvzo-ds plan plans ZeRO stage 3; set zero_optimization.stage "
-                          "to 3")
+        raise ConfigError(f"--deepspeed {_name(deepspeed)}: curvzo-ds plan plans ZeRO stage 3; set "
+                          "zero_optimization.stage to 3")
     return DeepSpeedZeroConfig(**zero), mapped["dtype"], mapped["offload_param"]
 
 
@@ -90,7 +92,7 @@ class Plan:
     runtime: int  # CPU: RUNTIME_CPU; 0 on a GPU
     per_row: int  # activation bytes of one sequence of T tokens (`activation_bytes`)
     table: int  # TABLE_ROW per stored copy of a tensor (its shard, and a persistent one's replica): the Perturber's
-    #            piece table, on the device and pinned on the host
+    #            row table, on the device and pinned on the host
     zo_state: int  # 16 float64 per block: scores, sizes, warm-up sums, and the step's pi, mask and all-reduce
     checkpoint: int  # rank 0 while loading: the checkpoint's bytes (from_pretrained maps every file on rank 0)
     load: int  # rank 0's peak while loading: checkpoint + shard + w * largest module (twice at K > 1: gathered
@@ -98,6 +100,9 @@ class Plan:
     adamw_states: int  # DeepSpeed's ZeRO-3 model-state estimate for AdamW (GPU bytes)
     adamw_per_row: int  # activations of one sequence kept for backward (`training_activation_bytes`)
     dtype_from: str = ""  # where dtype came from when --dtype was not given
+    directions: int = 1  # q, num_directions
+    step_copy: int = 0  # q > 1: w * region of each bf16/fp16 tensor without an fp32 copy: the step's copy of the
+    #                     weights it edits in place (shard/perturb.py); fp32 weights and master-kept ones: none
 
     @property
     def activations(self) -> int:
@@ -111,15 +116,16 @@ class Plan:
     @property
     def host(self) -> int:
         """CPU memory beside the GPU after loading: the shard and its fp32 copy when offloaded (the fp32 copy lives
-        where the weights do), and the pinned piece table."""
-        return (self.shard + self.master if self.offload == "cpu" else 0) + self.table
+        where the weights do), and the pinned row table."""
+        return (self.shard + self.master + self.step_copy if self.offload == "cpu" else 0) + self.table
 
     def _fixed(self) -> int:
         """What does not grow with B, in the memory the verdict is about."""
         fixed = self.persistent + self.gathered + self.allocator + self.tied + self.zo_state + self.runtime
+        with_weights = self.shard + self.master + self.step_copy  # where the weights live
         if self.device == "cpu":
-            return fixed + self.shard + self.master + self.table
-        return fixed + (self.shard + self.master if self.offload == "none" else 0) + self.table
+            return fixed + with_weights + self.table
+        return fixed + (with_weights if self.offload == "none" else 0) + self.table
 
     @property
     def steady(self) -> int:
@@ -156,11 +162,13 @@ class Plan:
              f"{self.live:.0e})", self.gathered),
             ("tied duplicate left by loading (until Python's next full collection)", self.tied),
             (f"forward activations ({self.batch} x {self.seq_len} tokens)", self.activations),
-            (f"piece table ({TABLE_ROW} bytes per stored copy of a tensor)", self.table),
+            (f"row table ({TABLE_ROW} bytes per stored copy of a tensor)", self.table),
             ("ZO state (16 float64 per block)", self.zo_state),
+            (f"copy of bf16/fp16 weights for a step of {self.directions} direction{'s' * (self.directions != 1)} "
+             "(those without an fp32 copy; none at q = 1)" + (host if self.offload == "cpu" else ""), self.step_copy),
         ]
         if self.device == "gpu":
-            rows += [("host memory beside the GPU (offloaded shard and fp32 copy, piece table)", self.host),
+            rows += [("host memory beside the GPU (offloaded shard and fp32 copy, row table)", self.host),
                      ("host memory on rank 0 while loading (the checkpoint)", self.checkpoint)]
         else:
             rows += [("allocator: freed gathered blocks under 32 MiB kept in the heap", self.allocator),
@@ -210,8 +218,9 @@ def training_activation_bytes(conf, seq_len: int, width: int, label_positions: i
 
 def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int | None = None,
                 dtype: str = "bfloat16", offload: str = "none", batch: int = 4, seq_len: int = 512,
-                gpu_memory: int | str = 80 * GiB, fp32_master: bool | str = "auto", deepspeed: str | None = None,
-                device: str = "gpu", label_positions: int = 1, trust_remote_code: bool = False) -> Plan:
+                gpu_memory: int | str = 80 * GiB, fp32_master: bool | str = "auto", deepspeed: str | dict | None = None,
+                device: str = "gpu", label_positions: int = 1, trust_remote_code: bool = False,
+                num_directions: int = 1) -> Plan:
     """The plan of one rank (rank 0, the largest). Raises ConfigError for what cannot be planned. `dtype="auto"`: the
     model config's torch_dtype when it names one of fp32, bf16, fp16, else bf16."""
     dtype = DTYPE_NAMES.get(dtype, dtype)
@@ -227,7 +236,8 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
     if not 1 <= group <= world_size or world_size % group:
         raise ConfigError(f"--shard-group-size {shard_group_size}: use a divisor of --world-size {world_size} "
                           "(ranks that share one ZeRO-3 partition)")
-    for flag, value in (("--batch", batch), ("--seq-len", seq_len), ("--label-positions", label_positions)):
+    for flag, value in (("--batch", batch), ("--seq-len", seq_len), ("--label-positions", label_positions),
+                        ("--num-directions", num_directions)):
         if value < 1:
             raise ConfigError(f"{flag} {value}: use an integer >= 1")
     if offload not in ("none", "cpu") or device not in ("gpu", "cpu"):
@@ -244,7 +254,7 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
     zero, dtype, offload = zero_settings(deepspeed, dtype, offload, world_size,
                                          hidden_size_of(conf))
     if dtype != asked:
-        dtype_from = f"the deepspeed config {deepspeed}"
+        dtype_from = f"the deepspeed config {_name(deepspeed)}"
     width = WIDTH[dtype]
     net = meta_model(conf)
     named = list(net.named_parameters())  # tied tensors once
@@ -272,6 +282,13 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
     if dtype != "float32" and fp32_master:
         masters = [k if i in persistent else shard_elements(k, group) for i, (k, (_, p)) in
                    enumerate(zip(numels, named)) if fp32_master is True or p.dim() == 1]
+    # A step of several directions writes the bf16/fp16 tensors it edits in place from a copy of them taken at its
+    # start (shard/perturb.py): the region of each tensor without an fp32 copy, in the weights' dtype.
+    step_copy = 0
+    if dtype != "float32" and num_directions > 1:
+        kept = [fp32_master is True or (fp32_master == "auto" and p.dim() == 1) for _, p in named]
+        step_copy = width * sum(k if i in persistent and fetched else shard_elements(k, group)
+                                for i, k in enumerate(numels) if not kept[i])
     rule = {True: "every tensor", False: "none", "auto": "auto: 1-D tensors"}[fp32_master]
     if dtype == "float32":
         rule = "none: float32 is edited exactly"
@@ -310,7 +327,12 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
         tied=tied, runtime=runtime, per_row=per_row,
         table=TABLE_ROW * (len(numels) + len(persistent)), zo_state=16 * 8 * len(numels),
         checkpoint=checkpoint, load=load, adamw_states=adamw_states,
-        adamw_per_row=training_activation_bytes(conf, seq_len, width, label_positions), dtype_from=dtype_from)
+        adamw_per_row=training_activation_bytes(conf, seq_len, width, label_positions), dtype_from=dtype_from,
+        directions=num_directions, step_copy=step_copy)
+
+
+def _name(deepspeed: str | dict | None) -> str:
+    return deepspeed if isinstance(deepspeed, str) else "of the run"
 
 
 def config_dtype(conf) -> str | None:

@@ -1,0 +1,145 @@
+"""The finite-difference estimators: how a step's forwards are placed and what the update reads from their losses
+(docs/algorithm.md, "Several directions per step"). Pure: Python floats in and out, nothing about ranks or
+tensors, so every rank computes the same values from the same float64 losses of the step's one all-reduce.
+
+`DIFFERENCE_SPECS` is the table the `difference` key names and the engine reads (like `sampling.METHOD_SPECS`):
+where each forward of a direction evaluates (in units of eps along z_k), how many directions the estimator needs,
+and its estimate. `StepNormalization` divides the step of an estimator that has several losses by their spread.
+A new estimator is a member of `Difference` and its row here; a new normalisation a member of `StepNormalization`
+and its case in `FiniteDifference.estimate`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Difference(str, enum.Enum):
+    """The `difference` key."""
+
+    CENTRAL = "central"  # (L(w + eps z) - L(w - eps z)) / (2 eps) per direction: MeZO's SPSA
+    RLOO = "rloo"  # one forward L_k = L(w + eps z_k) per direction, the mean of the others' losses as baseline
+
+
+class StepNormalization(str, enum.Enum):
+    """The `step_normalization` key."""
+
+    NONE = "none"  # the update's coefficient of z_k is (lr / q) Delta_k
+    LOSS_STD = "loss_std"  # (eta / q) (L_k - b_k) / sigma: the step in units of z, sigma the spread of the q losses
+
+
+SIGMA_FLOOR = 1e-3  # loss_std: sigma is floored at this fraction of its running mean
+SIGMA_RATE = 0.1  # loss_std: the running mean of sigma is an EMA with this rate (its first value the first sigma)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one step's losses give: `deltas[k]` is direction k's coefficient in the update, which is
+    w <- w - (lr / q) sum_k deltas[k] z_k (the sampler adds 1/pi and the decay); `score_deltas[k]` what the block
+    scores read for direction k (Eq. 27's Delta); `delta` the logged projected gradient."""
+
+    deltas: list[float]
+    score_deltas: list[float]
+    loss: float
+    delta: float
+    loss_plus: float | None = None  # central: the mean over directions of L(w + eps z_k), and of L(w - eps z_k)
+    loss_minus: float | None = None
+    loss_spread: float | None = None  # rloo: max - min of the q losses
+    loss_std: float | None = None  # loss_std: sigma, the standard deviation (ddof 1) of the q losses
+
+    @property
+    def finite(self) -> bool:
+        values = [self.loss, self.delta, *self.deltas]
+        values += [x for x in (self.loss_plus, self.loss_minus) if x is not None]
+        return all(math.isfinite(x) for x in values)
+
+
+def central(losses: list[tuple[float, ...]], eps: float) -> Estimate:
+    """Delta_k = (L+_k - L-_k) / (2 eps) (SPSA, the paper's step 4) for each direction k; the step's loss is the
+    mean of the two sides, averaged over the directions."""
+    q = len(losses)
+    deltas = [(lp - lm) / (2 * eps) for lp, lm in losses]
+    plus, minus = (sum(x[i] for x in losses) / q for i in (0, 1))
+    return Estimate(deltas, deltas, 0.5 * (plus + minus), sum(deltas) / q, loss_plus=plus, loss_minus=minus)
+
+
+def leave_one_out(losses: list[tuple[float, ...]], eps: float) -> Estimate:
+    """Delta_k = (L_k - b_k) / eps with b_k = mean_{j != k} L_j; the scores read sqrt((q - 1) / q) Delta_k, whose
+    square has the central Delta^2's mean, ||g_M||^2 (docs/algorithm.md); `delta` (projected_grad) is the root mean
+    square of the Delta_k (their mean is 0 identically)."""
+    values = [lk for (lk,) in losses]
+    q, total = len(values), sum(values)
+    deltas = [(v - (total - v) / (q - 1)) / eps for v in values]
+    return Estimate(deltas, [math.sqrt((q - 1) / q) * x for x in deltas], total / q,
+                    math.sqrt(sum(x * x for x in deltas) / q), loss_spread=max(values) - min(values))
+
+
+class DifferenceSpec(NamedTuple):
+    """One estimator: `offsets`, where each forward of a direction evaluates, in units of eps along z_k (the
+    engine's forwards per direction); `min_directions`; `estimate(losses, eps)`, losses being one tuple per
+    direction with one loss per offset."""
+
+    offsets: tuple[int, ...]
+    min_directions: int
+    estimate: Callable[[list[tuple[float, ...]], float], Estimate]
+    normalizable: bool  # step_normalization=loss_std applies (several losses of one kind per step)
+
+
+DIFFERENCE_SPECS: dict[Difference, DifferenceSpec] = {
+    Difference.CENTRAL: DifferenceSpec((1, -1), 1, central, normalizable=False),
+    Difference.RLOO: DifferenceSpec((1,), 2, leave_one_out, normalizable=True),
+}
+
+
+class FiniteDifference:
+    """The estimator of one run (`difference`, `step_normalization`, eps), with the one scalar of state that the
+    normalisation keeps: the running mean of sigma (an EMA, `SIGMA_RATE`), saved in checkpoints.
+
+    `loss_std` (FZOO's normalisation): with the q losses L_k, b_k as `leave_one_out`'s and sigma their standard
+    deviation (ddof 1) floored at SIGMA_FLOOR times the running mean of sigma (before this step's), the update's
+    coefficient of z_k is (eta / q) (L_k - b_k) / sigma, eta being the learning rate: `deltas[k]` =
+    (L_k - b_k) / sigma. The update is then invariant to L -> a L + b (a > 0), and a step whose losses are all
+    equal (sigma 0 with no running mean yet) moves nothing."""
+
+    def __init__(self, difference: str, step_normalization: str, eps: float):
+        self.kind = Difference(difference)
+        self.spec = DIFFERENCE_SPECS[self.kind]
+        self.normalization = StepNormalization(step_normalization)
+        self.eps = eps
+        self.sigma_mean: float | None = None
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return self.spec.offsets
+
+    def estimate(self, losses: list[tuple[float, ...]]) -> Estimate:
+        """The step's estimate from each direction's losses (one per offset); with loss_std it also updates the
+        running mean of sigma (a finite sigma only)."""
+        est = self.spec.estimate(losses, self.eps)
+        if self.normalization is StepNormalization.NONE:
+            return est
+        values = [lk for (lk,) in losses]
+        q = len(values)
+        mean = sum(values) / q
+        sigma = math.sqrt(sum((v - mean) ** 2 for v in values) / (q - 1))
+        floor = SIGMA_FLOOR * self.sigma_mean if self.sigma_mean is not None else 0.0
+        scale = max(sigma, floor)
+        total = sum(values)
+        # a step whose losses are all equal (scale 0, no running mean yet) moves nothing
+        deltas = [(v - (total - v) / (q - 1)) / scale if scale > 0 else 0.0 for v in values]
+        if math.isfinite(sigma):
+            self.sigma_mean = sigma if self.sigma_mean is None else (
+                (1 - SIGMA_RATE) * self.sigma_mean + SIGMA_RATE * sigma)
+        return Estimate(deltas, est.score_deltas, est.loss, math.sqrt(sum(x * x for x in deltas) / q),
+                        loss_spread=est.loss_spread, loss_std=sigma)
+
+    def state_dict(self) -> dict:
+        return {"sigma_mean": self.sigma_mean} if self.normalization is not StepNormalization.NONE else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.normalization is not StepNormalization.NONE:
+            self.sigma_mean = state.get("sigma_mean")
