@@ -1,11 +1,11 @@
 """ZOEngine: the wiring of a step (the package's docstring describes the step); the forwards and their all-reduce
-are shard/forwards.py's, the passes over the weights the Perturber's, the decisions the sampler's."""
+are shard/forwards.py's, the passes over the weights the Perturber's, the decisions the sampler's, the saved state
+engine/state.py's."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import math
 from typing import Any
@@ -19,6 +19,7 @@ from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.config.sections import section
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.engine.result import LossFn, StepResult, StepTimer
+from curvzo_ds.engine.state import EngineState
 from curvzo_ds.errors import NonFiniteLossError
 from curvzo_ds.noise.gaussian import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
 from curvzo_ds.shard import ds_compat
@@ -34,7 +35,7 @@ from curvzo_ds.shard.visibility import VisibilityMonitor
 log = logging.getLogger("curvzo_ds")
 
 
-class ZOEngine:
+class ZOEngine(EngineState):
     """Zeroth-order training of `model` (an nn.Module or a DeepSpeed engine) on `loss_fn`.
 
     `loss_fn(model, micro_batch)` returns `(loss_sum, count)` (docs/contracts.md); a mean loss is `(mean, 1)`.
@@ -265,49 +266,6 @@ class ZOEngine:
             local = self._forwards(batch)
         return reduce_step(self.comm, [(0, None, [local])], slot_count(batch, self.comm.world_size),
                            directions=1, evaluations=1, device=self.device).losses[0][0]
-
-    # ----------------------------------------------------------------- state
-    def state_hash(self) -> str:
-        """A hash of what every rank must agree on: the step, the scores, the warm-up sums, the last step's mask
-        and the noise generator (the CLI compares it across ranks every `consistency_steps` steps)."""
-        h = hashlib.sha256(f"{self.step_count} {self.noise.ident}".encode())
-        for t in (self.sampler.scores, self.sampler.warmup_sum, self.last_mask):
-            if t is not None:
-                h.update(t.cpu().numpy().tobytes())
-        return h.hexdigest()[:16]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step_count,
-            "seed": self.cfg.seed,
-            **self.sampler.state_dict(),
-            **self.estimator.state_dict(),
-            "skipped_total": self.skipped_total,
-            "skips_in_row": self.skips_in_row,
-            "noise": self.noise.describe(),
-            "blocks": [b.name for b in self.blocks],
-            "method": self.cfg.method,
-        }
-
-    def check_state(self, state: dict[str, Any]) -> None:
-        """Raise ValueError if a checkpoint's engine state cannot continue this engine (noise, blocks, seed)."""
-        if state["noise"] != self.noise.describe():
-            raise ValueError(f"checkpoint noise {state['noise']} differs from this engine's "
-                             f"{self.noise.describe()}: it was written by another noise generator; resume it with the "
-                             "curvzo_ds version that wrote it")
-        if list(state["blocks"]) != [b.name for b in self.blocks]:
-            raise ValueError("checkpoint blocks differ from this model's trainable parameters "
-                             "(another model, LoRA setting or block_granularity?)")
-        if state["seed"] != self.cfg.seed:
-            raise ValueError(f"checkpoint seed {state['seed']} differs from seed={self.cfg.seed}")
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.check_state(state)
-        self.step_count = int(state["step"])
-        self.sampler.load_state_dict(state)
-        self.estimator.load_state_dict(state)
-        self.skipped_total = int(state["skipped_total"])
-        self.skips_in_row = int(state["skips_in_row"])
 
 
 def _finite_or_none(x: float) -> float | None:
