@@ -103,10 +103,13 @@ def mark_exit(kind: str) -> None:
 
 
 def _initialised_dist():
-    """torch.distributed when this process has a process group, else None. Only a command that made a group has
-    torch.distributed imported, so the others import nothing here."""
+    """torch.distributed when this process has a process group that a command made (shard.distributed's
+    init_distributed), else None: a group that the caller of `main` made itself is the caller's to keep. Only a
+    command that made a group has torch.distributed imported, so the others import nothing here."""
     dist = sys.modules.get("torch.distributed")
-    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+    ours = sys.modules.get("curvzo_ds.shard.distributed")
+    made = ours is not None and ours.CREATED[0]
+    return dist if made and dist is not None and dist.is_available() and dist.is_initialized() else None
 
 
 def destroy_process_group() -> None:
@@ -117,6 +120,7 @@ def destroy_process_group() -> None:
     if dist is not None:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        sys.modules["curvzo_ds.shard.distributed"].CREATED[0] = False
 
 
 def abort_process_group() -> None:

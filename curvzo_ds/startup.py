@@ -8,7 +8,9 @@ stdout.
   `$CURVZO_DS_CACHE` or `~/.cache/curvzo_ds` (as for the noise kernel) and the last part names `sys.prefix`.
 - `quiet_known_warnings()`: torch warns once per rank, on every ZeRO-3 run, that DeepSpeed's call of
   `all_gather_into_tensor` is deprecated; that is DeepSpeed's to change, not the user's, so it is filtered (that
-  message only).
+  message only). peft imports bitsandbytes whenever it is installed, and on a CPU with AVX512-bf16 bitsandbytes
+  warns at import that an optional kernel package is missing, then runs its own fallback: nothing a user must
+  act on, so its logger shows errors only.
 - `stdout_to_log()`: what DeepSpeed prints while it starts (`... built successfully`) is kept and logged by
   `logs.setup_logging` (the rank's log file, and rank 0's console on stderr); compiler output goes to stderr.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import logging
 import os
 import sys
 import warnings
@@ -37,9 +40,11 @@ def extensions_dir() -> str:
 
 
 def quiet_known_warnings() -> None:
-    """Filter the one warning every ZeRO-3 rank printed that only DeepSpeed can act on (module docstring)."""
+    """Filter the one warning every ZeRO-3 rank printed that only DeepSpeed can act on, and bitsandbytes' missing
+    optional CPU kernel (module docstring)."""
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
                             category=FutureWarning)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 @contextlib.contextmanager

@@ -48,6 +48,17 @@ CONFIGS = {
 }
 
 
+def check_one_model(runs: list[dict]) -> None:
+    """Refuse runs of different pre-trained models. A run's cache key names the model by its settings, and
+    pretraining is not bit-reproducible across machines and thread counts: on 2026-11-28 the same settings gave a
+    model whose zero-shot dev loss was 0.679, not 0.226, and its runs were cached beside the first model's. The
+    zero-shot dev loss (every run's first point) tells the models apart."""
+    zero_shot = sorted({round(r["curve"][0]["loss"], 6) for r in runs})
+    if len(zero_shot) > 1:
+        raise SystemExit(f"the cached runs come from {len(zero_shot)} pre-trained models (zero-shot dev losses "
+                         f"{', '.join(map(str, zero_shot))}): keep the runs of one model in --out")
+
+
 def one_run(out: str, model: str, task_dir: str, plan: dict, seed: int, log) -> dict:
     """One MeZO run (pipeline.py's `run_config`, full-parameter), from runs/<hash>.json when cached."""
     import torch
@@ -209,6 +220,7 @@ def main(argv=None) -> None:
                                                                      plan["task"]):
                 runs.append(run)
         runs.sort(key=lambda r: r["settings"]["seed"])
+    check_one_model(runs)
     start = time.time()
     results = analyse(runs, plan)
     lines = table(results, plan, runs)

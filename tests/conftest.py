@@ -8,7 +8,7 @@ from tests import launches
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # Fixtures that train through the CLI in a subprocess: the tests that use them are end-to-end, slow tier.
-RUN_FIXTURES = {"straight", "lora_run", "real_run", "reference", "slurm"}
+RUN_FIXTURES = {"straight", "lora_run", "real_run", "reference", "slurm", "quant_run"}
 
 
 # Every interpreter the tests start logs its start (tests/launches.py), also one started with os.environ as it is.

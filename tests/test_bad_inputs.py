@@ -179,6 +179,28 @@ CASES = [
     ("objective-accuracy-chat", ["train", "--set", "task={tmp}/tasks/chat-good", "--set",
                                  "tokenizer={tmp}/chat-tokenizer", "--set", "objective=accuracy"],
      "task grocery is a chat task"),
+    # quantization (issue 48 §4): a bitsandbytes base needs LoRA and stage 0
+    ("quantization-unknown", ["train", "--set", "quantization=2bit"],
+     "quantization='2bit' is invalid: it must be none, 8bit or 4bit"),
+    ("quantization-a-number", ["train", "--set", "quantization=4"], "quantization=4 must be a string"),
+    ("quantization-without-lora", ["train", "--set", "quantization=4bit"],
+     "quantization=4bit needs lora=true: the quantised base is frozen and only LoRA adapters train"),
+    ("quantization-zero-stage-3", ["train", "--set", "lora=true", "--set", "quantization=8bit", "--set",
+                                   "zero_stage=3"], "quantization=8bit needs zero_stage=0 (a bitsandbytes base is "
+     "whole on every rank; ZeRO-3 cannot partition or offload it), not zero_stage=3: set zero_stage=auto"),
+    ("quantization-offload", ["train", "--set", "lora=true", "--set", "quantization=4bit", "--set",
+                              "offload_param=cpu"], "not offload_param=cpu"),
+    # BASE's --deepspeed file is ZeRO-3: refused by the layout, naming the file and the fix
+    ("quantization-ds-zero3", ["train", "--set", "lora=true", "--set", "quantization=4bit"],
+     "not zero_optimization.stage=3 in --deepspeed"),
+    ("quantization-eval-changes", ["eval", "--set", "quantization=4bit", "--resume", "{done}/checkpoint-3"],
+     "quantization: 'none' -> '4bit'"),
+    ("plan-quantization-unknown", ["plan", "--world-size", "1", "--quantization", "3bit"],
+     "--quantization 3bit: use none, 8bit or 4bit"),
+    ("plan-quantization-sharded", ["plan", "--world-size", "2", "--shard-group-size", "2", "--quantization", "4bit"],
+     "plan it with --shard-group-size 1 and no --offload"),
+    ("plan-quantization-target", ["plan", "--world-size", "1", "--quantization", "4bit", "--lora-target-modules",
+                                  "qkv"], "--lora-target-modules qkv: no linear layer of demo is named so"),
     # --resume
     ("resume-missing", ["train", "--resume", "{tmp}/no-checkpoint"], "no such checkpoint directory"),
     ("resume-not-a-checkpoint", ["train", "--resume", "{done}"], "no manifest.json"),

@@ -68,12 +68,14 @@ ENTRY_CHILD = """
 import json, sys
 import torch.distributed as dist
 from curvzo_ds import cli
+from curvzo_ds.shard import distributed
 
 store = sys.argv[1]
 seen = {}
 for outcome in ("0", "2", "1", "unexpected"):
     def main(outcome=outcome):
         dist.init_process_group("gloo", init_method=f"file://{store}-{outcome}", rank=0, world_size=1)
+        distributed.CREATED[0] = True  # as init_distributed marks a group a command made
         if outcome == "unexpected":
             raise RuntimeError("unexpected")
         return int(outcome)
@@ -89,8 +91,9 @@ print(json.dumps(seen))
 
 
 def test_entry_leaves_the_process_group_on_every_path(tmp_path):
-    """A return from main (done, a bad input, a RunEnded) destroys the process group; an unexpected exception prints
-    its traceback, aborts the group (no collective) and exits 1, as an uncaught exception does."""
+    """A return from main (done, a bad input, a RunEnded) destroys the process group that the command made (one
+    that main's caller made is the caller's: conftest.one_rank_group's survives in-process commands); an unexpected
+    exception prints its traceback, aborts the group (no collective) and exits 1, as an uncaught exception does."""
     proc = subprocess.run([sys.executable, "-c", ENTRY_CHILD, str(tmp_path / "store")], env=ENV, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -124,7 +127,7 @@ def test_eval_prints_the_json_alone_without_ds_accelerator_and_ends_quietly_on_a
     assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr, piped.stderr[-3000:]
 
 
-def test_eval_of_a_checkpoint_equals_the_training_eval(straight):
+def test_eval_of_a_checkpoint_equals_the_training_eval(one_rank_group, straight):
     """`curvzo-ds eval --resume CKPT` recomputes the dev and test metrics logged at that step."""
     out, _ = straight
     result = eval_checkpoint(out, 12)
@@ -135,7 +138,7 @@ def test_eval_of_a_checkpoint_equals_the_training_eval(straight):
         assert result[split]["loss"] == logged[split]["loss"]
 
 
-def test_the_reported_test_metric_is_the_best_dev_checkpoints(straight):
+def test_the_reported_test_metric_is_the_best_dev_checkpoints(one_rank_group, straight):
     """As MeZO: summary.json's test metric is the evaluation of the best-dev checkpoint, not of the last step."""
     out, summary = straight
     best = summary["best_dev"]["step"]
@@ -297,7 +300,7 @@ def test_an_interrupt_is_one_line_and_exit_130(monkeypatch, capsys):
     assert err.startswith("curvzo-ds: interrupted: stopped at once") and err.count("\n") == 1, err
 
 
-def test_one_reader_of_run_config_json_refuses_a_damaged_one_in_one_line(tmp_path, capsys):
+def test_one_reader_of_run_config_json_refuses_a_damaged_one_in_one_line(one_rank_group, tmp_path, capsys):
     """Issue 44/45: resume, `eval --resume` and export read a checkpoint's run_config.json through one function
     (config.load.read_run_config): keys coerced, unknown keys left out, and a file that is not JSON, not an object,
     or holds a value of the wrong type is one line; `eval --resume` of it is exit 2 before anything is built."""

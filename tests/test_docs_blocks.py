@@ -92,6 +92,7 @@ SUBSTITUTIONS = {
         ("--set max_steps=1000", f"{CI_SIZE} --set global_batch_size=4"),
         ("checkpoint-1000", "checkpoint-6"),
     ],
+    "docs/config.md": [("--set max_steps=20", CI_SIZE), ("checkpoint-20", "checkpoint-6")],  # the 4-bit LoRA run
     "docs/algorithm.md": [("...", f"--set task=sst2 --set data_dir=samples --set global_batch_size=4 {CI_SIZE}")],
     "docs/tasks.md": [
         ("--set global_batch_size=8", f"--set global_batch_size=8 {CI_SIZE}"),

@@ -22,8 +22,8 @@ from curvzo_ds.train.pilog import PI_FILE, PI_HEADER, PiWriter, has_pi, read_pi
 from tests.helpers import ENV, ROOT, run_cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-TRAIN = ["--set", "max_steps=30", "--set", "eval_steps=10", "--set", "num_train=64", "--set", "num_dev=16",
-         "--set", "num_eval=16", "--set", "global_batch_size=8", "--set", "micro_batch_size=4",
+TRAIN = ["--set", "method=curvzo", "--set", "max_steps=30", "--set", "eval_steps=10", "--set", "num_train=64",
+         "--set", "num_dev=16", "--set", "num_eval=16", "--set", "global_batch_size=8", "--set", "micro_batch_size=4",
          "--set", "report_to=none", "--set", "disable_tqdm=true"]
 
 

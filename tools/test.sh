@@ -24,7 +24,7 @@ fi
 
 # torch first: the CPU wheel from PyTorch's index (PyPI's Linux wheel pulls several GB of CUDA packages).
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-python -c "from importlib.metadata import version; version('curvzo_ds'); import pytest_timeout, mpi4py, ruff, triton, wandb, mlflow" \
+python -c "from importlib.metadata import version; version('curvzo_ds'); import pytest_timeout, mpi4py, ruff, triton, wandb, mlflow, bitsandbytes" \
     2>/dev/null || python -m pip install -q -e ".[test]"
 
 start=$(date +%s)

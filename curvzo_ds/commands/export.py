@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 
@@ -42,6 +43,7 @@ from curvzo_ds.errors import ConfigError
 from curvzo_ds.hub import offline_unless_reachable
 from curvzo_ds.jsonio import honour_umask
 
+log = logging.getLogger("curvzo_ds")
 MAX_SHARD_BYTES = 2 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja")
@@ -164,6 +166,10 @@ def _export_adapter(checkpoint: str, model: dict, staging: str, out: str, merge_
         lines = [f"wrote the LoRA adapter to {out_adapter} (base model {base_ref}): PeftModel.from_pretrained("
                  f"AutoModelForCausalLM.from_pretrained({base_ref!r}), {out_adapter!r})"]
     if merge_lora:
+        if cfg is not None and cfg.quantization != "none":
+            log.warning("--merge-lora: the adapter was trained against the %s-quantised base; it is merged into the "
+                        "full-precision base %s, whose outputs differ from those it was trained with (the adapter "
+                        "in %s with a quantised base reproduces the run)", cfg.quantization, base_ref, out_adapter)
         from peft import PeftModel  # here, not at the top: a bad checkpoint path is refused without importing them
         from transformers import AutoModelForCausalLM
 
@@ -192,7 +198,7 @@ def _base_model(recorded: str | None, cfg: TrainConfig | None, staging: str, out
     if recorded is None and cfg is not None and cfg.model in DEMO_MODELS:
         from curvzo_ds.models import build_model, load_tokenizer
 
-        base_cfg = resolve_presets(dataclasses.replace(cfg, lora=False))
+        base_cfg = resolve_presets(dataclasses.replace(cfg, lora=False, quantization="none"))  # full precision
         base, _ = build_model(section(base_cfg, "model"), base_cfg.seed, {})
         base.save_pretrained(os.path.join(staging, "base"))
         load_tokenizer(section(cfg, "model")).save_pretrained(os.path.join(staging, "base"))

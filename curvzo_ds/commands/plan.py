@@ -42,6 +42,13 @@ def register(sub) -> None:
     p.add_argument("--label-positions", type=int, default=1, help="logit positions per sequence (the loss's)")
     p.add_argument("--num-directions", type=int, default=1,
                    help="directions per step (num_directions): ZeRO-3 replica groups each need their own")
+    p.add_argument("--quantization", default="none",
+                   help="none, 8bit or 4bit: plan a LoRA run on a base quantised by bitsandbytes (the run's "
+                        "quantization; stage 0)")
+    p.add_argument("--lora", action="store_true", help="plan a LoRA run (implied by --quantization 8bit or 4bit)")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (lora_r)")
+    p.add_argument("--lora-target-modules", default="q_proj,v_proj",
+                   help="the linear layers LoRA adapts, comma-separated (lora_target_modules)")
     p.add_argument("--gpus-per-node", type=int, help="ranks per node (default: min(W, 8)); auto's shard groups "
                                                      "stay inside a node first")
     p.add_argument("--trust-remote-code", action="store_true",
@@ -51,11 +58,15 @@ def register(sub) -> None:
 
 def handle(args) -> int:
     """Print the plan; the exit code is 0 when it fits and 1 when it does not (docs/plan.md), so a script can branch."""
+    if (args.lora or args.quantization != "none") and args.lora_r < 1:
+        raise ConfigError(f"--lora-r {args.lora_r}: use an integer >= 1")
     result = plan(model=args.model, world_size=args.world_size, shard_group_size=args.shard_group_size,
                   dtype=args.dtype, offload=args.offload, batch=args.batch, seq_len=args.seq_len,
                   gpu_memory=args.gpu_memory, fp32_master=args.fp32_master_weights, deepspeed=args.deepspeed,
                   device=args.device, label_positions=args.label_positions, trust_remote_code=args.trust_remote_code,
-                  num_directions=args.num_directions, gpus_per_node=args.gpus_per_node)
+                  num_directions=args.num_directions, gpus_per_node=args.gpus_per_node, quantization=args.quantization,
+                  lora_r=args.lora_r if args.lora or args.quantization != "none" else 0,
+                  lora_target_modules=tuple(m.strip() for m in args.lora_target_modules.split(",") if m.strip()))
     return EXIT_OK if result.fits else EXIT_FAILED
 
 
@@ -90,10 +101,10 @@ def plan(num_directions: int = 1, gpus_per_node: int | None = None, **kwargs) ->
 def offload_lines(result: Plan, kwargs: dict) -> list[str]:
     """A GPU plan that does not fit without offloading: one line that says whether `--offload cpu` (the run's
     `offload_param: cpu`) makes it fit, planned again with it; none when the plan fits, already offloads, or
-    its DeepSpeed config decides the offload."""
+    its DeepSpeed config decides the offload, or quantises its base (stage 0 only)."""
     from curvzo_ds.layout.memory import GiB, plan_memory
 
-    if result.fits or result.device != "gpu" or result.offload != "none":
+    if result.fits or result.device != "gpu" or result.offload != "none" or result.quantization != "none":
         return []
     offloaded = plan_memory(**{**kwargs, "offload": "cpu"})
     if offloaded.offload != "cpu":  # the DeepSpeed config's offload_param wins over --offload

@@ -178,8 +178,8 @@ def build(cls, values: dict[str, Any]):
 # The keys that define what `curvzo-ds eval --resume CKPT` evaluates: they come from the checkpoint's run config,
 # and a --set may not change them (batch size, num_eval, the output path and the like may change).
 EVAL_FROM_CHECKPOINT = ("model", "tokenizer", "task", "data_dir", "lora", "lora_r", "lora_alpha", "lora_target_modules",
-                        "seed", "num_train", "num_dev", "max_length", "max_new_tokens", "train_as_classification",
-                        "dtype", "block_granularity", "block_chunk_size")
+                        "quantization", "seed", "num_train", "num_dev", "max_length", "max_new_tokens",
+                        "train_as_classification", "dtype", "block_granularity", "block_chunk_size")
 # The keys a resumed training run may change (docs/config.md); every other key changes the trajectory and must
 # match the checkpoint's run config.
 RESUME_MAY_CHANGE = ("max_steps", "eval_steps", "save_steps", "save_total_limit", "logging_steps", "report_to",

@@ -38,6 +38,7 @@ SCORE_ESTIMATORS = tuple(ESTIMATORS)
 GRANULARITIES = tuple(g.value for g in Granularity)
 DIFFERENCES = tuple(d.value for d in Difference)
 NORMALIZATIONS = tuple(n.value for n in StepNormalization)
+QUANTIZATIONS = ("none", "8bit", "4bit")  # the `quantization` key: bitsandbytes' LLM.int8 and nf4 (models.py)
 
 
 def key(default: Any, doc: str):
@@ -255,6 +256,9 @@ class TrainConfig(ZOConfig):
     lora_r: int = key(8, "LoRA rank")
     lora_alpha: int = key(16, "LoRA scaling alpha")
     lora_target_modules: Any = key(None, "default: q_proj, v_proj (MeZO)")
+    quantization: str = key("none", "none, 8bit (LLM.int8) or 4bit (nf4): the base loaded quantised by bitsandbytes "
+                                    "and frozen, the LoRA adapters trained; needs lora=true and stage 0 (the extra "
+                                    "[quant]; docs/config.md, 'A quantised base')")
     dtype: str = key("float32", "float32, bfloat16, float16")
     zero_stage: int | str = key("auto", "auto (0 when the whole model fits one device with its activations, the ZO "
                                         "state and a margin, else 3; docs/scaling.md), 0 or 3 (stages 1 and 2 need "
@@ -331,6 +335,15 @@ class TrainConfig(ZOConfig):
         if self.lora_target_modules is not None:
             need(isinstance(self.lora_target_modules, list | str), "lora_target_modules",
                  "a list of module names or a comma-separated string")
+        need(self.quantization in QUANTIZATIONS, "quantization", "none, 8bit or 4bit")
+        if self.quantization != "none" and not self.lora:
+            raise ConfigError(f"quantization={self.quantization} needs lora=true: the quantised base is frozen and "
+                              "only LoRA adapters train; set lora=true, or quantization=none")
+        if self.quantization != "none" and (self.zero_stage == 3 or self.offload_param == "cpu"):
+            given = "zero_stage=3" if self.zero_stage == 3 else "offload_param=cpu"
+            raise ConfigError(f"quantization={self.quantization} needs zero_stage=0 (a bitsandbytes base is whole on "
+                              f"every rank; ZeRO-3 cannot partition or offload it), not {given}: set zero_stage=auto "
+                              "and offload_param=none, or quantization=none")
 
 
 def _need(cfg, ok: bool, key: str, rng: str) -> None:

@@ -22,7 +22,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "sampler": ("method", "budget_min", "budget_max", "budget_alpha", "budget", "budget_unit", "score_beta",
                 "budget_floor", "rate_correction", "score_estimator", "score_init", "score_warmup_steps"),
     "model": ("model", "tokenizer", "trust_remote_code", "dtype", "lora", "lora_r", "lora_alpha",
-              "lora_target_modules"),
+              "lora_target_modules", "quantization"),
     "data": ("task", "data_dir", "global_batch_size", "micro_batch_size", "num_train", "num_dev", "num_eval",
              "max_length", "max_new_tokens", "train_as_classification", "objective"),
     "eval": ("eval_steps",),

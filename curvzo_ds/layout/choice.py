@@ -67,7 +67,8 @@ def plan_layouts(world_size: int, memory: int, local_world_size: int | None = No
     micro-batch, the ZO state and the row table fit one device (`plan_memory` at shard group 1); else ZeRO-3 in
     the smallest shard group K (a divisor of the world size; inside a node first) whose plan fits and whose W / K
     replica groups divide num_directions (each group evaluates its own directions); else, when nothing fits,
-    ZeRO-3 over the whole job (today's layout; `curvzo-ds plan` says by how much it does not fit)."""
+    ZeRO-3 over the whole job (today's layout; `curvzo-ds plan` says by how much it does not fit). A quantised
+    base (`quantization` in kwargs) is planned at stage 0 only, fitting or not."""
     budget = int(memory * (1 - MARGIN))
     kwargs["num_directions"] = num_directions
     whole = plan_memory(world_size=world_size, shard_group_size=1, gpu_memory=memory, **kwargs)
@@ -76,6 +77,12 @@ def plan_layouts(world_size: int, memory: int, local_world_size: int | None = No
     if whole.total <= budget:
         fits.append(Layout(0, 1, world_size, f"the whole model fits one device: {gib(whole.total)} planned of "
                            f"{gib(memory)} less a {MARGIN:.0%} margin", whole.total, 0))
+    quantization = kwargs.get("quantization", "none")
+    if quantization != "none":  # a bitsandbytes base is whole on every rank: stage 0 only
+        verdict = (f"fits one device: {gib(whole.total)} planned of" if fits else
+                   f"({gib(whole.total)} planned) does not fit one device of")
+        return Layout(0, 1, world_size, f"quantization={quantization} takes stage 0, and the whole model {verdict} "
+                      f"{gib(memory)} less a {MARGIN:.0%} margin", whole.total, 0), fits
     for k in group_candidates(world_size, local_world_size):
         if k == 1:
             continue  # a shard group of one is stage 0's memory with ZeRO-3's hooks
@@ -128,7 +135,9 @@ def choose_layout(cfg, user_ds: dict | None, job: Comm | None = None) -> Layout:
     kept. `auto` (docs/scaling.md; `plan_layouts` states the rule) plans with the memory model of `curvzo-ds plan`
     at the run's micro-batch, max_length and num_directions, fed the smallest device memory of the job's ranks: a
     GPU's free memory, or on CPU the host's memory divided by the ranks on the node. The choice and its reason are
-    logged in one line; the directions rule is checked (`check_directions`). Collective (every rank calls it)."""
+    logged in one line; the directions rule is checked (`check_directions`). A quantised run (`quantization`) takes
+    stage 0, unplanned: ZeRO-3 or a parameter offload with it is refused in one line. Collective (every rank calls
+    it)."""
     job = job or Comm(None)
     world = job.world_size
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -136,14 +145,22 @@ def choose_layout(cfg, user_ds: dict | None, job: Comm | None = None) -> Layout:
     _, mapped, _ = resolve_ds_config(user_ds, world, None, explicit=sources_of(cfg), where=where,
                                      **{k: getattr(cfg, k) for k in MAPPED_FIELDS})
     group, stage, reason = cfg.shard_group_size, mapped["zero_stage"], None
+    quantization = getattr(cfg, "quantization", "none")
     if cfg.zero_stage != "auto":
         reason = f"zero_stage={stage} ({sources_of(cfg).get('zero_stage', 'set')})"
     elif stage != "auto":
         reason = f"zero_optimization.stage={stage} in {where}"
+    elif quantization != "none":
+        stage, reason = 0, f"quantization={quantization} (a bitsandbytes base is whole on every rank)"
     elif mapped["offload_param"] == "cpu":
         stage, reason = 3, "offload_param=cpu (parameter offload is ZeRO-3's)"
     elif group != "auto":
         stage, reason = 3, f"shard_group_size={group} ({sources_of(cfg).get('shard_group_size', 'set')})"
+    if quantization != "none" and (stage == 3 or mapped["offload_param"] == "cpu"):
+        given = reason if stage == 3 else f"zero_optimization.offload_param.device=cpu in {where}"
+        raise ConfigError(f"quantization={quantization} needs zero_stage=0 (a bitsandbytes base is whole on every "
+                          f"rank; ZeRO-3 cannot partition or offload it), not {given}: set zero_optimization.stage "
+                          f"to 0 and remove offload_param in {where}, or set quantization=none")
     q = cfg.num_directions
     if stage == 3 and group == "auto" and q == 1:  # one replica group: the whole job, no plan
         layout = Layout(3, world, 1, f"{reason}; shard_group_size auto: num_directions=1 needs one replica group, "

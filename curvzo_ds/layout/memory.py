@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import torch
+
 from curvzo_ds.config.ds_config import load_ds_config, resolve_ds_config
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.layout.prefetch import SMALL_BLOCK, gather_peak, shard_elements
@@ -24,6 +26,12 @@ TABLE_ROW = ROW_BYTES  # bytes of one row of the Perturber's row table (noise/ro
 # libraries besides its tensors (DeepSpeed's engine and hooks, tokenizer, data, compiled noise kernel).
 RUNTIME_CPU = 35 * 2**20
 WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per weight of a linear layer's weight that bitsandbytes quantises (models.quantization_config), with its
+# statistics: 4bit is nf4, two weights a byte, and one fp32 absmax per block of 64 weights (no double quantisation:
+# 0.5 + 4/64); 8bit is LLM.int8, a byte a weight and one fp32 scale per output row (`QUANT_ROW`).
+QUANT_WIDTH = {"4bit": 0.5 + 4 / 64, "8bit": 1.0}
+QUANT_ROW = {"4bit": 0, "8bit": 4}
+ADAPTER_WIDTH = 4  # peft keeps LoRA adapters in fp32 (autocast_adapter_dtype), and stage 0 leaves them so
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -66,7 +74,7 @@ class Plan:
 
     model: str
     params: int  # N, every tensor once (tied ones once)
-    tensors: int  # trainable tensors: CurvZO's blocks at block_granularity=tensor
+    tensors: int  # the model's tensors (full fine-tuning: CurvZO's blocks at block_granularity=tensor)
     world_size: int
     group: int  # K
     dtype: str
@@ -103,6 +111,11 @@ class Plan:
     directions: int = 1  # q, num_directions
     step_copy: int = 0  # q > 1: w * region of each bf16/fp16 tensor without an fp32 copy: the step's copy of the
     #                     weights it edits in place (shard/perturb.py); fp32 weights and master-kept ones: none
+    quantization: str = "none"  # none, 8bit or 4bit: the base's linear weights as bitsandbytes holds them
+    quantized_elements: int = 0  # weights of the quantised linear layers (all but the output embedding's)
+    lora_r: int = 0  # a LoRA run's rank (0: full fine-tuning): the base frozen, the adapters the trained tensors
+    adapters: int = 0  # ADAPTER_WIDTH * shard of the LoRA adapters, r (in + out) per targeted linear layer
+    dequant: int = 0  # quantised: w * the largest quantised weight, dequantised for one matmul at a time
 
     @property
     def activations(self) -> int:
@@ -121,8 +134,9 @@ class Plan:
 
     def _fixed(self) -> int:
         """What does not grow with B, in the memory the verdict is about."""
-        fixed = self.persistent + self.gathered + self.allocator + self.tied + self.zo_state + self.runtime
-        with_weights = self.shard + self.master + self.step_copy  # where the weights live
+        fixed = self.persistent + self.gathered + self.allocator + self.tied + self.zo_state + self.runtime + \
+            self.dequant
+        with_weights = self.shard + self.adapters + self.master + self.step_copy  # where the weights live
         if self.device == "cpu":
             return fixed + with_weights + self.table
         return fixed + (with_weights if self.offload == "none" else 0) + self.table
@@ -152,8 +166,14 @@ class Plan:
     def format(self) -> str:
         where = "process memory (a CPU run)" if self.device == "cpu" else "GPU memory"
         host = " [host]" if self.device == "gpu" else ""
+        if self.quantization != "none":
+            bits = {"4bit": "nf4, 0.5 B + an fp32 absmax per 64 weights", "8bit": "int8, 1 B + an fp32 scale per row"}
+            weights = (f"base weights: {self.quantized_elements / 1e9:.3f} B quantised {self.quantization} "
+                       f"({bits[self.quantization]}), the rest {self.dtype}")
+        else:
+            weights = f"weight shard (1/{self.group} of every tensor)"
         rows = [
-            (f"weight shard (1/{self.group} of every tensor)" + (host if self.offload == "cpu" else ""), self.shard),
+            (weights + (host if self.offload == "cpu" else ""), self.shard),
             (f"persistent parameters, whole ({self.persistent_elements / 1e6:.2f} M elements, each <= "
              f"{self.persistence:.0e})", self.persistent),
             (f"fp32 copy ({self.master_rule}, beside the weights)" + (host if self.offload == "cpu" else ""),
@@ -167,6 +187,10 @@ class Plan:
             (f"copy of bf16/fp16 weights for a step of {self.directions} direction{'s' * (self.directions != 1)} "
              "(those without an fp32 copy; none at q = 1)" + (host if self.offload == "cpu" else ""), self.step_copy),
         ]
+        if self.lora_r:
+            rows[1:1] = [(f"LoRA adapters (r={self.lora_r}, fp32: the trained tensors)", self.adapters)]
+        if self.quantization != "none":
+            rows.insert(-1, ("one quantised weight dequantised for its matmul (the largest)", self.dequant))
         if self.device == "gpu":
             rows += [("host memory beside the GPU (offloaded shard and fp32 copy, row table)", self.host),
                      ("host memory on rank 0 while loading (the checkpoint)", self.checkpoint)]
@@ -176,9 +200,13 @@ class Plan:
                      ("peak while loading, rank 0 (checkpoint + shard + largest module)", self.load)]
         rows += [("total CurvZO per rank", self.total),
                  (f"first-order AdamW, same ZeRO-3 (DeepSpeed {self.adamw_states / GiB:.2f} GiB + activations "
-                  f"for backward; {self.adamw / max(self.total, 1):.1f}x)", self.adamw)]
+                  f"for backward; {self.adamw / max(self.total, 1):.1f}x)" if not self.lora_r else
+                  f"first-order AdamW on the adapters (base + 16 B per adapter weight {self.adamw_states / GiB:.2f} "
+                  f"GiB + activations for backward; {self.adamw / max(self.total, 1):.1f}x)", self.adamw)]
         width = max(len(label) for label, _ in rows)
-        lines = [f"curvzo-ds plan: {self.model}, {self.params / 1e9:.3f} B parameters in {self.tensors} tensors; "
+        lora = f" LoRA r={self.lora_r}, base {self.quantization};" if self.quantization != "none" else (
+            f" LoRA r={self.lora_r};" if self.lora_r else "")
+        lines = [f"curvzo-ds plan: {self.model}, {self.params / 1e9:.3f} B parameters in {self.tensors} tensors;{lora} "
                  f"world size {self.world_size}, shard group {self.group}, {self.dtype}"
                  f"{f' ({self.dtype_from})' if self.dtype_from else ''}, offload_param "
                  f"{self.offload}; {where} per rank {self.memory / GiB:.1f} GiB"]
@@ -220,9 +248,13 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
                 dtype: str = "bfloat16", offload: str = "none", batch: int = 4, seq_len: int = 512,
                 gpu_memory: int | str = 80 * GiB, fp32_master: bool | str = "auto", deepspeed: str | dict | None = None,
                 device: str = "gpu", label_positions: int = 1, trust_remote_code: bool = False,
-                num_directions: int = 1) -> Plan:
+                num_directions: int = 1, quantization: str = "none", lora_r: int = 0,
+                lora_target_modules: tuple[str, ...] = ("q_proj", "v_proj")) -> Plan:
     """The plan of one rank (rank 0, the largest). Raises ConfigError for what cannot be planned. `dtype="auto"`: the
-    model config's torch_dtype when it names one of fp32, bf16, fp16, else bf16."""
+    model config's torch_dtype when it names one of fp32, bf16, fp16, else bf16. `lora_r` >= 1 plans a LoRA run
+    (the base frozen, adapters of rank r on the linear layers named `lora_target_modules` trained); `quantization`
+    (4bit, 8bit; it needs LoRA, and stage 0: one shard group of 1, no offload) holds the base's linear weights
+    as bitsandbytes does (QUANT_WIDTH)."""
     dtype = DTYPE_NAMES.get(dtype, dtype)
     if dtype not in WIDTH and dtype != "auto":
         raise ConfigError(f"--dtype {dtype}: use auto, bf16, fp16 or fp32")
@@ -242,6 +274,12 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
             raise ConfigError(f"{flag} {value}: use an integer >= 1")
     if offload not in ("none", "cpu") or device not in ("gpu", "cpu"):
         raise ConfigError(f"--offload {offload} / --device {device}: use none or cpu / gpu or cpu")
+    if quantization not in ("none", *QUANT_WIDTH):
+        raise ConfigError(f"--quantization {quantization}: use none, 8bit or 4bit")
+    if quantization != "none" and (lora_r < 1 or group > 1 or offload != "none"):
+        raise ConfigError(f"--quantization {quantization}: a bitsandbytes base is frozen under LoRA (--lora-r >= 1) "
+                          f"and whole on every rank (stage 0): plan it with --shard-group-size 1 and no --offload, "
+                          f"not --lora-r {lora_r} --shard-group-size {group} --offload {offload}")
     memory = parse_memory(gpu_memory) if isinstance(gpu_memory, str) else int(gpu_memory)
 
     conf, checkpoint, source = model_config(model, trust_remote_code)
@@ -278,20 +316,31 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
     fetched = group > 1 or offload == "cpu" and device == "gpu"
     whole = width * sum(numels[i] for i in persistent) if fetched else 0
 
+    trained = numels  # the tensors a step perturbs: every one, or the LoRA adapters (in fp32)
+    stored = shard  # the base in the weights' dtype (what loading ties away from)
+    dequant = quantized = 0
+    if lora_r:
+        trained, quantized_weights = lora_shapes(net, lora_r, tuple(lora_target_modules), model)
+        if quantization != "none":
+            quantized = sum(numels[ids[id(p)]] for p in quantized_weights)
+            rows = sum(p.shape[0] for p in quantized_weights)
+            shard += int(quantized * (QUANT_WIDTH[quantization] - width)) + QUANT_ROW[quantization] * rows
+            dequant = width * max((p.numel() for p in quantized_weights), default=0)
+
     masters = []
-    if dtype != "float32" and fp32_master:
+    if dtype != "float32" and fp32_master and not lora_r:  # LoRA adapters are fp32: no copy
         masters = [k if i in persistent else shard_elements(k, group) for i, (k, (_, p)) in
                    enumerate(zip(numels, named)) if fp32_master is True or p.dim() == 1]
     # A step of several directions writes the bf16/fp16 tensors it edits in place from a copy of them taken at its
     # start (shard/perturb.py): the region of each tensor without an fp32 copy, in the weights' dtype.
     step_copy = 0
-    if dtype != "float32" and num_directions > 1:
+    if dtype != "float32" and num_directions > 1 and not lora_r:
         kept = [fp32_master is True or (fp32_master == "auto" and p.dim() == 1) for _, p in named]
         step_copy = width * sum(k if i in persistent and fetched else shard_elements(k, group)
                                 for i, k in enumerate(numels) if not kept[i])
     rule = {True: "every tensor", False: "none", "auto": "auto: 1-D tensors"}[fp32_master]
-    if dtype == "float32":
-        rule = "none: float32 is edited exactly"
+    if dtype == "float32" or lora_r:
+        rule = "none: the LoRA adapters are fp32" if lora_r else "none: float32 is edited exactly"
 
     gathered = allocator = 0
     if fetched:
@@ -301,7 +350,7 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
     tied = 0
     if source != "demo":
         every = [p for _, p in net.named_parameters(remove_duplicate=False)]
-        tied = width * sum(shard_elements(numels[ids[id(p)]], group) for p in every) - shard
+        tied = width * sum(shard_elements(numels[ids[id(p)]], group) for p in every) - stored
     runtime = RUNTIME_CPU if device == "cpu" else 0
 
     per_row = activation_bytes(conf, [nm for nm, _ in named], seq_len, width, label_positions)
@@ -317,6 +366,8 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
     _, adamw_states, _ = estimate_zero3_model_states_mem_needs(
         n, largest_module, num_gpus_per_node=world_size, num_nodes=1, cpu_offload=offload == "cpu",
         cpu_offload_params=offload == "cpu", zero_init=True)
+    if lora_r:  # AdamW on the same adapters: the base as held, and fp32 weight, gradient and two moments per adapter
+        adamw_states = shard + 16 * sum(shard_elements(k, group) for k in trained)
 
     return Plan(
         model=model, params=n, tensors=len(numels), world_size=world_size, group=group, dtype=dtype, offload=offload,
@@ -325,10 +376,26 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
         persistent_elements=sum(numels[i] for i in persistent), largest_module=largest_module, shard=shard,
         persistent=whole, master=4 * sum(masters), master_rule=rule, gathered=gathered, allocator=allocator,
         tied=tied, runtime=runtime, per_row=per_row,
-        table=TABLE_ROW * (len(numels) + len(persistent)), zo_state=16 * 8 * len(numels),
+        table=TABLE_ROW * (len(trained) * (2 if fetched else 1) if lora_r else len(numels) + len(persistent)),
+        zo_state=16 * 8 * len(trained),
         checkpoint=checkpoint, load=load, adamw_states=adamw_states,
         adamw_per_row=training_activation_bytes(conf, seq_len, width, label_positions), dtype_from=dtype_from,
-        directions=num_directions, step_copy=step_copy)
+        directions=num_directions, step_copy=step_copy, quantization=quantization, quantized_elements=quantized,
+        lora_r=lora_r, adapters=ADAPTER_WIDTH * sum(shard_elements(k, group) for k in trained) if lora_r else 0,
+        dequant=dequant)
+
+
+def lora_shapes(net, r: int, targets: tuple[str, ...], model: str) -> tuple[list[int], list]:
+    """(the elements of each LoRA adapter tensor, the weights bitsandbytes quantises) of the meta model `net`: peft
+    puts A (r x in) and B (out x r) on each linear layer whose name is a target or ends with ".target"; transformers
+    quantises the weight of every linear layer but the output embedding (its `get_keys_to_not_convert`)."""
+    head = net.get_output_embeddings()
+    linears = [(name, m) for name, m in net.named_modules() if isinstance(m, torch.nn.Linear)]
+    trained = [n for name, m in linears if any(name == t or name.endswith(f".{t}") for t in targets)
+               for n in (r * m.in_features, m.out_features * r)]
+    if not trained:
+        raise ConfigError(f"--lora-target-modules {','.join(targets)}: no linear layer of {model} is named so")
+    return trained, [m.weight for _, m in linears if m is not head]
 
 
 def _name(deepspeed: str | dict | None) -> str:

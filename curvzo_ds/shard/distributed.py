@@ -66,6 +66,9 @@ def local_rank_of(env=os.environ) -> int:
     return int(env.get("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", env.get("SLURM_LOCALID", "0"))))
 
 
+CREATED: list[bool] = [False]  # init_distributed made this process's default group (cli.destroy_process_group reads it)
+
+
 def init_distributed(timeout_seconds: float = 1800):
     """Initialise the default process group if needed; returns (rank, world_size, local_rank).
 
@@ -103,6 +106,7 @@ def init_distributed(timeout_seconds: float = 1800):
             deepspeed.init_distributed(auto_mpi_discovery=(kind == "mpi"), verbose=False, distributed_port=port,
                                        timeout=datetime.timedelta(seconds=timeout_seconds))
         _unlink_shm_buffer()
+        CREATED[0] = True
     rank, world = dist.get_rank(), dist.get_world_size()
     return rank, world, local_rank_of()
 

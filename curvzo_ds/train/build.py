@@ -116,6 +116,8 @@ def build(cfg: TrainConfig) -> Job:
     model, keep_alive = build_model(section(cfg, "model"), cfg.seed, ds_config, shard_group, mpu)
     if topology.replica_group is not None:
         ds_compat.sync_replicas(model, topology.replica_group)
+    if layout.zero_stage == 0:  # DeepSpeed's bf16 section there makes a BF16_Optimizer (fp32 copies of every
+        ds_config = {k: v for k, v in ds_config.items() if k != "bf16"}  # parameter); build_model cast the weights
     ds_engine, *_ = deepspeed.initialize(model=model, config=ds_config, mpu=mpu)
     device = ds_engine.device
     loss = D.loss_fn_for(task, cfg.train_as_classification, cfg.objective, tokenizer, cfg.max_new_tokens,
