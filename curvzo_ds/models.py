@@ -24,7 +24,7 @@ from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
-from curvzo_ds.config.schema import DEMO_MODELS
+from curvzo_ds.config.presets import DEMO_MODELS
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.layout.shapes import hidden_size_of
 from curvzo_ds.shard import ds_compat

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from curvzo_ds.cli import build_parser, main
-from curvzo_ds.config.schema import TrainConfig, ZOConfig, key_fields, resolve_presets
+from curvzo_ds.config.presets import resolve_presets
+from curvzo_ds.config.schema import TrainConfig, ZOConfig, key_fields
 from tests.helpers import CLI, COMMON, ENV, ROOT, eval_cli, logged_eval, run_checked
 
 KEYS = [f.name for f in key_fields(TrainConfig)]
@@ -191,8 +192,8 @@ def test_the_keys_sources_survive_replace_and_stay_out_of_the_files_and_the_key_
     needs), not a key: not in config.json / run_config.json (to_dict), --help, or what --set accepts."""
 
     from curvzo_ds.commands.train import keys_help
+    from curvzo_ds.config.fields import field_names, set_sources, sources_of, to_dict
     from curvzo_ds.config.load import build
-    from curvzo_ds.config.schema import field_names, set_sources, sources_of, to_dict
     from curvzo_ds.errors import ConfigError
 
     cfg = set_sources(TrainConfig(), {"learning_rate": "--set"})
@@ -224,8 +225,8 @@ def test_the_jit_cache_is_per_python_environment_and_the_users_setting_wins(monk
 def test_a_checkpoint_from_before_rate_correction_counts_as_the_papers_step():
     """A run_config.json written before the key existed ran the paper's step: resuming it with the preset
     (max_weight outside the demo) names the change; with rate_correction=none it agrees."""
+    from curvzo_ds.config.fields import to_dict
     from curvzo_ds.config.load import differences
-    from curvzo_ds.config.schema import to_dict
 
     hub = to_dict(resolve_presets(TrainConfig(model="facebook/opt-13b")))
     saved = {k: v for k, v in hub.items() if k != "rate_correction"}

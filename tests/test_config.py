@@ -8,16 +8,10 @@ import re
 
 import pytest
 
+from curvzo_ds.config.fields import field_names, set_sources, sources_of, to_dict
+from curvzo_ds.config.presets import resolve_presets
 from curvzo_ds.config.resolve import resolve, resolve_run, zo_part
-from curvzo_ds.config.schema import (
-    TrainConfig,
-    ZOConfig,
-    field_names,
-    resolve_presets,
-    set_sources,
-    sources_of,
-    to_dict,
-)
+from curvzo_ds.config.schema import TrainConfig, ZOConfig
 from curvzo_ds.config.sections import SECTION_OF, SECTIONS, section
 from curvzo_ds.errors import ConfigError
 

@@ -1,6 +1,6 @@
 """`curvzo-ds export` of checkpoints from every front end (docs/integrations.md, docs/outputs.md).
 
-Every checkpoint carries the same model record and files (checkpoint.format.write_model_files), whoever wrote it:
+Every checkpoint carries the same model record and files (checkpoint.write.write_model_files), whoever wrote it:
 - end to end, as a user runs it: a LoRA model trained by `ZOTrainer` (one process) and by `from_accelerator`
   (2 ranks under DeepSpeed ZeRO-3, accelerate launch), then `curvzo-ds export CKPT --out DIR` in its own process;
   the adapter loads with peft onto its base model with exactly the trained values (the digest of the loaded
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from curvzo_ds.checkpoint import manager as ckpt
-from curvzo_ds.checkpoint.format import write_model_files
+from curvzo_ds.checkpoint.write import write_model_files
 from curvzo_ds.cli import main
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.shard.digest import hash_tensor

@@ -52,7 +52,8 @@ def test_lora_export_and_merge(lora_run, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from curvzo_ds.config.schema import TrainConfig, resolve_presets
+    from curvzo_ds.config.presets import resolve_presets
+    from curvzo_ds.config.schema import TrainConfig
     from curvzo_ds.config.sections import section
     from curvzo_ds.models import build_model
 

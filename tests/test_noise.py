@@ -144,7 +144,7 @@ def test_one_backend_chooser_for_the_noise_source_and_the_perturber(monkeypatch)
     """gaussian.backend is the only rule: the Perturber's groups ask it, and it answers as the Perturber's own rule
     did (C on CPU, Triton on CUDA for the dtypes it has, CURVZO_DS_NOISE_KERNEL=triton on any device, else torch)."""
     from curvzo_ds.noise import gaussian
-    from curvzo_ds.shard.perturb import Group
+    from curvzo_ds.shard.row_table import Group
 
     monkeypatch.setattr(gaussian, "TRITON_FOUND", True)
     cpu, cuda, meta = torch.device("cpu"), torch.device("cuda"), torch.device("meta")

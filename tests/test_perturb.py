@@ -12,7 +12,7 @@ from curvzo_ds import ZOConfig, ZOEngine
 from curvzo_ds.noise import cpu as cpu_kernel
 from curvzo_ds.noise import reference
 from curvzo_ds.noise import rows as layout
-from curvzo_ds.shard import perturb
+from curvzo_ds.shard import perturb, row_table
 from tests.helpers import ENV, ROOT
 
 
@@ -189,7 +189,7 @@ def test_offsets_beyond_2_to_the_31_on_the_meta_device(monkeypatch):
             starts = selected.rows[:, perturb.START]
             ends = starts + selected.rows[:, perturb.N]
             assert starts[0] == e.owned[0] and ends[-1] == e.owned[1]
-            assert (starts[1:] == ends[:-1]).all() and (selected.rows[:, perturb.N] <= perturb.ROW_LIMIT).all()
+            assert (starts[1:] == ends[:-1]).all() and (selected.rows[:, perturb.N] <= row_table.ROW_LIMIT).all()
             assert (selected.rows[:, perturb.STAT] >= 0).all()  # the shard is the owned copy
             if granularity == "chunk":  # no row crosses a chunk edge; blocks are numbered from the tensor's start
                 assert ((starts // 2**31) == ((ends - 1) // 2**31)).all()

@@ -199,7 +199,7 @@ def test_best_dev_notes_stay_inside_the_panel(tmp_path, count):
 
 
 def test_a_run_is_labelled_with_its_method_lora_lr_seed_and_world_size(tmp_path):
-    from curvzo_ds.commands.plot import run_label
+    from curvzo_ds.commands.plot_data import run_label
 
     config = {"method": "curvzo", "lora": True, "lora_r": 8, "learning_rate": 5e-5, "seed": 3}
     assert run_label("a", config, {"world_size": 2}) == "a (curvzo, LoRA r=8, lr 5e-05, seed 3, 2 ranks)"
@@ -314,7 +314,7 @@ def test_the_legend_names_difference_and_q_and_the_axes_start_at_0_with_room_for
     panel's right edge; the heat map's step axis started at -10 (the shared axis' margin)."""
     import matplotlib.pyplot as plt
 
-    from curvzo_ds.commands.plot import run_label
+    from curvzo_ds.commands.plot_data import run_label
 
     assert run_label("r", {"method": "mezo", "difference": "rloo", "num_directions": 8}, {}) == "r (mezo rloo q=8)"
     assert run_label("c", {"method": "mezo", "difference": "central", "num_directions": 4}, {}) == "c (mezo q=4)"

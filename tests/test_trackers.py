@@ -180,8 +180,8 @@ def test_tensorboard_of_the_same_run_is_where_it_was(tracked_run):
 
 
 def test_report_to_from_the_command_line_a_file_and_an_old_run_config(tmp_path):
+    from curvzo_ds.config.fields import to_dict
     from curvzo_ds.config.load import load_config
-    from curvzo_ds.config.schema import to_dict
 
     assert load_config(None, ["report_to=tensorboard,wandb"], None).report_to == "tensorboard,wandb"
     assert load_config(None, ["report_to=[tensorboard, mlflow]"], None).report_to == ["tensorboard", "mlflow"]

@@ -11,7 +11,8 @@ import re
 import shutil
 from collections.abc import Callable
 
-from curvzo_ds.checkpoint.format import load_checkpoint, verify_checkpoint, write_checkpoint
+from curvzo_ds.checkpoint.format import load_checkpoint, verify_checkpoint
+from curvzo_ds.checkpoint.write import write_checkpoint
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.jsonio import replace_atomic

@@ -10,6 +10,7 @@ import os
 import sys
 
 from curvzo_ds.commands.train import keys_help, run_options
+from curvzo_ds.config.fields import set_sources
 from curvzo_ds.config.load import (
     EVAL_FROM_CHECKPOINT,
     build,
@@ -20,7 +21,7 @@ from curvzo_ds.config.load import (
     read_values,
 )
 from curvzo_ds.config.resolve import resolve
-from curvzo_ds.config.schema import TrainConfig, set_sources
+from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.errors import ConfigError
 
 

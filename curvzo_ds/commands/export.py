@@ -1,7 +1,8 @@
 """`curvzo-ds export CKPT --out DIR [--merge-lora]`: a checkpoint to a Hugging Face directory that loads offline.
 
 Every front end (the CLI, `from_accelerator`, `ZOTrainer`) writes the same model record and files into its
-checkpoints (checkpoint.format.write_model_files); export reads only those, so it works the same for all of them:
+checkpoints (checkpoint.write.write_model_files); export reads those and the checkpoint's run_config.json
+(config.load.read_run_config), so it works the same for all of them:
 - Full fine-tuning: safetensors shards of the trained tensors under their `save_pretrained` names,
   config.json and the tokenizer: `AutoModelForCausalLM.from_pretrained(DIR)`.
 - LoRA (peft): the adapter (adapter_model.safetensors, adapter_config.json naming its base model) in DIR:
@@ -33,11 +34,12 @@ from curvzo_ds.checkpoint.format import (
     checkpoint_containing,
     consolidated_state_dict,
     own_file,
-    publish_dir,
     verify_checkpoint,
 )
+from curvzo_ds.checkpoint.write import publish_dir
 from curvzo_ds.config.load import saved_config
-from curvzo_ds.config.schema import DEMO_MODELS, TrainConfig, resolve_presets
+from curvzo_ds.config.presets import DEMO_MODELS, resolve_presets
+from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.config.sections import section
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.hub import offline_unless_reachable

@@ -6,50 +6,22 @@ drawn; B as the fraction of parameters; d_eff / G and H; and, when a run has one
 steps (pi.bin, curvzo_ds/train/pilog.py) of the first such run, every panel's step axis from 0. The title names the
 model, task and method; each run's legend label its method with its difference and q (`mezo rloo q=8`), LoRA rank,
 learning rate, seed and world size. What plot leaves out (a line that is not JSON, a damaged file) it says on stderr.
+The runs are read by commands/plot_data.py (`load_run`).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import textwrap
-from dataclasses import dataclass
 
 import numpy as np
 
 from curvzo_ds.checkpoint.format import checkpoint_containing
+from curvzo_ds.commands.plot_data import RunData, is_number, load_run
 from curvzo_ds.errors import ConfigError
-from curvzo_ds.train.logs import METRICS_FILE, read_metrics
-from curvzo_ds.train.pilog import PI_FILE, has_pi, read_pi
+from curvzo_ds.train.pilog import PI_FILE
 
-EVAL_METRICS = ("accuracy", "f1", "exact_match")
 HEATMAP_BLOCKS = 40
-
-
-@dataclass
-class RunData:
-    label: str
-    config: dict
-    summary: dict
-    train: list[dict]
-    dev: list[dict]
-    test: list[dict]
-    pi: tuple | None = None  # (steps, names, pi) of pi.bin
-
-    def get(self, key: str):
-        """model, task or method: config.json's, else summary.json's."""
-        return self.config.get(key) or self.summary.get(key)
-
-    @property
-    def num_blocks(self) -> int | None:
-        return self.summary.get("num_blocks") or (len(self.pi[1]) if self.pi else None)
-
-    @property
-    def metric(self) -> str | None:
-        """The task's metric: the first of EVAL_METRICS in the dev (else test) lines."""
-        rows = self.dev or self.test
-        return next((m for m in EVAL_METRICS if any(_number(r.get(m)) for r in rows)), None)
 
 
 def plot_runs(run_dirs: list[str], out: str | None = None) -> str:
@@ -133,61 +105,6 @@ def figure(run_dirs: list[str]):
     fig.legend(handles, [r.label for r in runs], loc="upper center", ncol=min(len(runs), 2), frameon=False,
                bbox_to_anchor=(0.5, 1 - 0.45 / height), fontsize=11)
     return fig
-
-
-def load_run(run_dir: str) -> RunData:
-    """A run directory's metrics.jsonl, config.json, summary.json and pi file; ConfigError if it is not a run."""
-    if not os.path.isdir(run_dir):
-        raise ConfigError(f"{run_dir}: no such directory; pass a run's output_dir (it holds {METRICS_FILE})")
-    path = os.path.join(run_dir, METRICS_FILE)
-    if not os.path.isfile(path):
-        raise ConfigError(f"{run_dir} holds no {METRICS_FILE}: pass a run's output_dir, after its first "
-                          "logging step")
-    skipped: list[int] = []
-    rows = [r for r in read_metrics(path, skipped) if _number(r.get("step"))]
-    if skipped:
-        torn = skipped == [_count_lines(path)]  # the last line alone: a run writing it, or one stopped mid-line
-        why = " (the last line: a run still writing it, or one that stopped mid-line)" if torn else ""
-        _warn(f"{path}: line{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped[:5]))}"
-              f"{', ...' if len(skipped) > 5 else ''} {'are' if len(skipped) > 1 else 'is'} not a JSON object and "
-              f"left out of the figure{why}")
-    if not rows:
-        raise ConfigError(f"{path} holds no metrics lines with a step yet: plot it after the run's first logging "
-                          "step")
-    config, summary = _read_json(run_dir, "config.json"), _read_json(run_dir, "summary.json")
-    name = os.path.basename(os.path.normpath(run_dir))
-    pi = None
-    if has_pi(run_dir):
-        try:
-            pi = read_pi(run_dir)
-        except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged pi file: no heat map, said so
-            _warn(f"{run_dir}: its pi file ({PI_FILE}) cannot be read ({e}): no heat map of it")
-    return RunData(label=run_label(name, config, summary), config=config, summary=summary,
-                   train=[r for r in rows if "split" not in r],
-                   dev=_by_step([r for r in rows if r.get("split") == "dev"]),
-                   test=_by_step([r for r in rows if r.get("split") == "test"]), pi=pi)
-
-
-def run_label(name: str, config: dict, summary: dict) -> str:
-    """`name (mezo rloo q=8, LoRA r=8, lr 3e-4, seed 42, 2 ranks)`: what tells runs apart, from config.json and
-    summary.json (what a run lacks is left out): the method with its difference (unless `central`) and its q
-    directions per step (unless 1)."""
-    method = config.get("method") or summary.get("method")
-    difference, directions = config.get("difference"), config.get("num_directions")
-    estimator = " ".join([str(method)] * bool(method) + [str(difference)] * (difference not in (None, "central"))
-                         + [f"q={directions}"] * (_number(directions) and directions != 1))
-    parts = [estimator] if estimator else []
-    if config.get("lora"):
-        parts.append(f"LoRA r={config.get('lora_r')}" if config.get("lora_r") else "LoRA")
-    if _number(config.get("learning_rate")):
-        parts.append(f"lr {config['learning_rate']:g}")
-    seed = config.get("seed", summary.get("seed"))
-    if _number(seed):
-        parts.append(f"seed {seed}")
-    world = summary.get("world_size")
-    if _number(world):
-        parts.append(f"{world} rank{'s' if world != 1 else ''}")
-    return f"{name} ({', '.join(parts)})" if parts else name
 
 
 def _train_loss(ax, runs, colors) -> str:
@@ -334,16 +251,16 @@ def _best(run: RunData) -> tuple[int, float | None, float | None] | None:
     """(step, dev metric, test metric) of the best dev evaluation: summary.json's, else the dev lines' best."""
     metric = run.metric
     best = run.summary.get("best_dev")
-    if isinstance(best, dict) and _number(best.get("step")):
+    if isinstance(best, dict) and is_number(best.get("step")):
         test = run.summary.get("test")
         value = best.get(metric) if metric else None
-        return int(best["step"]), value if _number(value) else None, \
-            (test.get(metric) if isinstance(test, dict) and _number(test.get(metric)) else None)
+        return int(best["step"]), value if is_number(value) else None, \
+            (test.get(metric) if isinstance(test, dict) and is_number(test.get(metric)) else None)
     steps, values = _series(run.dev, metric) if metric else ([], [])
     if not steps:
         return None
     i = int(np.argmax(values))
-    test = next((r.get(metric) for r in run.test if r["step"] == steps[i] and _number(r.get(metric))), None)
+    test = next((r.get(metric) for r in run.test if r["step"] == steps[i] and is_number(r.get(metric))), None)
     return int(steps[i]), values[i], test
 
 
@@ -356,46 +273,9 @@ def _edges(steps: np.ndarray) -> np.ndarray:
     return np.concatenate([[s[0] - (mid[0] - s[0])], mid, [s[-1] + (s[-1] - mid[-1])]])
 
 
-def _by_step(rows: list[dict]) -> list[dict]:
-    """The last line of each step (an end-of-run evaluation repeats a step), in step order."""
-    return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
-
-
-def _read_json(run_dir: str, name: str) -> dict:
-    """A run's config.json or summary.json; {} when it has none (a run still going has no summary), and {} with a
-    warning when it is damaged (the figure then lacks what it would have given: labels, the best-dev star)."""
-    path = os.path.join(run_dir, name)
-    if not os.path.exists(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError) as e:
-        _warn(f"{path} cannot be read ({e}): the figure goes without it")
-        return {}
-    if not isinstance(value, dict):
-        _warn(f"{path} holds no JSON object: the figure goes without it")
-        return {}
-    return value
-
-
-def _warn(text: str) -> None:
-    """One line on stderr: what plot left out, and why."""
-    print(f"curvzo-ds plot: warning: {' '.join(text.split())}", file=sys.stderr, flush=True)
-
-
-def _count_lines(path: str) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for _ in f)
-
-
-def _number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of the rows whose `key` is a number (null, that is non-finite, is left out)."""
-    pairs = [(r["step"], r[key]) for r in rows if _number(r.get(key))]
+    pairs = [(r["step"], r[key]) for r in rows if is_number(r.get(key))]
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
@@ -424,4 +304,4 @@ def handle(args) -> None:
     print(plot_runs(args.run_dirs, args.out))
 
 
-__all__ = ["figure", "handle", "load_run", "plot_runs", "register", "short_name", "widest_blocks"]
+__all__ = ["figure", "handle", "plot_runs", "register", "short_name", "widest_blocks"]

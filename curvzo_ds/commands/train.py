@@ -1,5 +1,5 @@
-"""`curvzo-ds train`: train a model, as one rank of a launcher's job or alone (the loop is the train wing's,
-curvzo_ds/train/run.py). Its options and the key list of its --help are eval's too."""
+"""`curvzo-ds train`: train a model, as one rank of a launcher's job or alone (the run is curvzo_ds/train/run.py's,
+its loop train/loop.py's). Its options and the key list of its --help are eval's too."""
 
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ import os
 import re
 from typing import Any
 
+from curvzo_ds.config.fields import field_names, set_sources
 from curvzo_ds.config.resolve import resolve
-from curvzo_ds.config.schema import TrainConfig, field_names, key_fields, set_sources
+from curvzo_ds.config.schema import TrainConfig, key_fields
 from curvzo_ds.errors import ConfigError
 
 

@@ -8,7 +8,9 @@ import dataclasses
 from typing import Any
 
 from curvzo_ds.config.ds_config import MAPPED_FIELDS, resolve_ds_config
-from curvzo_ds.config.schema import TrainConfig, ZOConfig, field_names, freeze, preset_values, sources_of, to_dict
+from curvzo_ds.config.fields import field_names, sources_of, to_dict
+from curvzo_ds.config.presets import preset_values
+from curvzo_ds.config.schema import TrainConfig, ZOConfig, freeze
 
 
 def resolve(cfg: TrainConfig, *, world_size: int | None = None, hidden_size: int | None = None,
@@ -47,7 +49,7 @@ def resolve(cfg: TrainConfig, *, world_size: int | None = None, hidden_size: int
 def resolve_run(cfg: TrainConfig, *, world_size: int, hidden_size: int | None, user_ds: dict | None,
                 where: str = "the deepspeed config", chosen: dict | None = None
                 ) -> tuple[TrainConfig, dict[str, Any], list[str]]:
-    """(resolved config, config for deepspeed.initialize, the mapping's warnings): `resolve` for `Run`."""
+    """(resolved config, config for deepspeed.initialize, the mapping's warnings): `resolve` for train.build's run."""
     notes: list[str] = []
     ds: dict[str, Any] = {}
     out = resolve(cfg, world_size=world_size, hidden_size=hidden_size, user_ds=user_ds, where=where, notes=notes,

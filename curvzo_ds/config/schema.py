@@ -3,7 +3,7 @@
 `ZOConfig` holds what the optimizer needs; `TrainConfig` adds what `curvzo-ds train` needs.
 Both are plain dataclasses, so users can build them in Python, and the CLI fills them from a
 YAML mapping and `--set KEY=VALUE` overrides. `None` means "resolved later from a preset"
-(see `resolve_presets`).
+(see `resolve_presets`, config/presets.py).
 """
 
 from __future__ import annotations
@@ -360,62 +360,6 @@ def _posint(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
-def field_names(cls=TrainConfig) -> list[str]:
-    return [f.name for f in key_fields(cls)]
-
-
-DEMO_MODELS = ("demo", "demo-opt")
-
-
-def preset_values(cfg: TrainConfig) -> dict[str, Any]:
-    """The values of the `None` defaults that depend on the kind of run (docs/config.md: MeZO's defaults), for
-    `dataclasses.replace`; `cfg` is not changed."""
-    demo = cfg.model in DEMO_MODELS
-    out: dict[str, Any] = {}
-    if cfg.learning_rate is None:
-        out["learning_rate"] = (1e-2 if cfg.lora else 3e-4) if demo else (5e-5 if cfg.lora else 1e-6)
-    if cfg.zo_eps is None:
-        out["zo_eps"] = 1e-2 if demo or cfg.lora else 1e-3
-    if cfg.max_steps is None:
-        out["max_steps"] = 300 if demo else 20000
-    if cfg.rate_correction is None:  # the demo's rate was chosen for the paper's step; elsewhere it is MeZO's
-        out["rate_correction"] = "none" if demo else "max_weight"
-    if demo and cfg.eval_steps == 500:
-        out["eval_steps"] = 100
-    if demo and cfg.save_steps == 500:
-        out["save_steps"] = 100
-    if cfg.lora_target_modules is None:
-        out["lora_target_modules"] = ["q_proj", "v_proj"]
-    elif isinstance(cfg.lora_target_modules, str):
-        out["lora_target_modules"] = [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
-    return out
-
-
-def resolve_presets(cfg: TrainConfig) -> TrainConfig:
-    """A copy of `cfg` with its presets filled (`preset_values`); `cfg` itself is not changed. A resolved config
-    (presets already filled) is returned as it is."""
-    values = preset_values(cfg)
-    return dataclasses.replace(cfg, **values) if values else cfg
-
-
-def set_sources(cfg, sources: dict[str, str]):
-    """Record where each explicitly given key of `cfg` came from ("--set", "--config FILE") in its `sources` field.
-    The DeepSpeed mapping reads it: a key given there and set to another value by the DeepSpeed config is refused
-    (docs/deepspeed.md). It goes into no config.json (`to_dict`)."""
-    cfg.sources = dict(sources)
-    return cfg
-
-
-def sources_of(cfg) -> dict[str, str]:
-    return dict(getattr(cfg, "sources", None) or {})
-
-
-def to_dict(cfg) -> dict[str, Any]:
-    """The flat keys of `cfg` (run_config.json, config.json): `dataclasses.asdict` less the internal fields."""
-    internal = {f.name for f in dataclasses.fields(cfg) if f.metadata.get("internal")}
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in internal}
-
-
 def freeze(cfg: ZOConfig) -> ZOConfig:
     """Mark `cfg` resolved: validated, and frozen from now on. Only `config.resolve` and `engine_config` (after
     their one validation) and `zo_part` (of a resolved config) call it. Not a field: `dataclasses.replace` of a
@@ -424,5 +368,4 @@ def freeze(cfg: ZOConfig) -> ZOConfig:
     return cfg
 
 
-__all__ = ["ZOConfig", "TrainConfig", "resolve_presets", "preset_values", "key", "key_docs", "key_fields",
-           "field_names", "set_sources", "sources_of", "to_dict", "freeze"]
+__all__ = ["ZOConfig", "TrainConfig", "key", "key_docs", "key_fields", "freeze"]

@@ -14,7 +14,7 @@ import torch
 
 from curvzo_ds.config.ds_config import resolve_ds_config
 from curvzo_ds.config.ds_policy import MAPPED_FIELDS
-from curvzo_ds.config.schema import sources_of
+from curvzo_ds.config.fields import sources_of
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.layout.memory import WIDTH, GiB, plan_memory
 from curvzo_ds.shard.comm import Comm

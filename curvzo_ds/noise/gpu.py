@@ -171,7 +171,7 @@ def _rows_kernel(dst_base, src_base, rows, prefix, coef, keys, sums, n_rows, DST
     row = rows + lo * ROW_WIDTH
     dst = dst_base + tl.load(row + ROW_DST)
     src = src_base + tl.load(row + ROW_SRC)
-    n = tl.load(row + ROW_N).to(tl.int32)  # rows are cut at 2^30 elements (perturb.py)
+    n = tl.load(row + ROW_N).to(tl.int32)  # rows are cut at 2^30 elements (shard/row_table.py)
     start = tl.load(row + ROW_START)
     stat = tl.load(row + ROW_STAT)
     row_coef = coef + lo * (1 + NKEYS)

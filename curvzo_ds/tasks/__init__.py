@@ -8,9 +8,8 @@ from curvzo_ds.tasks.task import (
     GENERATION,
     TASK_NAMES,
     Task,
-    get_task,
-    load_task_dir,
 )
+from curvzo_ds.tasks.task_dir import get_task, load_task_dir
 
 __all__ = [
     "BUILTIN", "CLASSIFICATION", "GENERATION", "TASK_NAMES", "Task", "get_task", "load_task_dir",

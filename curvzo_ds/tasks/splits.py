@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from curvzo_ds.hub import offline_unless_reachable
-from curvzo_ds.tasks.task import Task, get_task
+from curvzo_ds.tasks.task import Task
+from curvzo_ds.tasks.task_dir import get_task
 
 log = logging.getLogger(__name__)
 SPLIT_FILES = {"train": ("train",), "dev": ("dev",), "test": ("test", "validation")}

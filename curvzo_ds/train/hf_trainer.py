@@ -3,8 +3,8 @@
 `train()` is replaced by a loop that steps a ZOEngine; the rest is the Trainer's own: the data
 loaders, callbacks (logging, report_to), `evaluate()`, the seed and TrainerState. Under DeepSpeed
 the model is prepared alone (no optimizer) after the config is cleaned like `--deepspeed`, and the
-engine's checkpoint calls go to this project's shard-local checkpoint (integrations.py), through
-the same CheckpointManager as the CLI.
+engine's checkpoint calls go to this project's shard-local checkpoint (train/build.py's
+`install_checkpoint_hooks`), through the same CheckpointManager as the CLI.
 """
 
 from __future__ import annotations

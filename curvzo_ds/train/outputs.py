@@ -22,7 +22,8 @@ import sys
 import time
 
 from curvzo_ds.checkpoint.format import checkpoint_containing
-from curvzo_ds.config.schema import TrainConfig, to_dict
+from curvzo_ds.config.fields import to_dict
+from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.jsonio import dumps, write_json_atomic
 from curvzo_ds.sysinfo import device_name, peak_rss_bytes, versions

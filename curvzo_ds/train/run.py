@@ -13,8 +13,9 @@ import time
 
 from curvzo_ds.checkpoint.format import check_model, read_manifest
 from curvzo_ds.checkpoint.manager import CheckpointManager, load_checkpoint
+from curvzo_ds.config.fields import field_names, to_dict
 from curvzo_ds.config.load import RESUME_MAY_CHANGE, differences, read_run_config
-from curvzo_ds.config.schema import TrainConfig, field_names, to_dict
+from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.config.sections import section
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.shard.digest import params_digest
