@@ -146,3 +146,27 @@ def test_resume_never_overwrites_and_a_run_is_never_written_inside_a_checkpoint(
     lock.release()
     assert sorted(p.name for p in run.iterdir()) == []  # replaced knowingly
     prepare_output_dir(TrainConfig(output_dir=str(tmp_path / "fresh")), True, None, OneRank()).release()
+
+
+def test_a_run_without_dev_or_test_examples_says_so_unless_asked(caplog):
+    """Issue 45 §3: an empty dev.jsonl turned dev evaluation off (summary.json's best_dev null) without a word. The
+    run now says it once on rank 0; num_dev=0 (asked for) stays quiet, and another rank says nothing."""
+    import logging
+    import types
+
+    from curvzo_ds.train.run import warn_missing_splits
+
+    def job(num_dev, rank=0, splits=("test",)):
+        return types.SimpleNamespace(cfg=types.SimpleNamespace(num_dev=num_dev, num_eval=16), rank=rank,
+                                     eval_data={s: [] for s in splits})
+
+    with caplog.at_level(logging.WARNING, logger="curvzo_ds"):
+        warn_missing_splits(job(16))
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and said[0].startswith("no dev examples (the task's dev split or dev.jsonl is empty)")
+        assert "best_dev is null" in said[0]
+        caplog.clear()
+        warn_missing_splits(job(0))
+        warn_missing_splits(job(16, rank=1))
+        warn_missing_splits(job(16, splits=("dev", "test")))
+        assert caplog.records == []
