@@ -105,6 +105,24 @@ def one_rank_group():
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A Hugging Face directory of the demo Llama with tied embeddings (as SmolLM2: the tied embedding counts once)
+    and its tokenizer, random weights of seed 0: the experiments' tests run their scripts on it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from curvzo_ds.tasks import demo_model_config, load_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    conf = demo_model_config("llama")
+    conf.tie_word_embeddings = True
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(conf).save_pretrained(path)
+    load_tokenizer("llama").save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def straight(tmp_path_factory):
     """The reference run of the helpers' COMMON settings: one process, 12 steps (shared by test files)."""
     from tests.helpers import train

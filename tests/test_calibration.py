@@ -47,21 +47,6 @@ def test_the_rloo_formula_gives_docs_algorithm_figures():
     assert max(x.rloo_per_forward(q, t * 0.99) for q in range(2, 65)) > 1 / 0.6
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from curvzo_ds.tasks import demo_model_config, load_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    conf = demo_model_config("llama")
-    conf.tie_word_embeddings = True
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(conf).save_pretrained(path)
-    load_tokenizer("llama").save_pretrained(path)
-    return str(path)
-
-
 @pytest.mark.slow
 def test_x_dev_ci_end_to_end(tiny_model, tmp_path, capsys):
     x = load("x_dev")

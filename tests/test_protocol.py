@@ -124,21 +124,6 @@ def test_issue_37s_cached_runs_are_found_by_their_settings():
     assert cache.reused_path("sentiment", "mezo", 1e-4, 3) is None
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from curvzo_ds.tasks import demo_model_config, load_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    conf = demo_model_config("llama")
-    conf.tie_word_embeddings = True
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(conf).save_pretrained(path)
-    load_tokenizer("llama").save_pretrained(path)
-    return str(path)
-
-
 @pytest.mark.slow
 def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
     """--plan, --run, --report on a tiny random Llama (16 forwards a run). A random model's loss moves by noise, so

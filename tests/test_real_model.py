@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from curvzo_ds.config.sections import section
-from curvzo_ds.tasks import demo_model_config, load_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -24,19 +23,6 @@ def load_script(name: str = "real_model"):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    conf = demo_model_config("llama")
-    conf.tie_word_embeddings = True  # as SmolLM2: the tied embedding counts once
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(conf).save_pretrained(path)
-    load_tokenizer("llama").save_pretrained(path)
-    return str(path)
 
 
 def plain_run(script, tiny_model, tmp_path, arm: str, lr: float = 1e-2):
