@@ -62,7 +62,7 @@ def check_one_model(runs: list[dict]) -> None:
 def one_run(out: str, model: str, task_dir: str, plan: dict, seed: int, log) -> dict:
     """One MeZO run (pipeline.py's `run_config`, full-parameter), from runs/<hash>.json when cached."""
     import torch
-    from pipeline import DATA, digest, run_config
+    from pipeline import DATA, cached, run_config
 
     from curvzo_ds.commands.diagnose import PlainRun
     from curvzo_ds.jsonio import write_json_atomic
@@ -70,10 +70,9 @@ def one_run(out: str, model: str, task_dir: str, plan: dict, seed: int, log) -> 
     settings = dict(model=os.path.basename(model), task=plan["task"], method="mezo", form="full", lr=plan["lr"],
                     seed=seed, steps=plan["steps"], eval_every=plan["eval_every"],
                     subset=dict(size=V.SUBSET, seed=V.SUBSET_SEED), data=DATA)
-    path = os.path.join(out, "runs", digest(settings) + ".json")
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+    path, done = cached(out, settings)
+    if done is not None:
+        return done
     torch.set_num_threads(1)
     start = time.time()
     run = PlainRun(run_config(model, task_dir, "mezo", "full", plan["lr"], seed, plan["steps"]))

@@ -63,6 +63,15 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def cached(out: str, settings: dict) -> tuple[str, dict | None]:
+    """A run's cache file, out/runs/<hash of its settings>.json, and the run in it (None while it has not run)."""
+    path = os.path.join(out, "runs", digest(settings) + ".json")
+    if not os.path.exists(path):
+        return path, None
+    with open(path) as f:
+        return path, json.load(f)
+
+
 class Log:
     def __init__(self, path: str):
         self.path = path
@@ -161,10 +170,9 @@ def one_run(out: str, plan: dict, model: str, task: str, task_dir: str, form: st
     """One training run, from runs/<hash>.json when its settings were run before."""
     settings = dict(model=os.path.basename(model), task=task, form=form, method=method, lr=lr, seed=seed,
                     steps=plan["steps"], eval_every=plan["eval_every"], data=DATA)
-    path = os.path.join(out, "runs", digest(settings) + ".json")
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+    path, done = cached(out, settings)
+    if done is not None:
+        return done
     cfg = run_config(model, task_dir, method, form, lr, seed, plan["steps"])
     result = dict(settings=settings, **train(cfg, plan["eval_every"]))
     write_json_atomic(path, result)

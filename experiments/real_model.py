@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from language import write_task_dir  # noqa: E402
-from pipeline import Log, digest, mean_sd, reach_ratio, run_many, speedup_at_own_loss  # noqa: E402
+from pipeline import Log, cached, digest, mean_sd, reach_ratio, run_many, speedup_at_own_loss  # noqa: E402
 
 from curvzo_ds.algo.sampling import CurvZOSampler  # noqa: E402
 from curvzo_ds.commands.diagnose import PlainRun, diagnose  # noqa: E402
@@ -261,10 +261,9 @@ def one_run(out: str, plan: dict, model: str, task: str, task_dir: str, arm: str
                     steps=plan["steps"], eval_every=plan["eval_every"], data=DATA)
     if "static" in ARMS[arm]:  # since 2026-11-28 the product's mask (shard/mask.py), not this script's former copy
         settings["mask"] = "curvzo_ds.shard.mask"
-    path = os.path.join(out, "runs", digest(settings) + ".json")
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+    path, done = cached(out, settings)
+    if done is not None:
+        return done
     torch.set_num_threads(1)
     start = time.time()
     result = dict(settings=settings, **train(run_config(model, task_dir, arm, lr, seed, plan["steps"]), arm,

@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import real_model as R  # noqa: E402
-from pipeline import Log, digest  # noqa: E402
+from pipeline import Log, cached  # noqa: E402
 
 from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
 
@@ -61,10 +61,9 @@ def stable_run(model: str, task: str, task_dir: str, lr: float, seed: int, log: 
 def cached_run(settings: dict, cfg, train_arm: str, log: Log) -> dict:
     """runs/<hash of settings>.json, or real_model.py's `train` of `cfg` (with `train_arm`'s additions, none for
     mezo and curvzo) written there."""
-    path = os.path.join(OUT, "runs", digest(settings) + ".json")
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+    path, done = cached(OUT, settings)
+    if done is not None:
+        return done
     start = time.time()
     result = dict(settings=settings, **R.train(cfg, train_arm, settings["eval_every"]))
     result["seconds"] = time.time() - start
