@@ -3,6 +3,7 @@ SmolLM2-135M? One rate rule for every arm, 8 fresh seeds per arm at its chosen r
 
     python experiments/protocol.py --plan --out DIR                       # the runs still missing, and their commands
     nice -n 19 python experiments/protocol.py --run --arm rloo-8 --task topic --runs 4e-4:3 4e-4:4 --out DIR
+    nice -n 19 python experiments/protocol.py --work --out DIR            # what --plan lists; one worker per core
     python experiments/protocol.py --report --out DIR                     # the tables, from the cached runs
     python experiments/protocol.py --config ci --model TINY --out DIR ... # the test's: 16 forwards, a tiny Llama
 
@@ -38,12 +39,15 @@ SmolLM2 mid-run). Issue 37's cached runs (experiments/results/real-model/runs/) 
 (model, task, arm, rate, seed, 400 forwards, evaluation, data).
 
 Then 8 fresh seeds (3-10) per arm at its chosen rate; `--report` compares each arm's fresh seeds with MeZO's.
+`--work` runs what `--plan` lists (task by task, arm by arm in the order of --arms), reading the plan again after each
+run; each run is claimed by an flock in --out/.claims/, so two workers (one per core) share the queue.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -364,6 +368,49 @@ def minutes(cache: Cache, task: str, arm: str) -> str:
             "no run of this arm cached yet")
 
 
+def needed(cache: Cache, task: str, arm: str, st: dict | None = None) -> list[tuple[float, int]]:
+    """The runs (lr, seed) this task and arm need next: the pilots the rate rule is missing, else the fresh seeds of
+    its chosen rate that have not run."""
+    st = st or pilot_state(cache, task, arm)
+    fresh = [] if st["chosen"] is None else [
+        (st["chosen"], s) for s in cache.plan["fresh_seeds"] if cache.get(task, arm, st["chosen"], s) is None]
+    return st["missing"] + fresh
+
+
+def claim(cache: Cache, task: str, arm: str, lr: float, seed: int):
+    """An open file holding an exclusive flock on --out/.claims/<run>.lock, or None when another worker holds it (the
+    kernel drops the lock when a worker dies, so a claim is never stale)."""
+    os.makedirs(os.path.join(cache.out, ".claims"), exist_ok=True)
+    f = open(os.path.join(cache.out, ".claims", f"{task}-{arm}-{lr:g}-{seed}.lock"), "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
+def work(cache: Cache, tasks: list[str], arms: list[str], model_dir: str, task_dirs: dict, log: Log) -> int:
+    """Run what the plan needs next, one run at a time, until nothing is left that no other worker is running: task
+    by task, arm by arm (the order of --arms), each run claimed so that one worker per core shares the queue. The
+    plan is read again after every run (a finished pilot grid chooses its rate, and its fresh seeds follow).
+    Returns the number of runs trained."""
+    done = 0
+    while True:
+        for task, arm, lr, seed in [(t, a, lr, s) for t in tasks for a in arms for lr, s in needed(cache, t, a)]:
+            lock = claim(cache, task, arm, lr, seed)
+            if lock is None:
+                continue
+            with lock:
+                if cache.get(task, arm, lr, seed) is None:  # another worker may have finished it since
+                    one_run(cache, model_dir, task, task_dirs[task], arm, lr, seed, log)
+                    done += 1
+            break
+        else:
+            log(f"work: {done} runs; nothing left that another worker is not running")
+            return done
+
+
 def plan_lines(cache: Cache, tasks: list[str], arms: list[str], out_arg: str) -> list[str]:
     lines = []
     for task in tasks:
@@ -378,9 +425,7 @@ def plan_lines(cache: Cache, tasks: list[str], arms: list[str], out_arg: str) ->
                                  f"seed {s}: {'diverged' if diverged(r) else format(pilot_tail(r), '.3f')} "
                                  f"({r['source']})")
                 lines.append(f"- {lr:g}: " + "; ".join(cells))
-            fresh = [] if st["chosen"] is None else [
-                (st["chosen"], s) for s in cache.plan["fresh_seeds"] if cache.get(task, arm, st["chosen"], s) is None]
-            todo = [f"{lr:g}:{s}" for lr, s in st["missing"] + fresh]
+            todo = [f"{lr:g}:{s}" for lr, s in needed(cache, task, arm, st)]
             kind = "pilot" if st["missing"] else "fresh"
             lines.append(f"- still to run ({kind}): {' '.join(todo) if todo else 'none'}"
                          + (f"; {len(todo)} runs, {minutes(cache, task, arm)}" if todo else ""))
@@ -487,6 +532,8 @@ def main(argv=None) -> None:
     what.add_argument("--plan", action="store_true", help="print the runs still missing and their commands")
     what.add_argument("--run", action="store_true", help="run --runs LR:SEED of --arm on --task (cached)")
     what.add_argument("--report", action="store_true", help="print the tables from the cached runs")
+    what.add_argument("--work", action="store_true",
+                      help="run what --plan lists, one run after another, claimed (start one worker per core)")
     parser.add_argument("--config", choices=list(CONFIGS), default="full")
     parser.add_argument("--arm", choices=list(ARMS))
     parser.add_argument("--task", choices=TASKS)
@@ -512,7 +559,7 @@ def main(argv=None) -> None:
     if args.report:
         print("\n".join(report_lines(cache, tasks, args.arms, args.null)))
         return
-    if not args.arm or not args.task:
+    if args.run and (not args.arm or not args.task):
         parser.error("--run needs --arm and --task")
     os.makedirs(args.out, exist_ok=True)
     log = Log(os.path.join(args.out, "progress.log"))
@@ -521,6 +568,9 @@ def main(argv=None) -> None:
     else:
         model_dir = R.convert(R.fetch_gguf(args.cache, log), args.cache, log)
     with tempfile.TemporaryDirectory(prefix="protocol-tasks-") as tmp:  # a process's own copy: no race on the files
+        if args.work:
+            work(cache, tasks, args.arms, model_dir, {t: R.write_task(tmp, t) for t in tasks}, log)
+            return
         task_dir = R.write_task(tmp, args.task)
         for item in args.runs:
             lr, seed = item.split(":")

@@ -124,6 +124,27 @@ def test_issue_37s_cached_runs_are_found_by_their_settings():
     assert cache.reused_path("sentiment", "mezo", 1e-4, 3) is None
 
 
+def test_workers_share_the_queue_by_claims(tmp_path, monkeypatch):
+    """--work runs what the plan needs next, skips a run another worker holds (its flock), reads the plan again
+    after each run (the pilot grid chooses its rate, then the fresh seeds follow) and stops when nothing is left."""
+    cache = P.Cache(P.CONFIGS["ci"], "ci", "tiny", str(tmp_path), None)
+    ran = []
+
+    def fake_run(cache, model_dir, task, task_dir, arm, lr, seed, log):
+        ran.append((lr, seed))
+        put(cache, arm, lr, seed, tail=-0.5 if lr == rate(0) else -0.4)
+
+    monkeypatch.setattr(P, "one_run", fake_run)
+    args = (cache, ["sentiment"], ["mezo"], "model", {"sentiment": "task"}, lambda line: None)
+    other = P.claim(cache, "sentiment", "mezo", rate(0), 0)  # another worker is running pilot seed 0
+    assert other is not None and P.claim(cache, "sentiment", "mezo", rate(0), 0) is None
+    assert P.work(*args) == 1 and ran == [(rate(0), 1)]
+    other.close()  # that worker died: the kernel drops its lock
+    assert P.work(*args) == 5
+    assert ran[1:] == [(rate(0), 0), (rate(1), 0), (rate(1), 1), (rate(0), 2), (rate(0), 3)]
+    assert P.needed(cache, "sentiment", "mezo") == [] and P.work(*args) == 0
+
+
 @pytest.mark.slow
 def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
     """--plan, --run, --report on a tiny random Llama (16 forwards a run). A random model's loss moves by noise, so
@@ -147,8 +168,7 @@ def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
                 put(cache, arm, P.lattice("ci", "sentiment", arm, 1), seed, tail=-0.4)
             st = P.pilot_state(cache, "sentiment", arm)
             assert st["chosen"] == P.lattice("ci", "sentiment", arm, 0) and not st["missing"]
-            P.main(["--run", "--arm", arm, "--task", "sentiment", "--runs",
-                    *[f"{st['chosen']:g}:{s}" for s in P.CONFIGS["ci"]["fresh_seeds"]], *common])
+        P.main(["--work", "--arms", *arms, *common])  # every arm's fresh seeds, as --plan lists them
     finally:
         torch.set_num_threads(threads)
     fresh = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
