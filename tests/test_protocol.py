@@ -187,8 +187,10 @@ def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
     assert (out / "progress.log").read_text().count(" run ") == log_lines  # from the cache
     capsys.readouterr()
     P.main(["--report", "--arms", *arms, *common])
-    report = capsys.readouterr().out
+    report, pilots = capsys.readouterr().out.split("Pilot grids")
     rows = [line for line in report.splitlines() if line.startswith("| sentiment |")]
+    pilot_rows = [line for line in pilots.splitlines() if line.startswith("| sentiment |")]
+    assert len(pilot_rows) == 2 * len(arms) * len(P.CONFIGS["ci"]["pilot_seeds"])  # the grid's two rates per arm
     assert [row.split(" | ")[1] for row in rows] == arms
     assert all(row.endswith(("| yes |", "| no |")) for row in rows[1:]) and rows[0].endswith("| - |")
     P.main(["--plan", *common])
