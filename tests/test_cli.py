@@ -172,6 +172,10 @@ def test_presets_are_mezos_for_full_and_lora_runs_and_give_way_to_the_user():
     assert (lora.learning_rate, lora.zo_eps, lora.lora_target_modules) == (5e-5, 1e-2, ["q_proj", "v_proj"])
     assert (demo.learning_rate, demo.zo_eps, demo.max_steps, demo.eval_steps) == (3e-4, 1e-2, 300, 100)
     assert resolve_presets(TrainConfig(lora=True)).learning_rate == 1e-2  # measured: docs/measurements.md
+    # loss_std's learning_rate is eta, a step length in units of z: MeZO's 1e-6 there would move nothing
+    std = dict(model="facebook/opt-13b", difference="rloo", num_directions=8, step_normalization="loss_std")
+    assert resolve_presets(TrainConfig(**std)).learning_rate == 1e-3
+    assert resolve_presets(TrainConfig(**std, learning_rate=2e-3)).learning_rate == 2e-3
     mine = resolve_presets(TrainConfig(model="facebook/opt-13b", learning_rate=1e-7, zo_eps=1e-4, max_steps=5))
     assert (mine.learning_rate, mine.zo_eps, mine.max_steps) == (1e-7, 1e-4, 5)
     given = TrainConfig()
