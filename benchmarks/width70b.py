@@ -183,7 +183,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         worker(args.width, args.batch, args.seq_len, args.steps, args.worker)
-        return
+        # Leave without the interpreter's teardown (as tests/multirank/common.py does): the result is written and
+        # every rank has met, and that teardown sometimes aborts in gloo's threads ("terminate called without an
+        # active exception", pytorch/pytorch#190489; seen here once under load, 2026-11-28).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     args.width = "tiny" if args.tiny else "70b"
     with tempfile.TemporaryDirectory() as tmp:
         runs = [launch(int(w), args, os.path.join(tmp, f"w{w}.json")) for w in args.world_sizes.split(",")]
