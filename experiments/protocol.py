@@ -71,7 +71,7 @@ ARMS = {"mezo": dict(q=1, spec=dict(method="mezo")),
                                           step_normalization="loss_std"))}
 TASKS = ["sentiment", "topic"]
 # x_dev at MeZO's step 100 (experiments/x_dev.py, experiments/results/x-dev/): the predicted RLOO rate ratio's x.
-X_DEV = {"sentiment": 0.142, "topic": None}  # sentiment: 0.142 ± 0.013 (2026-11-28, experiments/RESULTS.md)
+X_DEV = {"sentiment": 0.142, "topic": 0.036}  # ± 0.013 and ± 0.005 (2026-11-28, experiments/RESULTS.md)
 MEZO_START = {"sentiment": 1e-4, "topic": 5e-5}
 STD_START = 1e-3
 CONFIGS = {
