@@ -55,8 +55,8 @@ def check_one_model(runs: list[dict]) -> None:
     """Refuse runs of different pre-trained models. A run's cache key names the model by its settings, and
     pretraining is not bit-reproducible across machines: on 2026-11-28 the same settings gave a model whose
     zero-shot dev loss was 0.679, not 2026-11-27's 0.226 (rerun on the same machine it gives the same bits), and its
-    runs were cached beside the first model's. The
-    zero-shot dev loss (every run's first point) tells the models apart."""
+    runs were cached beside the first model's. The zero-shot dev loss (every run's first point) tells the models
+    apart."""
     zero_shot = sorted({round(r["curve"][0]["loss"], 6) for r in runs})
     if len(zero_shot) > 1:
         raise SystemExit(f"the cached runs come from {len(zero_shot)} pre-trained models (zero-shot dev losses "

@@ -512,6 +512,9 @@ def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str
                     f"{np.mean(acc):.3f} | {'yes' if V.fewer_forwards(boot['high']) else 'no'} |")
             lines.append(row)
     lines += ["", "Pilot grids (mean tail log dev loss over the pilot seeds; the full dev set):", ""]
+    pilot_rows = ["", "Pilot runs (the full dev set):", "",
+                  "| task | arm | rate | seed | dev loss at 0 / 200 / 400 forwards | tail mean log dev loss | from |",
+                  "|---|---|---|---|---|---|---|"]
     for task in tasks:
         for arm in arms:
             st = pilot_state(cache, task, arm)
@@ -522,21 +525,15 @@ def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str
                     cells.append(f"{lr:g}: diverged")
                 elif got:
                     cells.append(f"{lr:g}: {np.mean([pilot_tail(r) for r in got]):.3f} ({len(got)} seeds)")
-            lines.append(f"- {task} / {arm} (start {st['start']:g}): {', '.join(cells)}; {st['why']}")
-    lines += ["", "Pilot runs (the full dev set):", "",
-              "| task | arm | rate | seed | dev loss at 0 / 200 / 400 forwards | tail mean log dev loss | from |",
-              "|---|---|---|---|---|---|---|"]
-    for task in tasks:
-        for arm in arms:
-            for lr, runs in pilot_state(cache, task, arm)["grid"]:
                 for seed, r in runs.items():
                     if r is not None:
                         f, loss = curve_of(r)
                         at = [f"{loss[f == x][0]:.4f}" if (f == x).any() else "-" for x in (0, 200, 400)]
                         tail = "diverged" if diverged(r) else f"{pilot_tail(r):.3f}"
-                        lines.append(f"| {task} | {arm} | {lr:g} | {seed} | {' / '.join(at)} | {tail} | "
-                                     f"{r['source']} |")
-    return lines
+                        pilot_rows.append(f"| {task} | {arm} | {lr:g} | {seed} | {' / '.join(at)} | {tail} | "
+                                          f"{r['source']} |")
+            lines.append(f"- {task} / {arm} (start {st['start']:g}): {', '.join(cells)}; {st['why']}")
+    return lines + pilot_rows
 
 
 def main(argv=None) -> None:
