@@ -50,6 +50,7 @@ def arm(model: str, quantization: str, out: str) -> None:
     import bitsandbytes  # noqa: F401  in the baseline of every arm (peft imports it whenever it is installed)
 
     from curvzo_ds.config.load import load_config
+    from curvzo_ds.layout.memory import trained_extent
     from curvzo_ds.shard.distributed import init_distributed
     from curvzo_ds.sysinfo import rss_bytes
     from curvzo_ds.train.build import build
@@ -69,13 +70,7 @@ def arm(model: str, quantization: str, out: str) -> None:
         loaded = high_water()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the RSS now
-        rows = seq = positions = 0
-        for t in range(STEPS):
-            batches = run.batch(t)
-            for mb in batches.items:
-                rows, seq = max(rows, mb["input_ids"].shape[0]), max(seq, mb["input_ids"].shape[1])
-                positions = max(positions, int((mb["label_mask"][:, 1:] > 0).any(0).sum()))
-            run.engine.step(batches)
+        rows, seq, positions = trained_extent(run, STEPS)
     with open(out, "w") as f:
         json.dump(dict(quantization=quantization, baseline=baseline, loaded_peak=loaded, steps_peak=high_water(),
                        rows=rows, seq=seq, positions=positions, trained=run.engine.num_params), f)

@@ -254,6 +254,7 @@ def _measure(args: list[str], out_path: str) -> dict:
     import gc
 
     from curvzo_ds.config.load import load_config
+    from curvzo_ds.layout.memory import trained_extent
     from curvzo_ds.shard.distributed import init_distributed
     from curvzo_ds.sysinfo import peak_rss_bytes, rss_bytes
     from curvzo_ds.train.build import build
@@ -267,13 +268,7 @@ def _measure(args: list[str], out_path: str) -> dict:
         sets.append(f"tokenizer={tokenizer}")
     run = build(load_config(None, sets, str(ROOT / "ds_configs" / "zero3.json")))
     loaded = peak_rss_bytes()
-    rows = seq = positions = 0
-    for t in range(STEPS):
-        batches = run.batch(t)
-        for mb in batches.items:
-            rows, seq = max(rows, mb["input_ids"].shape[0]), max(seq, mb["input_ids"].shape[1])
-            positions = max(positions, int((mb["label_mask"][:, 1:] > 0).any(0).sum()))
-        run.engine.step(batches)
+    rows, seq, positions = trained_extent(run, STEPS)
     figures = run.engine.comm.all_gather_object(dict(rank=rank, baseline=baseline, loaded_peak=loaded,
                                                      peak=peak_rss_bytes()))
     return dict(world=world, rows=rows, seq=seq, positions=positions, dtype=run.cfg.dtype, ranks=figures)

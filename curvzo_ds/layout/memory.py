@@ -64,6 +64,20 @@ def zero_settings(deepspeed: str | dict | None, dtype: str, offload: str, world_
     return DeepSpeedZeroConfig(**zero), mapped["dtype"], mapped["offload_param"]
 
 
+def trained_extent(run, steps: int) -> tuple[int, int, int]:
+    """Train a built run (train.build) for `steps` steps; return the largest forward it made: (rows, tokens per row,
+    label positions), what `curvzo-ds plan` takes as --batch, --seq-len and --label-positions. The measured side of
+    a plan's check (tests/test_plan.py, benchmarks/quant_rss.py)."""
+    rows = seq = positions = 0
+    for t in range(steps):
+        batches = run.batch(t)
+        for mb in batches.items:
+            rows, seq = max(rows, mb["input_ids"].shape[0]), max(seq, mb["input_ids"].shape[1])
+            positions = max(positions, int((mb["label_mask"][:, 1:] > 0).any(0).sum()))
+        run.engine.step(batches)
+    return rows, seq, positions
+
+
 def activation_bytes(conf, names: list[str], seq_len: int, width: int, label_positions: int = 1) -> int:
     """Bytes of forward activations for one sequence of T tokens, inference style (torch.no_grad, no KV cache):
     one layer's live set at a time, plus the attention mask and the logits at label positions.
