@@ -183,12 +183,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         worker(args.width, args.batch, args.seq_len, args.steps, args.worker)
-        # Leave without the interpreter's teardown (as tests/multirank/common.py does): the result is written and
-        # every rank has met, and that teardown sometimes aborts in gloo's threads ("terminate called without an
-        # active exception", pytorch/pytorch#190489; seen here once under load, 2026-11-28).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        # The result is written and every rank has met; the interpreter's teardown once aborted here in gloo's
+        # threads under load (2026-11-28).
+        from curvzo_ds.startup import exit_now
+
+        exit_now(0)
     args.width = "tiny" if args.tiny else "70b"
     with tempfile.TemporaryDirectory() as tmp:
         runs = [launch(int(w), args, os.path.join(tmp, f"w{w}.json")) for w in args.world_sizes.split(",")]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
-import logging
 import os
 import re
 import sys
@@ -22,7 +21,7 @@ import sys
 from curvzo_ds.commands import bench, diagnose, export, plan, plot, train
 from curvzo_ds.commands import eval as evaluate
 from curvzo_ds.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, ConfigError, RunEnded
-from curvzo_ds.startup import extensions_dir
+from curvzo_ds.startup import exit_now, extensions_dir
 
 # In this order in `curvzo-ds --help`. A command module imports neither DeepSpeed nor transformers when it is
 # imported (its handler does): --help stays quick, and DeepSpeed's first log line cannot reach eval's stdout.
@@ -168,20 +167,14 @@ def entry() -> None:
         abort_process_group()
         _say("curvzo-ds: interrupted: stopped at once, saving nothing (a run's checkpoints so far are intact; "
              "--resume continues from the newest)")
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_INTERRUPTED)  # no interpreter teardown: it can wait in the aborted group's threads
+        exit_now(EXIT_INTERRUPTED)  # no interpreter teardown: it can wait in the aborted group's threads
     except BaseException:
         abort_process_group()
         raise
     destroy_process_group()
     if code == EXIT_PREEMPTED:  # every rank is here at once (run_train's barrier): leave without the interpreter's
         mark_exit("preempted")  # teardown, which can take seconds, so that srun --kill-on-bad-exit ends no rank
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
     if code == EXIT_BAD_INPUT:
         mark_exit("bad-input")
     sys.exit(code)

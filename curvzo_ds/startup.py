@@ -11,6 +11,8 @@ stdout.
   message only). peft imports bitsandbytes whenever it is installed, and on a CPU with AVX512-bf16 bitsandbytes
   warns at import that an optional kernel package is missing, then runs its own fallback: nothing a user must
   act on, so its logger shows errors only.
+- `exit_now(code)`: leave without the interpreter's teardown, which can abort or hang in a communication library's
+  threads once the process group is gone ("terminate called without an active exception", pytorch/pytorch#190489).
 - `stdout_to_log()`: what DeepSpeed prints while it starts (`... built successfully`) is kept and logged by
   `logs.setup_logging` (the rank's log file, and rank 0's console on stderr); compiler output goes to stderr.
 """
@@ -24,6 +26,7 @@ import logging
 import os
 import sys
 import warnings
+from typing import NoReturn
 
 _captured: list[str] = []
 
@@ -92,3 +95,13 @@ def take_captured() -> list[str]:
     lines = list(_captured)
     _captured.clear()
     return lines
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit with `code` at once, log handlers closed and stdout/stderr flushed first, skipping the interpreter's
+    teardown (module-level docstring). For a process whose results are written and whose process group is left or
+    aborted: the CLI after a Ctrl-C or a pre-emption, a test's or a benchmark's rank worker."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -21,6 +21,8 @@ def main(run: Callable[[list[str], str], dict]) -> None:
     import torch
     import torch.distributed as dist
 
+    from curvzo_ds.startup import exit_now
+
     torch.set_num_threads(1)
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     *args, out_path = args
@@ -32,9 +34,6 @@ def main(run: Callable[[list[str], str], dict]) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    # Leave without the interpreter's teardown: the result is written and every rank has met, and that teardown
-    # sometimes aborts in a library's communication thread ("terminate called without an active exception", seen
-    # under the deepspeed launcher with the HF Trainer and under torchrun; pytorch/pytorch#190489).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # The result is written and every rank has met; the interpreter's teardown sometimes aborts in a library's
+    # communication thread (seen under the deepspeed launcher with the HF Trainer and under torchrun).
+    exit_now(0)
