@@ -506,10 +506,13 @@ def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str
             pairs = [V.forwards_to_final(f, np.exp(row), fm, np.exp(mezo_seed[r["settings"]["seed"]]))
                      for r, row in zip(runs, y) if r["settings"]["seed"] in mezo_seed]
             flag = " (extrapolated)" if point["extrapolated"] else ""
+            n = len(plan["fresh_seeds"])
+            verdict = ("yes" if V.fewer_forwards(boot["high"]) else "no") if len(runs) == len(mezo) == n else (
+                f"pending ({len(runs)} and MeZO's {len(mezo)} of {n} seeds)")
             row += (f"{w['diff']:+.4f} [{w['low']:+.4f}, {w['high']:+.4f}] | {point['factor']:.3f} [{boot['low']:.3f}, "
                     f"{boot['high']:.3f}]{flag} | {V.forwards_to_final_summary(pairs)} | "
                     f"{np.mean(finals):.4f} ± {np.std(finals, ddof=1) if len(finals) > 1 else 0:.4f} | "
-                    f"{np.mean(acc):.3f} | {'yes' if V.fewer_forwards(boot['high']) else 'no'} |")
+                    f"{np.mean(acc):.3f} | {verdict} |")
             lines.append(row)
     lines += ["", "Pilot grids (mean tail log dev loss over the pilot seeds; the full dev set):", ""]
     pilot_rows = ["", "Pilot runs (the full dev set):", "",

@@ -193,5 +193,15 @@ def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
     assert len(pilot_rows) == 2 * len(arms) * len(P.CONFIGS["ci"]["pilot_seeds"])  # the grid's two rates per arm
     assert [row.split(" | ")[1] for row in rows] == arms
     assert all(row.endswith(("| yes |", "| no |")) for row in rows[1:]) and rows[0].endswith("| - |")
+    # an arm short of its fresh seeds gets intervals but no verdict
+    seeds = P.CONFIGS["ci"]["fresh_seeds"]
+    for path in (out / "runs").glob("*.json"):
+        s = json.loads(path.read_text())["settings"]
+        if (s["stage"], s["arm"], s["seed"]) == ("fresh", "rloo-8", seeds[0]):
+            path.unlink()
+    P.main(["--report", "--arms", *arms, *common])
+    rows = [line for line in capsys.readouterr().out.split("Pilot grids")[0].splitlines()
+            if line.startswith("| sentiment | rloo-8 |")]
+    assert rows[0].endswith(f"| pending (1 and MeZO's {len(seeds)} of {len(seeds)} seeds) |"), rows
     P.main(["--plan", *common])
     assert "still to run (fresh): none" in capsys.readouterr().out
