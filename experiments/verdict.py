@@ -97,7 +97,8 @@ def tail_mean(forwards, losses, total: float | None = None) -> float:
 
 def welch(a, b, level: float = 0.95) -> dict:
     """mean(a) - mean(b) with its Welch interval (unequal variances, Welch-Satterthwaite degrees of freedom).
-    With a non-finite value in a or b, the difference is that of the means and the interval is not computed."""
+    With a non-finite value in a or b, or one value on a side, the difference is that of the means and the interval is
+    not computed (nan)."""
     from scipy import stats
 
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
@@ -106,6 +107,8 @@ def welch(a, b, level: float = 0.95) -> dict:
         out["diff"] = math.inf if np.isfinite(b).all() else -math.inf if np.isfinite(a).all() else math.nan
         return out
     diff = out["diff"] = float(a.mean() - b.mean())
+    if min(len(a), len(b)) < 2:
+        return out
     va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
     se = math.sqrt(va + vb)
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if se > 0 else math.inf

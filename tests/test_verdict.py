@@ -127,6 +127,8 @@ def test_welch_matches_scipy():
     va, vb = np.var(a, ddof=1) / 5, np.var(b, ddof=1) / 7
     assert w["df"] == pytest.approx((va + vb) ** 2 / (va ** 2 / 4 + vb ** 2 / 6))
     assert V.welch([1.0, math.inf], b)["diff"] == math.inf and math.isnan(V.welch([1.0, math.inf], b)["low"])
+    one = V.welch([0.3], b)  # one seed a side: a difference, no interval (not a zero-width one)
+    assert one["diff"] == pytest.approx(0.3 - np.mean(b)) and math.isnan(one["low"]) and math.isnan(one["high"])
 
 
 def test_the_rule_and_issue_37s_column():
