@@ -464,6 +464,11 @@ def null_summary(path: str | None) -> str:
             f"{s['fpr_or_power']:.3f}")
 
 
+def mean_sd(values) -> str:
+    """"mean ± sd" (ddof 1) to 4 places; one value has no sd: "mean (1 seed)", not a zero one."""
+    return f"{np.mean(values):.4f} ± {np.std(values, ddof=1):.4f}" if len(values) > 1 else f"{values[0]:.4f} (1 seed)"
+
+
 def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str | None) -> list[str]:
     plan = cache.plan
     null = null_summary(null_path)
@@ -491,9 +496,9 @@ def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str
             finals = [r["curve"][-1].get("loss", math.nan) for r in runs]
             acc = [r["test"]["accuracy"] for r in runs]
             row = (f"| {task} | {arm} | {lr:g} ({st['why']}) | {len(runs)} ({bad}) | "
-                   f"{np.mean(tails):.4f} ± {np.std(tails, ddof=1) if len(tails) > 1 else 0:.4f} | ")
+                   f"{mean_sd(tails)} | ")
             if arm == "mezo" or not mezo:
-                row += f"- | - | - | {np.mean(finals):.4f} ± {np.std(finals, ddof=1) if len(finals) > 1 else 0:.4f} | "
+                row += f"- | - | - | {mean_sd(finals)} | "
                 row += f"{np.mean(acc):.3f} | - |"
                 lines.append(row)
                 continue
@@ -511,7 +516,7 @@ def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str
                 f"pending ({len(runs)} and MeZO's {len(mezo)} of {n} seeds)")
             row += (f"{w['diff']:+.4f} [{w['low']:+.4f}, {w['high']:+.4f}] | {point['factor']:.3f} [{boot['low']:.3f}, "
                     f"{boot['high']:.3f}]{flag} | {V.forwards_to_final_summary(pairs)} | "
-                    f"{np.mean(finals):.4f} ± {np.std(finals, ddof=1) if len(finals) > 1 else 0:.4f} | "
+                    f"{mean_sd(finals)} | "
                     f"{np.mean(acc):.3f} | {verdict} |")
             lines.append(row)
     lines += ["", "Pilot grids (mean tail log dev loss over the pilot seeds; the full dev set):", ""]
