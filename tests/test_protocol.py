@@ -146,6 +146,44 @@ def test_workers_share_the_queue_by_claims(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def put_fresh(cache, arm, seed, final):
+    """A made-up fresh run at the arm's start rate: dev and subset losses 1.0, 0.9, `final` at 0, 8 and 16
+    forwards (a final above 1.0 has diverged)."""
+    lr = P.lattice("ci", "sentiment", arm, 0)
+    run = dict(settings=P.settings_of(cache.plan, cache.model, "sentiment", arm, lr, seed),
+               curve=[dict(step=x // 2, forwards=x, loss=y, subset_loss=y, accuracy=0.5)
+                      for x, y in zip([0, 8, 16], [1.0, 0.9, final])], test=dict(accuracy=0.5), seconds=60.0)
+    path = cache.path("sentiment", arm, lr, seed)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pathlib.Path(path).write_text(json.dumps(run))
+
+
+def test_the_report_shows_a_diverged_seed_left_out_beside_the_rule(tmp_path):
+    """The rule counts every fresh seed; where some diverged, a second table compares without them."""
+    cache = fake_cache(tmp_path, dict(P.CONFIGS["ci"], max_grid=8, pilot_seeds=[0, 1, 2], fresh_seeds=[3, 4, 5]))
+    for arm in ("mezo", "rloo-8"):
+        for seed in cache.plan["pilot_seeds"]:
+            put(cache, arm, P.lattice("ci", "sentiment", arm, 0), seed, tail=-0.5)
+            put(cache, arm, P.lattice("ci", "sentiment", arm, 1), seed, tail=-0.4)
+    for seed, mezo, rloo in zip(cache.plan["fresh_seeds"], [0.5, 0.4, 0.45], [0.3, 0.2, 0.25]):
+        put_fresh(cache, "mezo", seed, mezo)
+        put_fresh(cache, "rloo-8", seed, rloo)
+    assert "Without the diverged" not in "\n".join(P.report_lines(cache, ["sentiment"], ["mezo", "rloo-8"], None))
+    put_fresh(cache, "mezo", 5, 50.0)  # MeZO's third seed diverges
+    lines = P.report_lines(cache, ["sentiment"], ["mezo", "rloo-8"], None)
+    assert [line for line in lines if line.startswith("| sentiment | mezo |")][0].split(" | ")[3] == "3 (1)"
+    start = lines.index(next(x for x in lines if x.startswith("Without the diverged")))
+    rows = [line for line in lines[start:lines.index("Pilot grids (mean tail log dev loss over the pilot seeds; "
+                                                     "the full dev set):")] if line.startswith("| sentiment |")]
+    assert len(rows) == 1 and rows[0].startswith("| sentiment | rloo-8 | 3 of 3 | 2 of 3 |")
+    # without the diverged seed MeZO's tail is the mean of log 0.5 and log 0.4: the difference shrinks
+    kept = float(rows[0].split(" | ")[4].split()[0])
+    rule = float([x for x in lines if x.startswith("| sentiment | rloo-8 |")][0].split(" | ")[5].split()[0])
+    arm = (math.log(0.3) + math.log(0.2) + math.log(0.25)) / 3
+    assert kept == pytest.approx(arm - (math.log(0.5) + math.log(0.4)) / 2, abs=1e-4)  # the tail: 16 alone
+    assert rule < kept
+
+
 def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
     """--plan, --run, --report on a tiny random Llama (16 forwards a run). A random model's loss moves by noise, so
     the pilots that decide the rates are made up (stable, the second rate worse: each arm chooses its start rate);
