@@ -481,7 +481,9 @@ def compare(plan: dict, runs: list[dict], mezo: list[dict]) -> dict:
     mezo_seed = {r["settings"]["seed"]: row for r, row in zip(mezo, ym)}
     pairs = [V.forwards_to_final(f, np.exp(row), fm, np.exp(mezo_seed[r["settings"]["seed"]]))
              for r, row in zip(runs, y) if r["settings"]["seed"] in mezo_seed]
-    flag = " (extrapolated)" if point["extrapolated"] else ""
+    flag = ((f" (extrapolated; capped: MeZO's curve, extended, does not reach some of the arm's tail points within "
+             f"{V.CAP:g}x its forwards, so the factor is at most this)") if point["capped"] else
+            " (extrapolated)" if point["extrapolated"] else "")
     return dict(boot=boot, welch=f"{w['diff']:+.4f} [{w['low']:+.4f}, {w['high']:+.4f}]",
                 warp=f"{point['factor']:.3f} [{boot['low']:.3f}, {boot['high']:.3f}]{flag}",
                 pairs=V.forwards_to_final_summary(pairs))
