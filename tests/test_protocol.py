@@ -228,7 +228,7 @@ def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
     capsys.readouterr()
     P.main(["--report", "--arms", *arms, *common])
     report, pilots = capsys.readouterr().out.split("Pilot grids")
-    rows = [line for line in report.splitlines() if line.startswith("| sentiment |")]
+    rows = [line for line in report.split("Without the diverged")[0].splitlines() if line.startswith("| sentiment |")]
     pilot_rows = [line for line in pilots.splitlines() if line.startswith("| sentiment |")]
     assert len(pilot_rows) == 2 * len(arms) * len(P.CONFIGS["ci"]["pilot_seeds"])  # the grid's two rates per arm
     assert [row.split(" | ")[1] for row in rows] == arms
@@ -240,8 +240,8 @@ def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
         if (s["stage"], s["arm"], s["seed"]) == ("fresh", "rloo-8", seeds[0]):
             path.unlink()
     P.main(["--report", "--arms", *arms, *common])
-    rows = [line for line in capsys.readouterr().out.split("Pilot grids")[0].splitlines()
-            if line.startswith("| sentiment | rloo-8 |")]
+    rows = [line for line in capsys.readouterr().out.split("Without the diverged")[0].split("Pilot grids")[0]
+            .splitlines() if line.startswith("| sentiment | rloo-8 |")]
     assert rows[0].endswith(f"| pending (1 and MeZO's {len(seeds)} of {len(seeds)} seeds) |"), rows
     P.main(["--plan", *common])
     assert "still to run (fresh): none" in capsys.readouterr().out
