@@ -145,7 +145,6 @@ def test_workers_share_the_queue_by_claims(tmp_path, monkeypatch):
     assert P.needed(cache, "sentiment", "mezo") == [] and P.work(*args) == 0
 
 
-@pytest.mark.slow
 def put_fresh(cache, arm, seed, final):
     """A made-up fresh run at the arm's start rate: dev and subset losses 1.0, 0.9, `final` at 0, 8 and 16
     forwards (a final above 1.0 has diverged)."""
@@ -186,6 +185,7 @@ def test_the_report_shows_a_diverged_seed_left_out_beside_the_rule(tmp_path):
     assert "capped" in [x for x in lines if x.startswith("| sentiment | rloo-8 |")][0]
 
 
+@pytest.mark.slow
 def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
     """--plan, --run, --report on a tiny random Llama (16 forwards a run). A random model's loss moves by noise, so
     the pilots that decide the rates are made up (stable, the second rate worse: each arm chooses its start rate);
