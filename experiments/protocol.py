@@ -464,6 +464,11 @@ def null_summary(path: str | None) -> str:
             f"{s['fpr_or_power']:.3f}")
 
 
+def tail_means(f: np.ndarray, y: np.ndarray, forwards: int) -> np.ndarray:
+    """Each run's tail mean log dev loss from subset_curves' (forwards, log losses)."""
+    return np.array([V.tail_mean(f, np.exp(row), forwards) for row in y])
+
+
 def mean_sd(values) -> str:
     """"mean ± sd" (ddof 1) to 4 places; one value has no sd: "mean (1 seed)", not a zero one."""
     return f"{np.mean(values):.4f} ± {np.std(values, ddof=1):.4f}" if len(values) > 1 else f"{values[0]:.4f} (1 seed)"
@@ -474,8 +479,7 @@ def compare(plan: dict, runs: list[dict], mezo: list[dict]) -> dict:
     forwards-to-MeZO's-final cell."""
     f, y = subset_curves(runs, plan["forwards"])
     fm, ym = subset_curves(mezo, plan["forwards"])
-    tails = [V.tail_mean(f, np.exp(r), plan["forwards"]) for r in y]
-    w = V.welch(np.array(tails), np.array([V.tail_mean(fm, np.exp(r), plan["forwards"]) for r in ym]))
+    w = V.welch(tail_means(f, y, plan["forwards"]), tail_means(fm, ym, plan["forwards"]))
     point = V.warp(f, y, fm, ym, plan["forwards"])
     boot = V.warp_bootstrap(f, y, fm, ym, plan["forwards"])
     mezo_seed = {r["settings"]["seed"]: row for r, row in zip(mezo, ym)}
@@ -512,7 +516,7 @@ def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str
                              "0 | - | - | - | - | - | - | - |")
                 continue
             f, y = subset_curves(runs, plan["forwards"])
-            tails = np.array([V.tail_mean(f, np.exp(row), plan["forwards"]) for row in y])
+            tails = tail_means(f, y, plan["forwards"])
             bad = sum(diverged(r) for r in runs)
             finals = [r["curve"][-1].get("loss", math.nan) for r in runs]
             acc = [r["test"]["accuracy"] for r in runs]
