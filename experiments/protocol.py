@@ -494,7 +494,7 @@ def compare(plan: dict, runs: list[dict], mezo: list[dict]) -> dict:
 
 
 def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str | None) -> list[str]:
-    plan = cache.plan
+    plan, n = cache.plan, len(cache.plan["fresh_seeds"])
     null = null_summary(null_path)
     lines = [f"Fresh seeds {plan['fresh_seeds'][0]}-{plan['fresh_seeds'][-1]} at each arm's chosen rate; the "
              f"{plan['subset']}-example dev subset every {plan['eval_every']} forwards; tail = the last "
@@ -528,7 +528,6 @@ def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str
                 lines.append(row)
                 continue
             c = compare(plan, runs, mezo)
-            n = len(plan["fresh_seeds"])
             verdict = ("yes" if V.fewer_forwards(c["boot"]["high"]) else "no") if len(runs) == len(mezo) == n else (
                 f"pending ({len(runs)} and MeZO's {len(mezo)} of {n} seeds)")
             row += f"{c['welch']} | {c['warp']} | {c['pairs']} | {mean_sd(finals)} | {np.mean(acc):.3f} | {verdict} |"
@@ -543,6 +542,19 @@ def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str
                   "every seed, and a diverged MeZO seed raises MeZO's mean curve, which favours the arm):", "",
                   "| task | arm | arm's seeds kept | MeZO's seeds kept | tail mean − MeZO's, Welch 95% | "
                   "time-warp factor [bootstrap 95%] |", "|---|---|---|---|---|---|", *sensitivity]
+    prediction = []
+    for task in tasks if {"rloo-8", "rloo-8-std"} <= set(arms) else []:
+        (_, plain), (_, std) = fresh_runs(cache, task, "rloo-8"), fresh_runs(cache, task, "rloo-8-std")
+        if plain and std:
+            w = V.welch(*(tail_means(*subset_curves(r, plan["forwards"]), plan["forwards"]) for r in (std, plain)))
+            held = ("yes" if w["high"] <= -0.1 else "no") if len(plain) == len(std) == n else "pending"
+            prediction.append(f"| {task} | {len(std)} | {len(plain)} | {w['diff']:+.4f} [{w['low']:+.4f}, "
+                              f"{w['high']:+.4f}] | {held} |")
+    if prediction:
+        lines += ["", "The issue's prediction for `loss_std`: a tail mean at least 0.1 below RLOO-8's (the upper 95% "
+                  "bound of the difference <= -0.1):", "",
+                  "| task | rloo-8-std seeds | rloo-8 seeds | tail mean, rloo-8-std − rloo-8, Welch 95% | "
+                  "at least 0.1 below? |", "|---|---|---|---|---|", *prediction]
     lines += ["", "Pilot grids (mean tail log dev loss over the pilot seeds; the full dev set):", ""]
     pilot_rows = ["", "Pilot runs (the full dev set):", "",
                   "| task | arm | rate | seed | dev loss at 0 / 200 / 400 forwards | tail mean log dev loss | from |",

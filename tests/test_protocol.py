@@ -185,6 +185,36 @@ def test_the_report_shows_a_diverged_seed_left_out_beside_the_rule(tmp_path):
     assert "capped" in [x for x in lines if x.startswith("| sentiment | rloo-8 |")][0]
 
 
+def test_the_report_checks_the_prediction_for_loss_std_against_rloo8(tmp_path):
+    """The issue predicts loss_std's tail mean at least 0.1 below RLOO-8's: a Welch interval, decided on full seeds."""
+    cache = fake_cache(tmp_path, dict(P.CONFIGS["ci"], max_grid=8, pilot_seeds=[0, 1, 2], fresh_seeds=[3, 4, 5]))
+    arms = ["mezo", "rloo-8", "rloo-8-std"]
+    for arm in arms:
+        for seed in cache.plan["pilot_seeds"]:
+            put(cache, arm, P.lattice("ci", "sentiment", arm, 0), seed, tail=-0.5)
+            put(cache, arm, P.lattice("ci", "sentiment", arm, 1), seed, tail=-0.4)
+    for seed, mezo, plain, std in zip([3, 4, 5], [0.5, 0.4, 0.45], [0.3, 0.2, 0.25], [0.1, 0.12, 0.08]):
+        put_fresh(cache, "mezo", seed, mezo)
+        put_fresh(cache, "rloo-8", seed, plain)
+        if seed < 5:
+            put_fresh(cache, "rloo-8-std", seed, std)
+
+    def row():
+        lines = P.report_lines(cache, ["sentiment"], arms, None)
+        start = lines.index(next(x for x in lines if x.startswith("The issue's prediction")))
+        return next(x for x in lines[start:] if x.startswith("| sentiment |")).split(" | ")
+
+    assert row()[1:3] == ["2", "3"] and row()[4] == "pending |"
+    put_fresh(cache, "rloo-8-std", 5, 0.08)
+    cells = row()
+    # the tail is the 16th forward alone
+    want = sum(map(math.log, [0.1, 0.12, 0.08])) / 3 - sum(map(math.log, [0.3, 0.2, 0.25])) / 3
+    assert float(cells[3].split()[0]) == pytest.approx(want, abs=1e-4) and cells[4] == "yes |"
+    put_fresh(cache, "rloo-8-std", 5, 0.9)  # one bad seed widens the interval past -0.1
+    assert row()[4] == "no |"
+    assert not any(x.startswith("The issue's prediction") for x in P.report_lines(cache, ["sentiment"], arms[:2], None))
+
+
 @pytest.mark.slow
 def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
     """--plan, --run, --report on a tiny random Llama (16 forwards a run). A random model's loss moves by noise, so
