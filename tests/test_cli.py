@@ -191,6 +191,24 @@ def test_presets_are_mezos_for_full_and_lora_runs_and_give_way_to_the_user():
         engine_config(TrainConfig(learning_rate=1e-6, zo_eps=1e-3, max_steps=5), {})
 
 
+def test_the_fewest_forwards_preset_file_trains_rloo8_with_loss_std(tmp_path):
+    """configs/fewest_forwards.yaml (issue 47: the setting the protocol measured best) is what README's "Which
+    method" names, and a run from it takes the normalised RLOO step: each step's record has the 8 losses' spread."""
+    from curvzo_ds.config.load import load_config
+
+    preset = ROOT / "configs" / "fewest_forwards.yaml"
+    cfg = load_config(str(preset), ["model=facebook/opt-13b"], None)
+    assert (cfg.method, cfg.difference, cfg.num_directions, cfg.step_normalization, cfg.learning_rate) == (
+        "mezo", "rloo", 8, "loss_std", 5.66e-3)
+    args = [a for a in COMMON if a != "method=curvzo"][1:]  # the file's method, not the tests' default
+    run_checked([*CLI, "--config", str(preset), *args, "--set", "max_steps=2", "--set", f"output_dir={tmp_path}"])
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss_std" in r]
+    assert len(steps) == 2 and all(r["loss_std"] > 0 for r in steps)
+    run = json.loads((tmp_path / "config.json").read_text())
+    assert (run["difference"], run["num_directions"], run["step_normalization"]) == ("rloo", 8, "loss_std")
+
+
 def test_the_keys_sources_survive_replace_and_stay_out_of_the_files_and_the_key_list():
     """Issue 36: where each key came from is a field (dataclasses.replace keeps it, as the DeepSpeed mapping
     needs), not a key: not in config.json / run_config.json (to_dict), --help, or what --set accepts."""
