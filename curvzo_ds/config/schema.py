@@ -226,7 +226,8 @@ class TrainConfig(ZOConfig):
     # None: filled from a preset (resolve_presets) once the model and LoRA setting are known.
     learning_rate: float | None = key(None, "preset: demo 3e-4 (LoRA 1e-2), full 1e-6 (MeZO), LoRA 5e-5 "
                                                          "(MeZO); with step_normalization=loss_std 1e-3 (eta, "
-                                                         "its start on SmolLM2-135M)")
+                                                         "the formula's start on SmolLM2-135M; "
+                                                         "configs/fewest_forwards.yaml: 5.66e-3)")
     zo_eps: float | None = key(None, "perturbation scale; preset: demo 1e-2, full 1e-3, LoRA 1e-2 (MeZO)")
     max_steps: int | None = key(None, "training steps; preset: demo 300, otherwise 20000 (the paper)")
     rate_correction: str | None = key(None, "max_weight (the learning rate times min_i pi_i each step: stable "
