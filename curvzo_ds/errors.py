@@ -8,6 +8,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # the run stopped for a reason it states (a non-finite loss, a failed checkpoint write, ...)
 EXIT_BAD_INPUT = 2  # a bad configuration value, a missing file: nothing was trained
 EXIT_PREEMPTED = 3  # stopped on a signal after saving a checkpoint: resume with --resume (or requeue)
+EXIT_DIVERGED = 4  # the run diverged (on_divergence=stop, or its rollbacks spent): its checkpoints are intact
 
 
 class RunEnded(RuntimeError):
@@ -32,6 +33,12 @@ class Preempted(RunEnded):
     """The run stopped on a signal at a step boundary, after saving its checkpoint."""
 
     exit_code = EXIT_PREEMPTED
+
+
+class Diverged(RunEnded):
+    """The run diverged and on_divergence says stop (or its max_rollbacks are spent): train/divergence.py."""
+
+    exit_code = EXIT_DIVERGED
 
 
 class ConfigError(ValueError):

@@ -89,7 +89,7 @@ def test_a_linear_schedule_without_max_steps_is_refused():
     with pytest.raises(ConfigError, match="lr_scheduler_type=linear needs max_steps > 0"):
         tiny_engine(lambda m, b: (m(b).sum(), 1), lr_scheduler_type="linear")
     engine, _ = tiny_engine(lambda m, b: (m(b).sum(), 1), lr_scheduler_type="linear", max_steps=10)
-    assert engine.sampler.learning_rate(5) == 0.5e-3  # decays to 0 at max_steps
+    assert engine.rate.at(5) == 0.5e-3  # decays to 0 at max_steps
 
 
 def test_the_readme_states_zoconfigs_default_learning_rate():

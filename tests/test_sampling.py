@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from curvzo_ds.algo import sampling
+from curvzo_ds.algo import rate, sampling
 
 
 def test_water_filling_sums_to_budget_and_clips():
@@ -116,6 +116,6 @@ def test_budget_in_parameters():
 
 
 def test_learning_rate_schedules():
-    assert sampling.lr_at(0, 1e-3, "constant", 100) == 1e-3
-    assert sampling.lr_at(50, 1e-3, "linear", 100) == pytest.approx(5e-4)
-    assert sampling.lr_at(100, 1e-3, "linear", 100) == 0.0
+    assert rate.lr_at(0, 1e-3, "constant", 100) == 1e-3
+    assert rate.lr_at(50, 1e-3, "linear", 100) == pytest.approx(5e-4)
+    assert rate.lr_at(100, 1e-3, "linear", 100) == 0.0

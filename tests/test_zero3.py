@@ -54,6 +54,16 @@ SCENARIOS = [
                                                            "difference": "rloo", "step_normalization": "loss_std"}},
     {"name": "rloo_std_replicas", "steps": 8, "n_micro": 2, "shard_group_size": 1,
      "zo": {**ZO, "method": "mezo", "num_directions": 6, "difference": "rloo", "step_normalization": "loss_std"}},
+    # issue 57: learning_rate auto (the weights' RMS over the full tensors, so the same rate at every world size)
+    # with loss_std, and the control running_rms (MeZO's Delta over its running RMS), alone and with a plateau
+    # schedule (no evaluation here: the cut is the CLI's, tests/test_horizon.py).
+    {"name": "rloo_std_auto", "steps": 8, "n_micro": 3,
+     "zo": {**ZO, "method": "mezo", "num_directions": 4, "difference": "rloo", "step_normalization": "loss_std",
+            "learning_rate": "auto", "max_steps": 8}},
+    {"name": "running_rms_auto", "steps": 10, "n_micro": 3,
+     "zo": {**ZO, "method": "mezo", "step_normalization": "running_rms", "learning_rate": "auto", "max_steps": 10}},
+    {"name": "running_rms_curvzo", "steps": 10, "n_micro": 2,
+     "zo": {**ZO, "method": "curvzo", "num_directions": 2, "step_normalization": "running_rms"}},
     {"name": "disagree", "steps": 0, "n_micro": 1, "disagree": "seed", "min_world": 2, "zo": ZO},
 ]
 
@@ -73,7 +83,8 @@ def runs(tmp_path_factory):
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", ["curvzo", "mezo", "offload", "small_batch", "lora", "bf16", "bf16_master",
                                   "static_mask", "static_mask_bf16", "rloo", "rloo_mezo", "rloo_bf16", "rloo_replicas",
-                                  "rloo_std", "rloo_std_replicas"])
+                                  "rloo_std", "rloo_std_replicas", "rloo_std_auto", "running_rms_auto",
+                                  "running_rms_curvzo"])
 def test_bit_identical_at_1_2_3_ranks(runs, name):
     ref = runs[1][name]
     assert len(ref["traj"]) > 0

@@ -4,9 +4,10 @@ tensors, so every rank computes the same values from the same float64 losses of 
 
 `DIFFERENCE_SPECS` is the table the `difference` key names and the engine reads (like `sampling.METHOD_SPECS`):
 where each forward of a direction evaluates (in units of eps along z_k), how many directions the estimator needs,
-and its estimate. `StepNormalization` divides the step of an estimator that has several losses by their spread.
-A new estimator is a member of `Difference` and its row here; a new normalisation a member of `StepNormalization`
-and its case in `FiniteDifference.estimate`.
+and its estimate. `StepNormalization` gives the step a length in units of z: loss_std divides RLOO's step by the
+spread of its q losses, running_rms MeZO's by a running RMS of its Delta. A new estimator is a member of
+`Difference` and its row here; a new normalisation a member of `StepNormalization`, the rows that serve it and its
+case in `FiniteDifference.estimate`.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ class StepNormalization(str, enum.Enum):
 
     NONE = "none"  # the update's coefficient of z_k is (lr / q) Delta_k
     LOSS_STD = "loss_std"  # (eta / q) (L_k - b_k) / sigma: the step in units of z, sigma the spread of the q losses
+    RUNNING_RMS = "running_rms"  # (eta / q) clip(Delta_k / s, -3, 3), s a running RMS of Delta: MeZO normalised
 
 
 SIGMA_FLOOR = 1e-3  # loss_std: sigma is floored at this fraction of its running mean
 SIGMA_RATE = 0.1  # loss_std: the running mean of sigma is an EMA with this rate (its first value the first sigma)
+RMS_RATE = 0.1  # running_rms: s_t^2 = (1 - RMS_RATE) s_{t-1}^2 + RMS_RATE Delta_t^2
+RMS_CLIP = 3.0  # running_rms: Delta_t / s_{t-1} is clipped to [-RMS_CLIP, RMS_CLIP]
 
 
 @dataclass(frozen=True)
@@ -86,18 +90,27 @@ class DifferenceSpec(NamedTuple):
     offsets: tuple[int, ...]
     min_directions: int
     estimate: Callable[[list[tuple[float, ...]], float], Estimate]
-    normalizable: bool  # step_normalization=loss_std applies (several losses of one kind per step)
+    normalizations: tuple[StepNormalization, ...]  # the step_normalization values it serves besides none
 
 
 DIFFERENCE_SPECS: dict[Difference, DifferenceSpec] = {
-    Difference.CENTRAL: DifferenceSpec((1, -1), 1, central, normalizable=False),
-    Difference.RLOO: DifferenceSpec((1,), 2, leave_one_out, normalizable=True),
+    # running_rms: one scalar of state, Delta's running RMS (two forwards a step suffice)
+    Difference.CENTRAL: DifferenceSpec((1, -1), 1, central, normalizations=(StepNormalization.RUNNING_RMS,)),
+    # loss_std: the spread of the q one-sided losses of the step itself
+    Difference.RLOO: DifferenceSpec((1,), 2, leave_one_out, normalizations=(StepNormalization.LOSS_STD,)),
 }
 
 
 class FiniteDifference:
-    """The estimator of one run (`difference`, `step_normalization`, eps), with the one scalar of state that the
-    normalisation keeps: the running mean of sigma (an EMA, `SIGMA_RATE`), saved in checkpoints.
+    """The estimator of one run (`difference`, `step_normalization`, eps), with the one scalar of state that a
+    normalisation keeps: loss_std's running mean of sigma (an EMA, `SIGMA_RATE`), running_rms's s; saved in
+    checkpoints.
+
+    `running_rms` (difference=central: MeZO's step with an adaptive length): with Delta_k the central difference of
+    direction k, the update's coefficient of z_k is (eta / q) clip(Delta_k / s_{t-1}, -3, 3), and
+    s_t^2 = 0.9 s_{t-1}^2 + 0.1 mean_k Delta_k^2 with s_0 = RMS_k |Delta_k| of the first step (so the first step
+    moves eta sign(Delta) per direction). A step whose Deltas are all 0 before s exists moves nothing; a step with a
+    non-finite loss leaves s as it was (the engine skips it).
 
     `loss_std` (FZOO's normalisation): with the q losses L_k, b_k as `leave_one_out`'s and sigma their standard
     deviation (ddof 1) floored at SIGMA_FLOOR times the running mean of sigma (before this step's), the update's
@@ -111,6 +124,7 @@ class FiniteDifference:
         self.normalization = StepNormalization(step_normalization)
         self.eps = eps
         self.sigma_mean: float | None = None
+        self.rms: float | None = None  # running_rms's s
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -122,6 +136,8 @@ class FiniteDifference:
         est = self.spec.estimate(losses, self.eps)
         if self.normalization is StepNormalization.NONE:
             return est
+        if self.normalization is StepNormalization.RUNNING_RMS:
+            return self._running_rms(est)
         values = [lk for (lk,) in losses]
         q = len(values)
         mean = sum(values) / q
@@ -137,9 +153,26 @@ class FiniteDifference:
         return Estimate(deltas, est.score_deltas, est.loss, math.sqrt(sum(x * x for x in deltas) / q),
                         loss_spread=est.loss_spread, loss_std=sigma)
 
+    def _running_rms(self, est: Estimate) -> Estimate:
+        if not est.finite:
+            return est
+        mean_square = sum(x * x for x in est.deltas) / len(est.deltas)
+        s = self.rms if self.rms is not None else math.sqrt(mean_square)  # s_0 = |Delta_1|
+        if s > 0:
+            deltas = [max(-RMS_CLIP, min(RMS_CLIP, x / s)) for x in est.deltas]
+            self.rms = math.sqrt((1 - RMS_RATE) * s * s + RMS_RATE * mean_square)
+        else:
+            deltas = [0.0] * len(est.deltas)
+        return Estimate(deltas, est.score_deltas, est.loss, est.delta, loss_plus=est.loss_plus,
+                        loss_minus=est.loss_minus)
+
     def state_dict(self) -> dict:
-        return {"sigma_mean": self.sigma_mean} if self.normalization is not StepNormalization.NONE else {}
+        if self.normalization is StepNormalization.LOSS_STD:
+            return {"sigma_mean": self.sigma_mean}
+        return {"running_rms": self.rms} if self.normalization is StepNormalization.RUNNING_RMS else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.normalization is not StepNormalization.NONE:
+        if self.normalization is StepNormalization.LOSS_STD:
             self.sigma_mean = state.get("sigma_mean")
+        elif self.normalization is StepNormalization.RUNNING_RMS:
+            self.rms = state.get("running_rms")

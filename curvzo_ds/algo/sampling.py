@@ -169,15 +169,6 @@ def ema(scores: torch.Tensor, new: torch.Tensor, beta: float) -> torch.Tensor:
     return (1 - beta) * scores + beta * new
 
 
-def lr_at(step: int, base_lr: float, schedule: str, max_steps: int) -> float:
-    """Learning rate for update number `step` (0-based): constant, or linear decay to 0."""
-    if schedule == "constant" or max_steps <= 0:
-        return base_lr
-    if schedule == "linear":
-        return base_lr * max(0.0, 1.0 - step / max_steps)
-    raise ValueError(f"lr_scheduler_type={schedule!r}: use constant or linear")
-
-
 # ----------------------------------------------------------------------------------------------------
 # The stateful sampler: everything CurvZO decides between two forwards, in one place.
 
@@ -282,7 +273,6 @@ class CurvZOSampler:
 
     - `plan(step)`: pi from the scores after step - 1 (causal), the budget B and its inputs, and the
       block mask from uniforms that are the same on every rank;
-    - `learning_rate(step)`: the schedule's rate;
     - `update_coefficients(plan, delta, lr, weight_decay)`: Eq. 28's Horvitz-Thompson step per block;
     - `direction_updates(plan, deltas, lr, weight_decay)`: the same for the q directions of a step (lr/q each);
     - `observe(plan, delta, block_sq)`: the block scores of a finished step into S (warm-up sum or EMA);
@@ -294,8 +284,8 @@ class CurvZOSampler:
 
     def __init__(self, cfg, schedule, sizes: torch.Tensor, mask_uniforms: Callable[[int, int], torch.Tensor]):
         """`cfg`: the config's `sampler` section (config.sections: method, the budget rule, the scores);
-        `schedule`: its `engine` section, of which the learning-rate schedule reads `learning_rate`,
-        `lr_scheduler_type` and `max_steps`. Any object with those attributes serves (a ZOConfig too)."""
+        `schedule`: its `engine` section (unused: the rate is algo/rate.py's `Rate`, the engine's; kept so that the
+        sampler is built from the same two sections everywhere). Any object with those attributes serves."""
         self.cfg = cfg
         self.schedule = schedule
         self.sizes = sizes.to(torch.float64)
@@ -310,10 +300,6 @@ class CurvZOSampler:
         if cfg.budget_floor == 0 and self.spec.follows_scores:
             log.warning("budget_floor=0 is the paper's literal rule: a block whose pi reaches 0 is never drawn "
                         "again (pi = 0 is absorbing). A floor > 0 is recommended.")
-
-    def learning_rate(self, step: int) -> float:
-        cfg = self.schedule
-        return lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, cfg.max_steps)
 
     def in_warmup(self, step: int) -> bool:
         cfg = self.cfg
@@ -332,9 +318,9 @@ class CurvZOSampler:
         scale = rate_scale(pi, self.cfg.rate_correction)
         if scale != 1.0 and (self._logged_scale is None or not 0.5 < scale / self._logged_scale < 2):
             self._logged_scale = scale  # the rate the step takes, never silently: at its first use and each 2x
-            log.info("rate_correction=max_weight: step %d takes learning_rate %g x min pi %.4g = %g (set "
+            log.info("rate_correction=max_weight: step %d takes the learning rate x min pi %.4g (set "
                      "rate_correction=none for the paper's step at the rate as given; docs/algorithm.md §2)",
-                     step + 1, self.learning_rate(step), scale, self.learning_rate(step) * scale)
+                     step + 1, scale)
         return StepPlan(step, pi, budget, d_eff, h, mask, self.in_warmup(step), scale)
 
     def update_coefficients(self, plan: StepPlan, delta: float, lr: float,

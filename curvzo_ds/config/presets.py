@@ -16,7 +16,7 @@ def preset_values(cfg: TrainConfig) -> dict[str, Any]:
     `dataclasses.replace`; `cfg` is not changed."""
     demo = cfg.model in DEMO_MODELS
     out: dict[str, Any] = {}
-    if cfg.learning_rate is None and cfg.step_normalization == "loss_std":
+    if cfg.learning_rate is None and cfg.step_normalization != "none":
         out["learning_rate"] = 1e-3  # eta, a step length in units of z (not MeZO's rate): its measured start
     elif cfg.learning_rate is None:
         out["learning_rate"] = (1e-2 if cfg.lora else 3e-4) if demo else (5e-5 if cfg.lora else 1e-6)

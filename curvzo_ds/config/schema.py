@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from curvzo_ds.algo.differences import DIFFERENCE_SPECS, Difference, StepNormalization
 from curvzo_ds.algo.estimators import ESTIMATORS
+from curvzo_ds.algo.rate import AUTO, Schedule
 from curvzo_ds.algo.sampling import Method
 from curvzo_ds.config.ds_policy import REFUSAL_BY_KEY
 from curvzo_ds.config.report_to import resolve_report_to
@@ -38,6 +39,8 @@ SCORE_ESTIMATORS = tuple(ESTIMATORS)
 GRANULARITIES = tuple(g.value for g in Granularity)
 DIFFERENCES = tuple(d.value for d in Difference)
 NORMALIZATIONS = tuple(n.value for n in StepNormalization)
+SCHEDULES = tuple(s.value for s in Schedule)
+DIVERGENCE_ACTIONS = ("rollback", "stop")  # the `on_divergence` key (train/divergence.py)
 QUANTIZATIONS = ("none", "8bit", "4bit")  # the `quantization` key: bitsandbytes' LLM.int8 and nf4 (models.py)
 
 
@@ -94,13 +97,19 @@ class ZOConfig:
                               "README 'Which method'), curvzo (the paper's: curvature-sampled blocks, adaptive "
                               "budget), us_ab (uniform pi, adaptive budget), fixed (budget B)")
     seed: int = key(42, "seeds the noise, the block masks, the data order and the demo model")
-    learning_rate: float = key(1e-6, "MeZO's for full fine-tuning (the CLI's presets: demo 3e-4, demo "
-                                     "LoRA 1e-2, full 1e-6, LoRA 5e-5)")
+    learning_rate: float | str = key(1e-6, "MeZO's for full fine-tuning (the CLI's presets: demo 3e-4, demo "
+                                           "LoRA 1e-2, full 1e-6, LoRA 5e-5); auto with a step_normalization: "
+                                           "chosen from the weights' RMS and the horizon max_steps "
+                                           "(docs/algorithm.md)")
     zo_eps: float = key(1e-3, "perturbation scale (the CLI's presets: demo 1e-2, full 1e-3, LoRA 1e-2)")
     weight_decay: float = key(0.0, "MeZO-style decay of matrices (never biases or norms), scaled by 1/pi")
-    lr_scheduler_type: str = key("constant", "constant or linear (decay to 0 at max_steps)")
-    max_steps: int = key(0, "the horizon of a linear schedule (0: none); the CLI trains this many steps "
-                            "(presets: demo 300, otherwise 20000, the paper)")
+    lr_scheduler_type: str = key("constant", "constant, linear (decay to 0 at max_steps) or plateau (the rate times "
+                                             "plateau_factor after plateau_patience evaluations without a lower dev "
+                                             "loss; needs eval_steps > 0)")
+    plateau_factor: float = key(0.5, "lr_scheduler_type=plateau: the rate's factor at each plateau, in (0, 1)")
+    plateau_patience: int = key(3, "lr_scheduler_type=plateau: dev evaluations without a lower dev loss before a cut")
+    max_steps: int = key(0, "the horizon of a linear schedule and of learning_rate auto (0: none); the CLI trains "
+                            "this many steps (presets: demo 300, otherwise 20000, the paper)")
     # The adaptive budget (Eq. 20): B = B_min + (B_max - B_min)(alpha d_eff/G + (1-alpha) H).
     budget_min: float = key(0.1, "fraction of G")
     budget_max: float = key(0.7, "fraction of G")
@@ -132,9 +141,11 @@ class ZOConfig:
                                      "direction) or rloo (one forward L(w + eps z_k) per direction, the mean of the "
                                      "other directions' losses as baseline; needs num_directions >= 2; "
                                      "docs/algorithm.md)")
-    step_normalization: str = key("none", "none, or loss_std (difference=rloo only): the step divided by the "
-                                          "standard deviation of the q losses, learning_rate then a step length in "
-                                          "units of z (start near 1e-3; docs/algorithm.md)")
+    step_normalization: str = key("none", "none; loss_std (difference=rloo): the step divided by the standard "
+                                          "deviation of the q losses; running_rms (difference=central): MeZO's "
+                                          "Delta divided by its running RMS, clipped to +-3. Either makes "
+                                          "learning_rate a step length in units of z (start near 1e-3, or auto; "
+                                          "docs/algorithm.md)")
     static_mask: float = key(0.0, "perturb only this fraction of the elements, the largest squared gradients of one "
                                   "backprop per batch over static_mask_batches batches (SensZOQ's mechanism; "
                                   "method mezo; 0: off; docs/algorithm.md)")
@@ -150,18 +161,30 @@ class ZOConfig:
         need(self.method in METHODS, "method", f"one of {', '.join(METHODS)}")
         need(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0, "seed",
              "an integer >= 0")
+        if self.learning_rate == AUTO and self.step_normalization == "none":
+            raise ConfigError("learning_rate=auto needs a normalised step (its rate is a step length in units of z): "
+                              "set step_normalization=loss_std (difference=rloo) or running_rms (difference=central), "
+                              "or give learning_rate a number")
         for name, (valid, text) in self.SCALES.items():  # the one statement of the rate and eps ranges
             value = getattr(self, name)
+            if name == "learning_rate" and value == AUTO:
+                continue
             if value is not None and not (_finite(value) and valid(value)):
                 raise ConfigError(f"{name}={value!r} is invalid: it must be {text}")
         need(_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a number >= 0")
-        need(self.lr_scheduler_type in ("constant", "linear"), "lr_scheduler_type", "constant or linear")
+        need(self.lr_scheduler_type in SCHEDULES, "lr_scheduler_type", ", ".join(SCHEDULES))
+        need(_finite(self.plateau_factor) and 0 < self.plateau_factor < 1, "plateau_factor", "a number in (0, 1)")
+        need(_posint(self.plateau_patience), "plateau_patience", "an integer >= 1")
         if self.lr_scheduler_type == "linear" and self.max_steps == 0:
             raise ConfigError("lr_scheduler_type=linear needs max_steps > 0, the step at which the learning rate "
                               "reaches 0 (with max_steps=0 it would stay constant): set max_steps, or use "
                               "lr_scheduler_type=constant")
         if self.max_steps is not None:
             need(isinstance(self.max_steps, int) and self.max_steps >= 0, "max_steps", "an integer >= 0")
+        if self.learning_rate == AUTO and self.max_steps == 0:
+            raise ConfigError("learning_rate=auto needs max_steps > 0, the horizon its rate is chosen for (a "
+                              "normalised step has a fixed length, so the rate depends on how many steps it takes): "
+                              "set max_steps, or give learning_rate a number")
         for key in ("budget_min", "budget_max", "budget"):
             need(_finite(getattr(self, key)) and 0 < getattr(self, key) <= 1, key,
                  "a fraction of the number of blocks G in (0, 1]")
@@ -198,11 +221,14 @@ class ZOConfig:
                               f"num_directions={self.num_directions}: set num_directions={spec.min_directions} or "
                               "more, or difference=central")
         need(self.step_normalization in NORMALIZATIONS, "step_normalization", " or ".join(NORMALIZATIONS))
-        if self.step_normalization != "none" and not spec.normalizable:
-            raise ConfigError(f"step_normalization={self.step_normalization} needs difference=rloo (it divides the "
-                              "step by the spread of the q one-sided losses), not difference="
-                              f"{self.difference}: set difference=rloo and num_directions >= 2, or "
-                              "step_normalization=none")
+        if self.step_normalization != "none" and StepNormalization(self.step_normalization) not in spec.normalizations:
+            serves = next(d.value for d, sp in DIFFERENCE_SPECS.items()
+                          if StepNormalization(self.step_normalization) in sp.normalizations)
+            raise ConfigError(f"step_normalization={self.step_normalization} needs difference={serves}, not "
+                              f"difference={self.difference}: set difference={serves}"
+                              f"{' and num_directions >= 2' if serves == 'rloo' else ''}, or step_normalization="
+                              f"{'running_rms' if serves == 'rloo' else 'loss_std'} for difference={self.difference}, "
+                              "or step_normalization=none")
         need(_finite(self.static_mask) and 0 <= self.static_mask <= 1, "static_mask",
              "a fraction of the trainable elements in [0, 1] (0: off)")
         need(_posint(self.static_mask_batches), "static_mask_batches", "an integer >= 1")
@@ -224,10 +250,10 @@ class TrainConfig(ZOConfig):
                    "swamps the weights (MeZO: 1e-3)")}
 
     # None: filled from a preset (resolve_presets) once the model and LoRA setting are known.
-    learning_rate: float | None = key(None, "preset: demo 3e-4 (LoRA 1e-2), full 1e-6 (MeZO), LoRA 5e-5 "
-                                                         "(MeZO); with step_normalization=loss_std 1e-3 (eta, "
-                                                         "the formula's start on SmolLM2-135M; "
-                                                         "configs/fewest_forwards.yaml: 5.66e-3)")
+    learning_rate: float | str | None = key(None, "preset: demo 3e-4 (LoRA 1e-2), full 1e-6 (MeZO), LoRA 5e-5 "
+                                                  "(MeZO); with a step_normalization 1e-3 (eta, a step length in "
+                                                  "units of z), or auto: chosen by the run from the weights' RMS "
+                                                  "and max_steps (docs/algorithm.md)")
     zo_eps: float | None = key(None, "perturbation scale; preset: demo 1e-2, full 1e-3, LoRA 1e-2 (MeZO)")
     max_steps: int | None = key(None, "training steps; preset: demo 300, otherwise 20000 (the paper)")
     rate_correction: str | None = key(None, "max_weight (the learning rate times min_i pi_i each step: stable "
@@ -288,6 +314,12 @@ class TrainConfig(ZOConfig):
     shard_group_size: int | str | None = key("auto", "ranks that share one ZeRO-3 partition (hybrid sharding: ZeRO-3 "
                                                      "inside a group, replicas across groups); auto: the smallest "
                                                      "group that fits (docs/scaling.md); null: the world size")
+    on_divergence: str = key("rollback", "a diverging run (train/divergence.py's detector: a non-finite dev loss or "
+                                         "max_consecutive_skips non-finite steps, the train loss's running mean above "
+                                         "twice its first value, or the dev loss above twice the best): rollback "
+                                         "(back to the best-dev or newest checkpoint at half the rate) or stop (exit "
+                                         "4, the best-dev checkpoint intact); docs/reliability.md")
+    max_rollbacks: int = key(3, "on_divergence=rollback: rollbacks before the run stops as on_divergence=stop")
     ddp_timeout: int = key(1800, "seconds a collective may wait before the job fails, so that a hung rank ends the "
                                  "job (Hugging Face's name and default)")
     log_level: str = key("info", "debug, info, warning or error (rank 0; other ranks log warnings)")
@@ -329,6 +361,13 @@ class TrainConfig(ZOConfig):
             need(isinstance(getattr(self, key_name), int) and getattr(self, key_name) >= 0, key_name,
                  "an integer >= 0 (0: never)")
         need(_posint(self.ddp_timeout), "ddp_timeout", "an integer number of seconds >= 1")
+        need(self.on_divergence in DIVERGENCE_ACTIONS, "on_divergence", " or ".join(DIVERGENCE_ACTIONS))
+        need(isinstance(self.max_rollbacks, int) and not isinstance(self.max_rollbacks, bool)
+             and self.max_rollbacks >= 0, "max_rollbacks", "an integer >= 0")
+        if self.lr_scheduler_type == "plateau" and self.eval_steps == 0:
+            raise ConfigError("lr_scheduler_type=plateau needs evaluations during the run (it cuts the rate when the "
+                              "dev loss stops falling), not eval_steps=0: set eval_steps, for example "
+                              "--set eval_steps=100, or lr_scheduler_type=constant or linear")
         if self.shard_group_size not in (None, "auto"):
             need(_posint(self.shard_group_size), "shard_group_size",
                  "auto, null or an integer >= 1 that divides the world size")

@@ -15,7 +15,8 @@ from curvzo_ds.config.schema import TrainConfig
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     # The zeroth-order step: SPSA, its schedule, the blocks and the precision of the update.
-    "engine": ("seed", "learning_rate", "zo_eps", "weight_decay", "lr_scheduler_type", "max_steps",
+    "engine": ("seed", "learning_rate", "zo_eps", "weight_decay", "lr_scheduler_type", "plateau_factor",
+               "plateau_patience", "max_steps",
                "block_granularity", "block_chunk_size", "fp32_master_weights", "num_directions", "difference",
                "step_normalization", "static_mask", "static_mask_batches", "max_consecutive_skips"),
     # Which blocks a step perturbs: the method, the budget rule and the curvature scores.
@@ -26,6 +27,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "data": ("task", "data_dir", "global_batch_size", "micro_batch_size", "num_train", "num_dev", "num_eval",
              "max_length", "max_new_tokens", "train_as_classification", "objective"),
     "eval": ("eval_steps",),
+    # What a diverging run does (train/divergence.py).
+    "divergence": ("on_divergence", "max_rollbacks"),
     "checkpoint": ("output_dir", "overwrite_output_dir", "save_steps", "save_total_limit"),
     # What a run reports, and the health checks it logs.
     "logging": ("logging_steps", "report_to", "disable_tqdm", "progress_interval", "log_level", "visibility_steps",

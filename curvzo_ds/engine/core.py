@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from curvzo_ds.algo.differences import Estimate, FiniteDifference
+from curvzo_ds.algo.rate import AUTO_WALK_FRACTION, Rate, auto_rate
 from curvzo_ds.algo.sampling import CurvZOSampler, StepPlan
 from curvzo_ds.config.resolve import engine_config
 from curvzo_ds.config.schema import ZOConfig
@@ -24,6 +25,7 @@ from curvzo_ds.errors import NonFiniteLossError
 from curvzo_ds.noise.gaussian import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
 from curvzo_ds.shard import ds_compat
 from curvzo_ds.shard.comm import Comm
+from curvzo_ds.shard.digest import weights_rms
 from curvzo_ds.shard.distributed import Topology, check_ranks_agree
 from curvzo_ds.shard.forwards import Reduced, check_batch, eval_mode, reduce_step, run_forwards, slot_count
 from curvzo_ds.shard.mask import MaskedPerturber, StaticMask
@@ -75,6 +77,8 @@ class ZOEngine(EngineState):
         self.sampler = CurvZOSampler(section(cfg, "sampler"), section(cfg, "engine"), self.sizes,
                                      self.noise.mask_uniforms)
         self.estimator = FiniteDifference(cfg.difference, cfg.step_normalization, cfg.zo_eps)
+        self.rate = Rate(cfg.learning_rate, cfg.lr_scheduler_type, cfg.max_steps, cfg.plateau_factor,
+                         cfg.plateau_patience)
         self.perturber: StepPasses = Perturber(self.entries, self.blocks, self.noise, self.device)
         self.static_mask: StaticMask | None = None  # static_mask: set by fit_static_mask or a checkpoint
         self.visibility = VisibilityMonitor(self.entries, self.blocks, self.device, cfg.visibility_steps,
@@ -90,7 +94,7 @@ class ZOEngine(EngineState):
                 "config": dataclasses.asdict(cfg), "blocks": [(b.name, b.size) for b in self.blocks],
                 "noise": self.noise.describe(), "kernel": self.noise.reference_digest(self.device)})
         corrected = " x min pi per step (rate_correction=max_weight)" if cfg.rate_correction == "max_weight" else ""
-        log.info("ZOEngine: method %s, difference %s, num_directions %d%s, learning_rate %g%s (%s), zo_eps %g, "
+        log.info("ZOEngine: method %s, difference %s, num_directions %d%s, learning_rate %s%s (%s), zo_eps %g, "
                  "weight_decay %g; %d blocks, %d trainable parameters; noise %s", cfg.method, cfg.difference,
                  cfg.num_directions, f", step_normalization {cfg.step_normalization}"
                  if cfg.step_normalization != "none" else "", cfg.learning_rate, corrected if cfg.method != "mezo"
@@ -115,10 +119,15 @@ class ZOEngine(EngineState):
     def set_static_mask(self, mask: StaticMask) -> None:
         """Perturb and update only the elements of `mask` (a checkpoint's, or fit_static_mask's)."""
         self._check_static_mask_key()
-        if self.partitioned:  # a persistent tensor's region is all of it: gathered, as after a first forward
-            ds_compat.gather_persistent([e.param for e in self.entries])
+        self.gather_persistent()
         self.static_mask = mask
         self.perturber = MaskedPerturber(mask, self.noise)
+
+    def gather_persistent(self) -> None:
+        """Under ZeRO-3, gather the persistent parameters as the first forward does, so that each one's region (all
+        of it) can be read and written before any step: a static mask, or the checkpoint-0 a run saves first."""
+        if self.partitioned:
+            ds_compat.gather_persistent([e.param for e in self.entries])
 
     def _check_static_mask_key(self) -> None:
         """A static mask is the `static_mask` key's (whose validation states what it needs: method=mezo)."""
@@ -134,8 +143,10 @@ class ZOEngine(EngineState):
         `stop_requested` (the CLI's pre-emption flag): summed over the ranks in the step's own all-reduce, so that
         every rank learns at the same step that one of them was asked to stop (`StepResult.stop`)."""
         self._check_step(batch)
+        if self.rate.needs_choice:  # learning_rate: auto, at a fresh run's first step (a resumed run has its own)
+            self.choose_rate()
         plan = self.sampler.plan(self.step_count)
-        lr = self.sampler.learning_rate(self.step_count) * plan.rate_scale
+        lr = self.rate.at(self.step_count) * plan.rate_scale
         info = self._describe(plan, lr)
         if plan.n_selected == 0:  # no block drawn: no forwards, no score update; the step is counted
             self._end_step(plan, None, None)
@@ -152,6 +163,17 @@ class ZOEngine(EngineState):
         self._update(plan, est, lr, at)
         self._end_step(plan, est.score_deltas, red.block_sq)  # the scores
         return StepResult(plan.step + 1, est.loss, est.loss_plus, est.loss_minus, est.delta, **info)
+
+    def choose_rate(self) -> float:
+        """learning_rate: auto (algo/rate.py's `auto_rate`): the trainable weights' RMS, measured now over the full
+        tensors (collective), and the horizon max_steps give eta. Called by the first step; recorded in the state."""
+        cfg = self.cfg
+        rms = weights_rms(self.entries, self.topology.job)
+        eta = auto_rate(rms, cfg.step_normalization, cfg.num_directions, cfg.max_steps)
+        self.rate.choose(eta, f"the per-coordinate walk of max_steps={cfg.max_steps} steps held to "
+                              f"{AUTO_WALK_FRACTION:g} of the trainable weights' RMS {rms:.4g} "
+                              f"({cfg.step_normalization}, num_directions={cfg.num_directions})")
+        return eta
 
     def _check_step(self, batch) -> None:
         check_batch(batch)

@@ -24,6 +24,7 @@ class EngineState:
             "seed": self.cfg.seed,
             **self.sampler.state_dict(),
             **self.estimator.state_dict(),
+            "rate": self.rate.state_dict(),
             "skipped_total": self.skipped_total,
             "skips_in_row": self.skips_in_row,
             "noise": self.noise.describe(),
@@ -48,5 +49,6 @@ class EngineState:
         self.step_count = int(state["step"])
         self.sampler.load_state_dict(state)
         self.estimator.load_state_dict(state)
+        self.rate.load_state_dict(state.get("rate", {}))
         self.skipped_total = int(state["skipped_total"])
         self.skips_in_row = int(state["skips_in_row"])

@@ -31,3 +31,17 @@ def params_digest(entries, comm) -> str:
             if comm.rank == 0:
                 hash_tensor(h, e.name, e.param.data.view(e.shape))
     return comm.broadcast_object("sha256:" + h.hexdigest() if comm.rank == 0 else None)
+
+
+def weights_rms(entries, comm) -> float:
+    """The root mean square of the trainable parameters described by `entries`, each full tensor summed in float64
+    on rank 0 in canonical-name order (gathered one at a time under ZeRO-3, as `params_digest`), so the value is the
+    same at any world size. Collective; every rank returns the same float (`learning_rate: auto`, algo/rate.py)."""
+    total, count = 0.0, 0
+    for e in sorted(entries, key=lambda e: e.name):
+        with ds_compat.gathered([e.param]):
+            if comm.rank == 0:
+                t = e.param.data.view(e.shape).detach().to(torch.float64)
+                total += float(t.square().sum())
+                count += t.numel()
+    return comm.broadcast_object((total / max(count, 1)) ** 0.5 if comm.rank == 0 else None)

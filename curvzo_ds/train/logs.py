@@ -105,6 +105,19 @@ class MetricsWriter:
             replace_atomic(self.path, "".join(kept))
         return dropped
 
+    def split_off_after(self, step: int, side_path: str) -> int:
+        """A rollback to `step`: the lines after it move to `side_path` (kept, appended), so that metrics.jsonl
+        holds one trajectory whose steps never go back; returns how many moved."""
+        if not self.enabled or not os.path.exists(self.path):
+            return 0
+        self.close()
+        moved = [row for row in read_metrics(self.path) if isinstance(row.get("step"), int | float)
+                 and row["step"] > step]
+        with open(side_path, "a", encoding="utf-8") as f:
+            f.writelines(dumps(row) + "\n" for row in moved)
+        self.truncate_after(step)
+        return len(moved)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -276,6 +289,18 @@ class RunLog:
         metrics of the best-dev checkpoint (an earlier step's), summary.json's `test`."""
         marks = {**({"final": True} if final else {}), **({"best_dev": True} if best_dev else {})}
         self.metrics.write({"step": step, "split": split, **marks, **metrics})
+
+    def rollback(self, diverged_at: int, to_step: int, learning_rate: float, rollbacks: int, reason: str) -> None:
+        """A divergence rollback (train/divergence.py): the lines after `to_step` move to
+        metrics-diverged-<rollbacks>.jsonl beside metrics.jsonl, which gains the event row; the pi file and the
+        progress go back to `to_step`."""
+        side = os.path.join(os.path.dirname(self.metrics.path), f"metrics-diverged-{rollbacks}.jsonl")
+        self.metrics.split_off_after(to_step, side)
+        self.pi.truncate_after(to_step)
+        self.metrics.write({"event": "rollback", "step": to_step, "diverged_at": diverged_at,
+                            "learning_rate": learning_rate, "rollbacks": rollbacks, "reason": reason})
+        if self.bar is not None:
+            self.bar.n = to_step
 
     def progress(self):
         """The context of the loop: log lines go through the bar in a terminal."""

@@ -1,8 +1,9 @@
 """The training loop of `curvzo-ds train` and the evaluations at its end.
 
-`train_loop` steps a built Job until max_steps: one update per pass, then the step's record, the consistency check,
-pre-emption, dev evaluation and checkpoints, each one call into its component (the engine, logs.RunLog, the
-Evaluator, the CheckpointManager). `final_evaluations` and `with_digest` give what summary.json reports.
+`train_loop` steps a built Job until max_steps: one update per pass, then the step's record, the divergence
+watch, the consistency check, pre-emption, dev evaluation (with the plateau rule) and checkpoints, each one call into
+its component (the engine, logs.RunLog, divergence.DivergenceWatch, the Evaluator, the CheckpointManager).
+`final_evaluations` and `with_digest` give what summary.json reports.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import time
 
 from curvzo_ds.checkpoint.manager import CheckpointManager, load_checkpoint
 from curvzo_ds.engine import ZOEngine
-from curvzo_ds.errors import Preempted, RanksDisagree
+from curvzo_ds.errors import NonFiniteLossError, Preempted, RanksDisagree
 from curvzo_ds.shard.digest import params_digest
 from curvzo_ds.train.build import Job
+from curvzo_ds.train.divergence import DivergenceWatch, recover
 from curvzo_ds.train.logs import RunLog
 from curvzo_ds.train.outputs import fmt_metrics
 from curvzo_ds.train.signals import Fault, StopRequest
@@ -38,24 +40,34 @@ class Clock:
         self.before, self.start = state.get("seconds", 0.0), time.time()
 
 
-def train_loop(job: Job, manager: CheckpointManager, record: RunLog, clock: Clock, stop: StopRequest) -> None:
+def train_loop(job: Job, manager: CheckpointManager, record: RunLog, clock: Clock, stop: StopRequest,
+               watch: DivergenceWatch) -> None:
     """Step until max_steps. On a stop request (any rank's signal or gone launcher, agreed through the step's
-    all-reduce) every rank saves the same checkpoint and Preempted is raised."""
+    all-reduce) every rank saves the same checkpoint and Preempted is raised. A diverging run rolls back or stops
+    (train/divergence.py); every rank decides it from the same all-reduced losses."""
     cfg, engine, evaluator, comm = job.cfg, job.engine, job.evaluator, job.topology.job
     fault = Fault(job.rank)  # tests only (CURVZO_DS_FAULT); does nothing otherwise
     flat = FlatLossWatch(cfg.flat_loss_steps)
     while engine.step_count < cfg.max_steps:
         # a stop request since the last pass: a signal (the handler only sets a flag), or a launcher that is gone
         stop.poll()
-        # the update: +eps z, forwards, -2 eps z, forwards, one all-reduce (the step's one host sync, which also
-        # carries every rank's stop flag), the update
+        # the update: the directions' perturbations and forwards (the estimator's points along each z_k), one
+        # all-reduce (the step's one host sync, which also carries every rank's stop flag), the update
         batch = job.batch(engine.step_count)
         with fault.around_step(engine, engine.step_count + 1):
-            r = engine.step(batch, stop_requested=stop.requested)
+            try:
+                r = engine.step(batch, stop_requested=stop.requested)
+            except NonFiniteLossError as e:  # max_consecutive_skips non-finite losses in a row: diverged
+                recover(job, manager, record, clock, watch, str(e), engine.step_count)
+                continue
         step = r.step
-        # record the step; warn once if the loss never moves
+        # record the step; warn once if the loss never moves; a diverging run rolls back (or stops)
         record.step(r, clock.seconds())
         flat.observe(r)
+        reason = watch.observe_step(step, r.loss if r.skipped is None else None)
+        if reason:
+            recover(job, manager, record, clock, watch, reason, step)
+            continue
         # every consistency_steps: the ranks compare a hash of their ZO state
         if cfg.consistency_steps and step % cfg.consistency_steps == 0:
             check_state_agrees(engine, step)
@@ -65,11 +77,17 @@ def train_loop(job: Job, manager: CheckpointManager, record: RunLog, clock: Cloc
             comm.barrier()  # under srun --kill-on-bad-exit the first exit ends the rest
             raise Preempted(f"stopped {stop.reason()} at step {step}, after saving {manager.path_for(step)}: resume "
                             "with --resume")
-        # evaluate on dev; a new best is saved at once, and protected from rotation
+        # evaluate on dev (the divergence watch and the plateau rule read its loss); a new best is saved at once,
+        # and protected from rotation
         if evaluator.should_eval(step):
             dev = evaluator.evaluate("dev", step)
             record.evaluation(step, "dev", dev)
             log.info("step %d: dev %s", step, fmt_metrics(dev))
+            reason = watch.observe_dev(step, dev.get("loss"))
+            if reason:
+                recover(job, manager, record, clock, watch, reason, step)
+                continue
+            engine.rate.observe_dev(step, dev.get("loss"))
             if manager.track(step, dev):
                 manager.save(engine)
         # checkpoint every save_steps and at the last step

@@ -250,6 +250,8 @@ def write_summary(job, manager, step: int, digest: str, final: dict, best: dict 
                       "digest": best["digest"]} if best else None),
         "test": test,
         "skipped_steps": engine.skipped_total,
+        "learning_rate_chosen": engine.rate.base,  # learning_rate auto's choice (else the key's value)
+        "rollbacks": engine.rate.rollbacks,  # divergence rollbacks (train/divergence.py)
         "num_blocks": engine.num_blocks,
         "num_params": engine.num_params,
         "checkpoint": manager.path_for(step),

@@ -21,6 +21,7 @@ from curvzo_ds.errors import ConfigError
 from curvzo_ds.shard.digest import params_digest
 from curvzo_ds.shard.distributed import launcher_kind
 from curvzo_ds.train.build import Job, build
+from curvzo_ds.train.divergence import DivergenceWatch
 from curvzo_ds.train.logs import RunLog, log_to_file
 from curvzo_ds.train.loop import Clock, final_evaluations, train_loop, with_digest
 from curvzo_ds.train.outputs import (
@@ -43,8 +44,8 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
     launched = launcher_kind() != "single"  # before build, which sets a lone process's RANK and WORLD_SIZE
     job = build(cfg)
     cfg, engine = job.cfg, job.engine
-    clock = Clock()
-    manager = job.checkpoints(states={"clock": clock})
+    clock, watch = Clock(), DivergenceWatch()
+    manager = job.checkpoints(states={"clock": clock, "divergence": watch})
     # From here a signal is a stop request (train/signals.py); before, nothing was written, and Python's defaults
     # end the rank (a Ctrl-C is cli.entry's one line).
     with StopRequest(watch_parent=launched) as stop:
@@ -54,9 +55,12 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
             record = RunLog(section(cfg, "logging"), output_dir=cfg.output_dir, max_steps=cfg.max_steps,
                             pi_file=cfg.method != "mezo", rank=job.rank, block_names=[b.name for b in engine.blocks],
                             start=engine.step_count, run_config=to_dict(cfg))
+            if cfg.on_divergence == "rollback" and engine.step_count == 0:
+                engine.gather_persistent()  # before any forward: the regions a checkpoint reads
+                manager.save(engine)  # checkpoint-0: a run that diverges before its first save returns here
             try:
                 with record.progress():
-                    train_loop(job, manager, record, clock, stop)
+                    train_loop(job, manager, record, clock, stop, watch)
             finally:
                 record.end_steps()
             # the last step is saved (a resume that took no step does not write its checkpoint again)

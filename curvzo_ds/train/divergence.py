@@ -1,0 +1,114 @@
+"""A diverging run is detected, named and recovered (docs/reliability.md, "A run that diverges").
+
+The detector reads only numbers every rank has identically: the step's all-reduced train loss and the dev loss
+(evaluation gives every rank the same metrics), so every rank decides at the same step, and the run stays
+bit-identical at every world size and across a resume (its state is a checkpoint component). A run has diverged
+when
+- its dev loss is not finite, or the engine stopped after `max_consecutive_skips` non-finite train losses in a row;
+- the running mean of its train loss (an EMA, rate 0.1, from the first step's loss) is above twice the larger of its
+  lowest value so far and a quarter of the first step's loss (the floor keeps a run whose loss went to nearly 0
+  from stopping on minibatch noise);
+- its dev loss is above twice the best dev loss so far (a slow drift that the train loss hides).
+`on_divergence=rollback` (the default) goes back to the newest checkpoint saved before the run went bad (at or before
+the step of the lowest running mean and of the best dev loss) at half the rate, at most `max_rollbacks` times;
+`stop`, or a rollback beyond them, ends the run with exit code 4 (`Diverged`), its checkpoints intact. A fresh
+run with `rollback` saves checkpoint-0 first, so that a run that diverges before its first save has a checkpoint
+to return to.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from curvzo_ds.checkpoint.manager import list_checkpoints
+from curvzo_ds.errors import Diverged
+
+log = logging.getLogger("curvzo_ds")
+
+RATE = 0.1  # the EMA's rate
+FACTOR = 2.0  # a running mean (or a dev loss) above FACTOR x its reference has diverged
+FLOOR = 0.25  # the train reference is at least FLOOR x the first step's loss
+
+
+class DivergenceWatch:
+    """The detector's state (a checkpoint component): the train losses' running mean, its lowest value and the step
+    of it, the first loss; the best dev loss and its step. `good_step()`: the last step before the run went bad."""
+
+    def __init__(self):
+        self.first = self.mean = self.lowest = self.best_dev = None
+        self.lowest_step = self.best_dev_step = 0
+
+    def observe_step(self, step: int, loss: float | None) -> str | None:
+        """The reason the run has diverged at `step`, or None (a skipped step's loss is None: not counted)."""
+        if loss is None:
+            return None
+        if self.first is None:
+            self.first = loss
+        self.mean = loss if self.mean is None else (1 - RATE) * self.mean + RATE * loss
+        if self.lowest is None or self.mean <= self.lowest:
+            self.lowest, self.lowest_step = self.mean, step
+        reference = max(self.lowest, FLOOR * self.first)
+        if self.mean > FACTOR * reference:
+            return (f"the train loss's running mean {self.mean:.4g} is above {FACTOR:g}x {reference:.4g}, its lowest "
+                    f"(at step {self.lowest_step}, floored at {FLOOR:g}x the first loss {self.first:.4g})")
+        return None
+
+    def observe_dev(self, step: int, loss: float | None) -> str | None:
+        if loss is None or not math.isfinite(loss):
+            return f"the dev loss is {loss}"
+        if self.best_dev is not None and loss > FACTOR * self.best_dev:
+            return (f"the dev loss {loss:.4g} is above {FACTOR:g}x the best so far, {self.best_dev:.4g} (at step "
+                    f"{self.best_dev_step})")
+        if self.best_dev is None or loss < self.best_dev:
+            self.best_dev, self.best_dev_step = loss, step
+        return None
+
+    def good_step(self, step: int) -> int:
+        """The last step at which the run was still good: that of the lowest running mean, and of the best dev loss
+        when there was an evaluation (the earlier of the two), before `step`."""
+        good = min(self.lowest_step, step - 1) if self.lowest is not None else step - 1
+        return min(good, self.best_dev_step) if self.best_dev is not None else good
+
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("first", "mean", "lowest", "lowest_step", "best_dev", "best_dev_step")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("first", "mean", "lowest", "best_dev"):
+            setattr(self, k, state.get(k))
+        self.lowest_step, self.best_dev_step = int(state.get("lowest_step", 0)), int(state.get("best_dev_step", 0))
+
+
+def rollback_target(output_dir: str, good_step: int) -> str | None:
+    """The checkpoint a rollback returns to: the newest complete one at or before `good_step` (checkpoint-0, which a
+    fresh run with on_divergence=rollback saves, at the latest)."""
+    earlier = [path for at, path in list_checkpoints(output_dir) if at <= good_step]
+    return earlier[-1] if earlier else None
+
+
+def recover(job, manager, record, clock, watch: DivergenceWatch, reason: str, step: int) -> None:
+    """Roll back (on_divergence=rollback, within max_rollbacks) or raise Diverged. Collective: every rank calls it
+    at the same step, having seen the same losses."""
+    cfg, engine = job.cfg, job.engine
+    rate = engine.rate
+    lr = rate.at(max(step - 1, 0))
+    target = rollback_target(manager.output_dir, watch.good_step(step)) if cfg.on_divergence == "rollback" else None
+    if cfg.on_divergence == "stop" or rate.rollbacks >= cfg.max_rollbacks or target is None:
+        why = ("on_divergence=stop" if cfg.on_divergence == "stop" else
+               f"max_rollbacks={cfg.max_rollbacks} spent" if rate.rollbacks >= cfg.max_rollbacks else
+               "no checkpoint to roll back to")
+        best = manager.best and manager.best.get("checkpoint")
+        raise Diverged(f"the run diverged at step {step} at learning rate {lr:g}: {reason} ({why}); "
+                       f"{'its best-dev checkpoint ' + best + ' is intact' if best else 'its checkpoints are intact'}"
+                       ": lower learning_rate (or use lr_scheduler_type=plateau) and start again, or resume from a "
+                       "checkpoint")
+    carry, seconds = rate.carry(), clock.seconds()
+    manager.load(engine, target)  # the weights, the ZO state, the rate, the detector, the best evaluation
+    clock.load_state_dict({"seconds": seconds})
+    rate.load_state_dict({**rate.state_dict(), **carry})
+    rate.rolled_back()
+    new_lr = rate.at(engine.step_count)
+    log.warning("step %d: the run diverged (%s); rolled back to %s (step %d) with the learning rate halved to %g "
+                "(rollback %d of at most %d)", step, reason, target, engine.step_count, new_lr, rate.rollbacks,
+                cfg.max_rollbacks)
+    record.rollback(step, engine.step_count, new_lr, rate.rollbacks, reason)

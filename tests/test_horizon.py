@@ -1,0 +1,61 @@
+"""Issue 57's rate and issue 59's divergence, through the CLI with real processes: `learning_rate: auto`,
+`lr_scheduler_type: plateau` and `step_normalization: running_rms` give bit-identical runs at 1 and 2 ranks and
+resume exactly; a run forced to diverge (a rate 100x the demo's) rolls back the same way at 1 and 2 ranks and ends
+finite, or stops with exit code 4 in one line (docs/reliability.md, "A run that diverges")."""
+
+import json
+import math
+import shutil
+
+import pytest
+
+from tests.helpers import COMMON, ENV, checkpoints, cli, free_port, metrics_rows, train
+
+pytestmark = pytest.mark.slow
+
+HORIZON = ["--set", "method=mezo", "--set", "step_normalization=running_rms", "--set", "learning_rate=auto",
+           "--set", "lr_scheduler_type=plateau", "--set", "plateau_patience=1"]
+# The demo's preset rate is 3e-4: 100x that diverges within 10 steps (the train loss's running mean doubles).
+DIVERGE = ["--set", "max_steps=30", "--set", "eval_steps=10", "--set", "save_steps=10", "--set", "learning_rate=3e-2"]
+
+
+@pytest.mark.multirank
+def test_auto_rate_plateau_and_running_rms_are_the_same_at_1_and_2_ranks_and_resume_exactly(tmp_path):
+    one = train("python", 1, tmp_path / "one", *HORIZON)
+    two = train("torchrun", 2, tmp_path / "two", *HORIZON)
+    assert one["params_digest"] == two["params_digest"]
+    assert one["learning_rate_chosen"] == two["learning_rate_chosen"] > 0
+    rates = [r["learning_rate"] for r in metrics_rows(tmp_path / "one") if "split" not in r]
+    assert rates == [r["learning_rate"] for r in metrics_rows(tmp_path / "two") if "split" not in r]
+    assert rates[0] == one["learning_rate_chosen"] and min(rates) < rates[0]  # patience 1: at least one cut
+    # resume from the middle: the rate's state (the chosen rate, the plateau's best and cuts) comes back with it
+    again = tmp_path / "again"
+    shutil.copytree(tmp_path / "one", again)
+    mid = max(step for step in checkpoints(again) if 0 < step < 12)
+    shutil.rmtree(again / "checkpoint-12")
+    proc = cli("train", *COMMON, *HORIZON, "--set", f"output_dir={again}", "--resume", str(again / f"checkpoint-{mid}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((again / "summary.json").read_text())["params_digest"] == one["params_digest"]
+
+
+@pytest.mark.multirank
+def test_a_run_forced_to_diverge_rolls_back_the_same_at_1_and_2_ranks_and_ends_finite(tmp_path):
+    one = train("python", 1, tmp_path / "one", *DIVERGE)
+    two = train("torchrun", 2, tmp_path / "two", *DIVERGE)
+    assert one["params_digest"] == two["params_digest"] and one["rollbacks"] == two["rollbacks"] >= 1
+    events = [r for r in metrics_rows(tmp_path / "one") if r.get("event") == "rollback"]
+    assert len(events) == one["rollbacks"] and events[0]["learning_rate"] == pytest.approx(1.5e-2)
+    assert events == [r for r in metrics_rows(tmp_path / "two") if r.get("event") == "rollback"]
+    assert (tmp_path / "one" / "metrics-diverged-1.jsonl").stat().st_size > 0  # the diverged stretch is kept
+    assert all(math.isfinite(v["loss"]) for v in one["final"].values())
+
+
+def test_on_divergence_stop_exits_4_in_one_line_with_its_checkpoints_intact(tmp_path):
+    out = tmp_path / "stop"
+    proc = cli("train", *COMMON, *DIVERGE, "--set", "on_divergence=stop", "--set", "eval_steps=3", "--set",
+               "save_steps=3", "--set", f"output_dir={out}", env={**ENV, "MASTER_PORT": str(free_port())})
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "diverged at step" in line]
+    assert len(lines) == 1 and "learning rate 0.03" in lines[0] and "on_divergence=stop" in lines[0], proc.stderr
+    best = lines[0].split("best-dev checkpoint ")[1].split(" is intact")[0]
+    assert (out / best.split("/")[-1] / "manifest.json").exists() and not (out / "summary.json").exists()

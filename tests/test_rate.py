@@ -1,0 +1,191 @@
+"""Issue 57's rate (algo/rate.py): `learning_rate: auto`, `lr_scheduler_type: plateau`, and the control
+`step_normalization: running_rms` (algo/differences.py); issue 59's divergence watch (train/divergence.py). The
+multi-rank and resume checks are in tests/test_zero3.py (engine) and tests/test_horizon.py (the CLI)."""
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+
+from curvzo_ds.algo.differences import RMS_CLIP, RMS_RATE, FiniteDifference
+from curvzo_ds.algo.rate import AUTO_WALK_FRACTION, Rate, auto_rate, lr_at, step_rms
+from curvzo_ds.config.schema import TrainConfig, ZOConfig
+from curvzo_ds.engine import ZOEngine
+from curvzo_ds.errors import ConfigError
+from curvzo_ds.train.divergence import DivergenceWatch, rollback_target
+
+
+# ------------------------------------------------------------------------------------------------ the schedule
+def test_plateau_cuts_after_patience_evaluations_without_a_lower_dev_loss():
+    rate = Rate(1e-3, "plateau", 100, plateau_factor=0.5, plateau_patience=2)
+    assert [rate.observe_dev(s, loss) for s, loss in [(1, 1.0), (2, 0.9), (3, 0.95)]] == [False] * 3
+    assert rate.at(4) == 1e-3  # 0.95 is not below the best 0.9: one evaluation short of patience 2...
+    assert rate.observe_dev(5, 0.9)  # ...until this one (equal is not lower)
+    assert rate.at(5) == 0.5e-3
+    assert not rate.observe_dev(6, 0.92) and rate.observe_dev(7, 0.93)  # the count starts again after a cut
+    assert rate.at(8) == 0.25e-3
+    assert not rate.observe_dev(9, 0.5) and not rate.observe_dev(10, float("nan"))  # a new best resets; nan skipped
+    assert rate.at(11) == 0.25e-3
+
+
+def test_constant_and_linear_ignore_the_dev_loss():
+    for schedule in ("constant", "linear"):
+        rate = Rate(1e-3, schedule, 10, plateau_patience=1)
+        assert not any(rate.observe_dev(s, 1.0 + s) for s in range(5))
+    assert Rate(1e-3, "linear", 10).at(5) == lr_at(5, 1e-3, "linear", 10) == pytest.approx(5e-4)
+
+
+def test_the_rate_state_round_trips_and_a_rollback_halves_it():
+    rate = Rate("auto", "plateau", 100, plateau_patience=1)
+    rate.choose(2e-3, "test")
+    rate.observe_dev(1, 1.0)
+    rate.observe_dev(2, 1.1)  # a cut
+    rate.rolled_back()
+    again = Rate("auto", "plateau", 100, plateau_patience=1)
+    again.load_state_dict(rate.state_dict())
+    assert again.at(3) == rate.at(3) == 2e-3 * 0.5 * 0.5 and again.rollbacks == 1
+    assert Rate(1e-3, "constant", 0).state_dict()["learning_rate_chosen"] == 1e-3
+    old = Rate(1e-3, "constant", 0)
+    old.load_state_dict({})  # a checkpoint from before the rate state: the key's rate, no cuts
+    assert old.at(0) == 1e-3
+
+
+# ------------------------------------------------------------------------------------------- learning_rate auto
+@pytest.mark.parametrize("q", [2, 4, 8])
+def test_loss_std_steps_have_rms_eta_over_sqrt_q_minus_1_exactly(q):
+    """step_rms's loss_std case is an identity: sum_k c_k^2 = eta^2 / (q - 1) for any losses (not only on average)."""
+    rng = random.Random(q)
+    for _ in range(20):
+        losses = [(rng.gauss(1, 0.3),) for _ in range(q)]
+        est = FiniteDifference("rloo", "loss_std", 1e-3).estimate(losses)
+        coefs = [d / q for d in est.deltas]  # the sampler's lr / q times deltas[k], at eta = 1
+        assert math.sqrt(sum(c * c for c in coefs)) == pytest.approx(step_rms("loss_std", q), rel=1e-12)
+
+
+def test_auto_rate_is_the_walk_formula_rounded_to_three_digits():
+    eta = auto_rate(0.04, "loss_std", 8, 250)
+    assert eta == float(f"{AUTO_WALK_FRACTION * 0.04 * math.sqrt(7 / 250):.3g}")
+    assert auto_rate(0.04, "loss_std", 8, 1000) == pytest.approx(eta / 2, rel=5e-3)  # eta ~ 1 / sqrt(T), 3 digits
+    assert auto_rate(0.04, "running_rms", 1, 250) == float(f"{AUTO_WALK_FRACTION * 0.04 / math.sqrt(250):.3g}")
+    with pytest.raises(ValueError, match="not all zero"):
+        auto_rate(0.0, "loss_std", 8, 10)
+
+
+def test_an_engine_with_auto_chooses_its_rate_from_the_weights_at_the_first_step():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 1)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+
+    def loss(m, batch):
+        return torch.nn.functional.mse_loss(m(batch[0]), batch[1]), 1
+
+    rms = math.sqrt(sum(float(p.detach().square().sum()) for p in model.parameters()) / 17)
+    engine = ZOEngine(model, loss, ZOConfig(method="mezo", learning_rate="auto", step_normalization="running_rms",
+                                            max_steps=40, zo_eps=1e-3))
+    assert engine.rate.needs_choice
+    r = engine.step((x, y))
+    assert r.learning_rate == auto_rate(rms, "running_rms", 1, 40)
+    assert engine.state_dict()["rate"]["learning_rate_chosen"] == r.learning_rate
+    # a resumed engine keeps the checkpoint's rate, whatever its own weights are now (here twice as large)
+    bigger = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in bigger.parameters():
+            p.mul_(2)
+    other = ZOEngine(bigger, loss, ZOConfig(method="mezo", learning_rate="auto", zo_eps=1e-3,
+                                            step_normalization="running_rms", max_steps=40))
+    other.load_state_dict(engine.state_dict())
+    assert not other.rate.needs_choice and other.step((x, y)).learning_rate == r.learning_rate
+
+
+# ------------------------------------------------------------------------------------------------- running_rms
+def test_running_rms_first_step_moves_eta_times_the_sign_then_tracks_the_rms():
+    fd = FiniteDifference("central", "running_rms", eps=0.5)
+    est = fd.estimate([(2.0, 1.0)])  # Delta = 1 / (2 * 0.5) = 1: s_0 = |Delta_1| = 1
+    assert est.deltas == [1.0] and est.delta == 1.0 and fd.rms == pytest.approx(1.0)
+    est = fd.estimate([(1.0, 2.0)])  # Delta = -1, s_1 = 1: coefficient -1; s_2^2 = 0.9 + 0.1
+    assert est.deltas == [-1.0] and fd.rms == pytest.approx(1.0)
+    est = fd.estimate([(11.0, 1.0)])  # Delta = 10: clipped to +3; s_3^2 = 0.9 + 0.1 * 100
+    assert est.deltas == [RMS_CLIP] and fd.rms == pytest.approx(math.sqrt((1 - RMS_RATE) + RMS_RATE * 100))
+    s = fd.rms
+    est = fd.estimate([(2.0, 1.0)])  # Delta = 1 divided by s_{t-1}, not by the s this step makes
+    assert est.deltas == [pytest.approx(1.0 / s)]
+
+
+def test_running_rms_with_several_directions_reads_their_mean_square():
+    fd = FiniteDifference("central", "running_rms", eps=0.5)
+    est = fd.estimate([(3.0, 1.0), (1.0, 1.0)])  # Deltas 2 and 0: s_0 = sqrt((4 + 0) / 2)
+    assert est.deltas == [pytest.approx(2 / math.sqrt(2)), 0.0] and fd.rms == pytest.approx(math.sqrt(2))
+
+
+def test_running_rms_zero_and_non_finite_deltas_leave_no_state():
+    fd = FiniteDifference("central", "running_rms", eps=0.5)
+    assert fd.estimate([(1.0, 1.0)]).deltas == [0.0] and fd.rms is None  # no s yet: nothing moves
+    est = fd.estimate([(float("nan"), 1.0)])
+    assert not est.finite and fd.rms is None  # the engine skips the step; s unchanged
+    fd.estimate([(2.0, 1.0)])
+    again = FiniteDifference("central", "running_rms", eps=0.5)
+    again.load_state_dict(fd.state_dict())
+    assert again.rms == fd.rms == 1.0
+
+
+# ------------------------------------------------------------------------------------------------- the refusals
+@pytest.mark.parametrize("keys,says", [
+    ({"learning_rate": "auto"}, "learning_rate=auto needs a normalised step"),
+    ({"learning_rate": "auto", "step_normalization": "running_rms", "max_steps": 0}, "needs max_steps > 0"),
+    ({"step_normalization": "running_rms", "difference": "rloo", "num_directions": 4}, "needs difference=central"),
+    ({"step_normalization": "loss_std"}, "needs difference=rloo"),
+    ({"lr_scheduler_type": "cosine"}, "constant, linear, plateau"),
+    ({"plateau_factor": 1.0}, "plateau_factor=1.0 is invalid"),
+    ({"plateau_patience": 0}, "plateau_patience=0 is invalid"),
+])
+def test_each_new_key_refuses_what_it_cannot_serve_in_one_line(keys, says):
+    with pytest.raises(ConfigError, match=says) as e:
+        ZOConfig(**{"max_steps": 10, **keys}).validate()
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("keys,says", [
+    ({"lr_scheduler_type": "plateau", "eval_steps": 0}, "needs evaluations during the run"),
+    ({"on_divergence": "ignore"}, "on_divergence='ignore' is invalid"),
+    ({"max_rollbacks": -1}, "max_rollbacks=-1 is invalid"),
+])
+def test_the_cli_keys_refuse_in_one_line(keys, says):
+    cfg = TrainConfig(**{"learning_rate": 1e-3, "zo_eps": 1e-3, "max_steps": 10, "rate_correction": "none", **keys})
+    with pytest.raises(ConfigError, match=says):
+        cfg.validate()
+
+
+# ----------------------------------------------------------------------------------------- the divergence watch
+def test_the_watch_names_a_train_loss_that_doubles_from_its_lowest():
+    watch = DivergenceWatch()
+    losses = [0.7, 0.6, 0.5, 0.45, 0.4] + [0.4 * 1.3 ** k for k in range(1, 12)]
+    reasons = [watch.observe_step(step, loss) for step, loss in enumerate(losses, 1)]
+    first = next(i for i, r in enumerate(reasons) if r)
+    assert all(r is None for r in reasons[:first]) and "running mean" in reasons[first]
+    assert watch.mean > 2 * watch.lowest and watch.good_step(first + 1) == watch.lowest_step
+
+
+def test_the_watch_floor_keeps_a_near_zero_loss_from_stopping_on_noise():
+    watch = DivergenceWatch()
+    for step, loss in enumerate([0.7] + [0.01] * 50 + [0.1, 0.12, 0.1] * 5, 1):  # noise far above 2x the low
+        assert watch.observe_step(step, loss) is None  # ...but below 2 x 0.25 x 0.7
+
+
+def test_the_watch_names_a_dev_loss_above_twice_the_best_and_a_non_finite_one():
+    watch = DivergenceWatch()
+    assert watch.observe_dev(10, 0.6) is None and watch.observe_dev(20, 0.3) is None
+    assert watch.observe_dev(30, 0.59) is None and "above 2x the best" in watch.observe_dev(40, 0.61)
+    assert "dev loss is nan" in watch.observe_dev(50, float("nan"))
+    assert watch.good_step(60) == 20
+
+
+def test_the_rollback_target_is_the_newest_checkpoint_at_or_before_the_good_step(tmp_path):
+    for step in (0, 10, 20, 30):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "manifest.json").write_text("{}")
+    assert rollback_target(str(tmp_path), 25).endswith("checkpoint-20")
+    assert rollback_target(str(tmp_path), 20).endswith("checkpoint-20")
+    assert rollback_target(str(tmp_path), 3).endswith("checkpoint-0")
+    assert rollback_target(str(tmp_path / "none"), 3) is None
