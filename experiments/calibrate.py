@@ -68,8 +68,8 @@ def one_run(out: str, model: str, task_dir: str, plan: dict, seed: int, log) -> 
     import torch
     from pipeline import DATA, cached, run_config
 
-    from curvzo_ds.commands.diagnose import PlainRun
     from curvzo_ds.jsonio import write_json_atomic
+    from curvzo_ds.train.plain import PlainRun
 
     settings = dict(model=os.path.basename(model), task=plan["task"], method="mezo", form="full", lr=plan["lr"],
                     seed=seed, steps=plan["steps"], eval_every=plan["eval_every"],

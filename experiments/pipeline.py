@@ -34,9 +34,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import language  # noqa: E402
 
-from curvzo_ds.commands.diagnose import PlainRun, diagnose  # noqa: E402
+from curvzo_ds.commands.diagnose import diagnose  # noqa: E402
 from curvzo_ds.config.schema import TrainConfig  # noqa: E402
 from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
+from curvzo_ds.train.plain import PlainRun  # noqa: E402
 
 # Methods: (name, method, budget, score_estimator). "new" is the estimator the derivation recommends.
 METHODS = {"mezo": ("mezo", 0.5, "normalized"), "us_ab": ("us_ab", 0.5, "normalized"),

@@ -294,7 +294,7 @@ def run_config(model_dir: str, task_dir: str, arm: str, lr: float, seed: int, st
 def train(cfg, arm: str, plan: dict, settings: dict) -> dict:
     """ZO steps; at each evaluation point (in forwards) the splits it asks for; test at the end. A non-finite dev
     loss stops the run (the rest of its curve is missing)."""
-    from curvzo_ds.commands.diagnose import PlainRun
+    from curvzo_ds.train.plain import PlainRun
 
     run = PlainRun(cfg)
     if settings["subset"]:

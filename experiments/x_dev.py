@@ -45,9 +45,9 @@ import real_model as R  # noqa: E402
 from pipeline import Log, digest  # noqa: E402
 
 from curvzo_ds import data as D  # noqa: E402
-from curvzo_ds.commands.diagnose import PlainRun  # noqa: E402
 from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
 from curvzo_ds.shard.forwards import eval_mode  # noqa: E402
+from curvzo_ds.train.plain import PlainRun  # noqa: E402
 
 RATES = {"sentiment": 1e-4, "topic": 5e-5}  # MeZO's rate with the lowest mean final dev loss over 3 seeds
 CONFIGS = {
@@ -84,7 +84,7 @@ class DevLoss:
         self.run = run
         self.params = [e.param for e in run.engine.entries]
         self.w0 = [p.detach().clone() for p in self.params]
-        dev = run.job.evaluator.data["dev"]
+        dev = run.eval_data["dev"]
         size = size or run.cfg.micro_batch_size  # the evaluation's micro-batches: the same loss to the last bit
         self.batches = [D.collate(dev[i:i + size], run.tokenizer.pad_token_id) for i in range(0, len(dev), size)]
         self.forwards = 0

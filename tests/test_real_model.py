@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from curvzo_ds.config.sections import section
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -59,10 +57,9 @@ def test_the_grid_grows_past_the_edge_where_its_best_rate_sits():
 
 def test_oracle_sampler_keeps_the_energies_it_is_given(tiny_model, tmp_path):
     script = load_script()
-    run = plain_run(script, tiny_model, tmp_path, "oracle")
+    task = script.write_task(str(tmp_path / "tasks"), "sentiment")
+    run = script.PlainRun(script.run_config(tiny_model, task, "oracle", 1e-2, 0, 3), sampler=script.OracleSampler)
     engine = run.engine
-    engine.sampler = script.OracleSampler(section(engine.cfg, "sampler"), section(engine.cfg, "engine"), engine.sizes,
-                                          engine.noise.mask_uniforms)
     energy = run.block_energy(run.batch(0))
     engine.sampler.scores = energy.clone()
     engine.step(run.batch(0))
