@@ -156,7 +156,7 @@ def plan_lines(cache: Cache, tasks: list[str], arms: list[str], out_arg: str) ->
             lines.append(f"- still to run ({kind}): {' '.join(todo) if todo else 'none'}"
                          + (f"; {len(todo)} runs, {minutes(cache, task, arm)}" if todo else ""))
             if todo:
-                lines.append(f"  `nice -n 19 python experiments/protocol.py --run --arm {arm} --task {task} --runs "
+                lines.append(f"  `nice -n 19 python -m experiments.protocol --run --arm {arm} --task {task} --runs "
                              f"{' '.join(todo)} --out {out_arg}`")
     return lines
 
