@@ -26,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from curvzo_ds.algo.sampling import CurvZOSampler
+from experiments.verdict import add_dev_subset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXTRA_KEYS = ("oracle_every",)  # an arm's keys that are the experiments' own, not the config's
@@ -194,8 +195,6 @@ def run_curve(config, arm: dict, evaluation_points_in_forwards: dict[int, list[s
         run = PlainRun(cfg, sampler=OracleSampler if "oracle_every" in arm else None)  # fits a static mask
         setup = time.time() - setup
         if subset is not None:
-            from experiments.verdict import add_dev_subset
-
             add_dev_subset(run, "subset", subset["size"], subset["seed"])
         return dict(_train(run, steps, per_step, points, arm.get("oracle_every")),
                     **(dict(test=run.evaluate("test")) if test else {}), setup_seconds=setup)
