@@ -1,9 +1,9 @@
 """Issue 47, item B: the null and the power of experiments/verdict.py's metrics, from MeZO against MeZO on the small
 pre-trained model of experiments/pipeline.py (seconds per run).
 
-    nice -n 19 python experiments/calibrate.py --out experiments/results/calibration        # runs (cached) + table
-    python experiments/calibrate.py --out experiments/results/calibration --stage report     # the table only
-    python experiments/calibrate.py --config ci --out /tmp/x                                 # the test's: tiny
+    nice -n 19 python -m experiments.calibrate --out experiments/results/calibration        # runs (cached) + table
+    python -m experiments.calibrate --out experiments/results/calibration --stage report     # the table only
+    python -m experiments.calibrate --config ci --out /tmp/x                                 # the test's: tiny
 
 1. pipeline.py's model (its `pretrain`, cached under --cache outside the repository), pre-trained for
    `pretrain_steps` (3000: on the machine of 2026-11-28, pipeline.py's 1500 steps left a model at chance on every
@@ -34,14 +34,13 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import verdict as V  # noqa: E402
+from experiments import verdict as V
+from experiments.core import Log, cached, every, record_run, run_curve
 
 CONFIGS = {
     "full": dict(task="sentiment", lr=1e-4, seeds=32, steps=400, eval_every=20, pretrain_steps=3000, horizon=400,
@@ -64,12 +63,8 @@ def check_one_model(runs: list[dict]) -> None:
 
 
 def one_run(out: str, model: str, task_dir: str, plan: dict, seed: int, log) -> dict:
-    """One MeZO run (pipeline.py's `run_config`, full-parameter), from runs/<hash>.json when cached."""
-    import torch
-    from pipeline import DATA, cached, run_config
-
-    from curvzo_ds.commands.diagnose import PlainRun
-    from curvzo_ds.jsonio import write_json_atomic
+    """One MeZO run (pipeline.py's config, full-parameter) by `run_curve`, from runs/<hash>.json when cached."""
+    from experiments.pipeline import DATA, arm_of, base_config
 
     settings = dict(model=os.path.basename(model), task=plan["task"], method="mezo", form="full", lr=plan["lr"],
                     seed=seed, steps=plan["steps"], eval_every=plan["eval_every"],
@@ -77,26 +72,10 @@ def one_run(out: str, model: str, task_dir: str, plan: dict, seed: int, log) -> 
     path, done = cached(out, settings)
     if done is not None:
         return done
-    torch.set_num_threads(1)
-    start = time.time()
-    run = PlainRun(run_config(model, task_dir, "mezo", "full", plan["lr"], seed, plan["steps"]))
-    V.add_dev_subset(run)
-
-    def point(step: int) -> dict:
-        full, sub = run.evaluate("dev"), run.evaluate("dev-subset")
-        return dict(step=step, forwards=2 * step, loss=full["loss"], accuracy=full["accuracy"],
-                    subset_loss=sub["loss"])
-
-    curve = [point(0)]
-    for t in range(plan["steps"]):
-        run.engine.step(run.batch(t))
-        if (t + 1) % plan["eval_every"] == 0 or t + 1 == plan["steps"]:
-            curve.append(point(t + 1))
-            if not math.isfinite(curve[-1]["loss"]):
-                break
-    result = dict(settings=settings, curve=curve, seconds=time.time() - start)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_json_atomic(path, result)
+    result = record_run(path, settings, lambda: run_curve(
+        base_config(model, task_dir, plan["lr"], seed, plan["steps"]), arm_of("mezo", "full"),
+        every(2 * plan["eval_every"], 2 * plan["steps"], ("dev", "subset")), subset=settings["subset"], test=False))
+    curve = result["curve"]
     log(f"run seed {seed}: dev loss {curve[-1]['loss']:.4f}, subset {curve[-1]['subset_loss']:.4f} "
         f"({result['seconds']:.1f}s)")
     return result
@@ -199,13 +178,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     plan = CONFIGS[args.config]
     os.makedirs(args.out, exist_ok=True)
-    from pipeline import Log
-
     log = Log(os.path.join(args.out, "progress.log"))
     if args.stage == "all":
         import torch
-        from language import write_task
-        from pipeline import DATA, pretrain
+
+        from experiments.language import write_task
+        from experiments.pipeline import DATA, pretrain
 
         torch.set_num_threads(1)
         os.makedirs(args.cache, exist_ok=True)

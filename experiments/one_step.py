@@ -1,8 +1,8 @@
 """Issue 37's one-step test: each estimator's expected one-step progress on one batch, with no learning-rate grid
 and no training noise.
 
-    nice -n 19 python experiments/one_step.py --config full          # SmolLM2-135M (experiments/RESULTS.md)
-    python experiments/one_step.py --config ci --model DIR --out /tmp/x   # the CI test's: a tiny Llama, 2 draws
+    nice -n 19 python -m experiments.one_step --config full          # SmolLM2-135M (experiments/RESULTS.md)
+    python -m experiments.one_step --config ci --model DIR --out /tmp/x   # the CI test's: a tiny Llama, 2 draws
 
 With a step w <- w - lr ĝ, the descent lemma gives E L(w - lr ĝ) ≈ L - lr g·E ĝ + (lr²/2) E ĝᵀHĝ; at the best rate the
 expected decrease is (g·E ĝ)² / (2 E ĝᵀHĝ). For each checkpoint (zero-shot, and MeZO's weights after 100 of its 200
@@ -36,21 +36,20 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import real_model as R  # noqa: E402
-from pipeline import Log, digest  # noqa: E402
-from simulate_estimators import optimum, second_moment  # noqa: E402
-
-from curvzo_ds.algo.sampling import inclusion_probabilities  # noqa: E402
-from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
-from curvzo_ds.shard.forwards import eval_mode  # noqa: E402
-from curvzo_ds.shard.mask import fit as fit_mask  # noqa: E402
+from curvzo_ds.algo.sampling import inclusion_probabilities
+from curvzo_ds.jsonio import write_json_atomic
+from curvzo_ds.shard.forwards import eval_mode
+from curvzo_ds.shard.mask import fit as fit_mask
+from curvzo_ds.train.plain import PlainRun
+from experiments.core import Log, digest
+from experiments.simulate_estimators import optimum, second_moment
+from experiments.smollm import DATA, base_config, convert, fetch_gguf, write_task
+from experiments.stats import rloo_moment
 
 ARMS = ("mezo", "curvzo", "oracle", "best-pi", "static-0.1%", "static-1%", "rloo-4")
 FORWARDS = {"rloo-4": 4}  # forwards per step; every other arm: 2
@@ -166,7 +165,7 @@ def arm_setup(run, point: Point, g, plan: dict, log: Log, cached_pi=None) -> dic
         setup[arm]["j_true"] = float(second_moment(pi, n, a, a / n) / second_moment(ones, n, a, a / n))
         setup[arm]["j_flat"] = float(second_moment(pi, n, n, ones) / second_moment(ones, n, n, ones))
     for arm, fraction in (("static-0.1%", 0.001), ("static-1%", 0.01)):
-        chosen = fit_mask(engine, [run.batch(t) for t in range(R.DATA["probe_batches"])], fraction)
+        chosen = fit_mask(engine, [run.batch(t) for t in range(DATA["probe_batches"])], fraction)
         mask = [torch.zeros_like(p) for p in point.params]
         for i, idx in enumerate(chosen.index):  # the product's static mask (shard/mask.py), one entry per tensor
             mask[i].view(-1)[idx] = 1.0
@@ -262,12 +261,6 @@ def table(name: str, g_norm2: float, numerators: dict, draws: list[dict]) -> lis
     return rows
 
 
-def rloo_moment(q: int, trace: float, ghg: float, g_norm2: float) -> float:
-    """E ĝᵀHĝ of RLOO with q directions (ε → 0, Gaussian z): ‖g‖² tr H / (q - 1) + c_q gᵀHg, with
-    c_q = 2/q + ((q - 1)/q)(1 + 1/(q - 1)²) (the diagonal terms' 2gᵀHg/q, and the cross terms E[Δ_j Δ_k z_jᵀHz_k])."""
-    return g_norm2 * trace / (q - 1) + (2 / q + (q - 1) / q * (1 + 1 / (q - 1) ** 2)) * ghg
-
-
 def along_g(point: Point, g, g_norm2: float, l0: float, tau: float, draws: list[dict]) -> list[str]:
     """What the plain ratios are made of, measured with little noise: tr H as the mean of MeZO's zᵀHz = D / c²
     (exact per draw: ĝ = c z), and the curvature along g, gᵀHg / ‖g‖², by second differences at the scale the
@@ -296,11 +289,11 @@ def checkpoint(run, model: str, task_dir: str, plan: dict, name: str, seed: int,
     if name == "zero-shot":
         return
     settings = dict(model=os.path.basename(model), task=plan["task"], lr=plan["mezo_lr"], seed=seed,
-                    steps=plan["mezo_steps"], of=plan["mezo_of"], data=R.DATA)
+                    steps=plan["mezo_steps"], of=plan["mezo_of"], data=DATA)
     path = os.path.join(cache, f"mezo-{plan['mezo_steps']}-{digest(settings)}.pt")
     if not os.path.exists(path):
         start = time.time()
-        mezo_run = R.PlainRun(R.run_config(model, task_dir, "mezo", plan["mezo_lr"], seed, plan["mezo_of"]))
+        mezo_run = PlainRun(base_config(model, task_dir, plan["mezo_lr"], seed, plan["mezo_of"], method="mezo"))
         for t in range(plan["mezo_steps"]):
             mezo_run.engine.step(mezo_run.batch(t))
         torch.save({e.name: e.param.detach().clone() for e in mezo_run.engine.entries}, path + ".tmp")
@@ -336,18 +329,19 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
     log = Log(os.path.join(args.out, "progress.log"))
-    model = args.model or R.convert(R.fetch_gguf(args.cache, log), args.cache, log)
-    task_dir = R.write_task(os.path.join(args.out, "tasks"), plan["task"])
+    model = args.model or convert(fetch_gguf(args.cache, log), args.cache, log)
+    task_dir = write_task(os.path.join(args.out, "tasks"), plan["task"])
     lines = [f"Config `{args.config}`: {json.dumps(plan)}; model {os.path.basename(model)}; seed {args.seed}.", ""]
     for name in args.checkpoints:
         # A fresh run per checkpoint: CurvZO's sampler starts from its own warm-up at each.
-        run = R.PlainRun(R.run_config(model, task_dir, "curvzo", plan["curvzo_lr"], args.seed, plan["mezo_of"]))
+        run = PlainRun(base_config(model, task_dir, plan["curvzo_lr"], args.seed, plan["mezo_of"],
+                                     method="curvzo"))
         checkpoint(run, model, task_dir, plan, name, args.seed, args.cache if not args.model else args.out, log)
         batch = run.batch(plan["batch_step"])
         point = Point(run, batch)
         g = gradient(run, batch, point.params)
         key = digest(dict(model=os.path.basename(model), name=name, plan=plan | {"draws": 0}, seed=args.seed,
-                          data=R.DATA))
+                          data=DATA))
         path = os.path.join(args.out, f"draws-{name}-{key}.jsonl")
         pi_path = path.replace("draws-", "curvzo-pi-").replace(".jsonl", ".json")
         cached = None
@@ -366,13 +360,13 @@ def main(argv=None) -> None:
                 for k, x in enumerate(draws):
                     if x["rloo-4"].get("c2") is None:
                         _, coef = rloo_coefficients(point, normal(point.params, args.seed * 1_000_003 + k * 16), k,
-                                                    args.seed, R.DATA["eps"])
+                                                    args.seed, DATA["eps"])
                         x["rloo-4"].update(c2=sum(c * c for c in coef), ec2=dot(g, g) / (Q - 1))
                 write_jsonl_atomic(path, draws)
                 log(f"{name}: RLOO's S filled in for the cached draws")
         for k in range(len(draws), plan["draws"]):
             start, before = time.time(), point.forwards
-            rec = draw(point, run.engine, g, setup, k, args.seed, R.DATA["eps"], plan["tau"], l0)
+            rec = draw(point, run.engine, g, setup, k, args.seed, DATA["eps"], plan["tau"], l0)
             with open(path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             draws.append(rec)

@@ -1,8 +1,8 @@
 """Issue 19's experiment, one command: does any score estimator make CurvZO beat MeZO?
 
-    nice -n 10 python experiments/pipeline.py --config full --jobs 2   # the issue's plan; what RESULTS.md reports
-    nice -n 10 python experiments/pipeline.py --config reduced   # a subset (full-parameter, 4 methods, 2 seeds)
-    python experiments/pipeline.py --config ci --out /tmp/x      # the end-to-end test's (one task, one seed)
+    nice -n 10 python -m experiments.pipeline --config full --jobs 2   # the issue's plan; what RESULTS.md reports
+    nice -n 10 python -m experiments.pipeline --config reduced   # a subset (full-parameter, 4 methods, 2 seeds)
+    python -m experiments.pipeline --config ci --out /tmp/x      # the end-to-end test's (one task, one seed)
 
 1. pre-train a Llama-style model (about 1M parameters) by backprop on the generated language
    (experiments/language.py) and save it, with its tokenizer, as a Hugging Face directory;
@@ -11,32 +11,30 @@
    loss, then that rate with the other seeds; dev loss every `eval_every` steps, test accuracy at the end;
 4. the diagnostic (`curvzo-ds diagnose`'s code) on the pre-trained model, for the paper's and the new estimator;
 5. RESULTS.md-ready tables and plots in --out (tables.md, *.png).
-Every run is cached as runs/<hash of its settings>.json, so a rerun only computes what changed; progress.log
-has one line per run. One thread per run (torch.set_num_threads(1)); --jobs N runs N at a time in worker
-processes (the grid runs first, then the other seeds at each best rate).
+Every run goes through experiments/core.py's `run_curve` and is cached as runs/<hash of its settings>.json, so a
+rerun only computes what changed; progress.log has one line per run. One thread per run
+(torch.set_num_threads(1)); --jobs N runs N at a time in worker processes (the grid runs first, then the other seeds
+at each best rate).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import os
 import random
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import language  # noqa: E402
-
-from curvzo_ds.commands.diagnose import PlainRun, diagnose  # noqa: E402
-from curvzo_ds.config.schema import TrainConfig  # noqa: E402
-from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
+from curvzo_ds.commands.diagnose import diagnose
+from curvzo_ds.config.schema import TrainConfig
+from experiments import language
+from experiments.core import Log, cached, digest, every, record_run, run_curve, run_many
+from experiments.stats import mean_sd, reach_ratio, speedup_at_own_loss
 
 # Methods: (name, method, budget, score_estimator). "new" is the estimator the derivation recommends.
 METHODS = {"mezo": ("mezo", 0.5, "normalized"), "us_ab": ("us_ab", 0.5, "normalized"),
@@ -57,30 +55,6 @@ CONFIGS = {
 MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
              intermediate_size=352, max_position_embeddings=128, tie_word_embeddings=False)
 DATA = dict(num_train=512, num_dev=256, num_test=512, batch=16, eps=1e-3)
-
-
-def digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def cached(out: str, settings: dict) -> tuple[str, dict | None]:
-    """A run's cache file, out/runs/<hash of its settings>.json, and the run in it (None while it has not run)."""
-    path = os.path.join(out, "runs", digest(settings) + ".json")
-    if not os.path.exists(path):
-        return path, None
-    with open(path) as f:
-        return path, json.load(f)
-
-
-class Log:
-    def __init__(self, path: str):
-        self.path = path
-
-    def __call__(self, line: str) -> None:
-        line = f"{time.strftime('%H:%M:%S')} {line}"
-        print(line, flush=True)
-        with open(self.path, "a") as f:
-            f.write(line + "\n")
 
 
 def pretrain(out: str, steps: int, log: Log, seed: int = 0) -> str:
@@ -139,30 +113,21 @@ def pretrain(out: str, steps: int, log: Log, seed: int = 0) -> str:
     return path
 
 
-def run_config(model: str, task_dir: str, method: str, form: str, lr: float, seed: int, steps: int) -> TrainConfig:
+def arm_of(method: str, form: str) -> dict:
+    """A method of METHODS and a form (full, lora) as one row of config keys."""
     kind, budget, estimator = METHODS[method]
-    return TrainConfig(model=model, task=task_dir, method=kind, budget=budget, score_estimator=estimator,
-                       learning_rate=lr, zo_eps=DATA["eps"], seed=seed, max_steps=steps, lora=form == "lora",
+    return dict(method=kind, budget=budget, score_estimator=estimator, lora=form == "lora")
+
+
+def run_config(model: str, task_dir: str, method: str, form: str, lr: float, seed: int, steps: int) -> TrainConfig:
+    return dataclasses.replace(base_config(model, task_dir, lr, seed, steps), **arm_of(method, form))
+
+
+def base_config(model: str, task_dir: str, lr: float, seed: int, steps: int) -> TrainConfig:
+    return TrainConfig(model=model, task=task_dir, learning_rate=lr, zo_eps=DATA["eps"], seed=seed, max_steps=steps,
                        num_train=DATA["num_train"], num_dev=DATA["num_dev"], num_eval=DATA["num_test"],
                        global_batch_size=DATA["batch"], micro_batch_size=DATA["batch"], max_length=64,
                        rate_correction="none")  # the paper's step, as the cached results ran
-
-
-def train(cfg: TrainConfig, eval_every: int) -> dict:
-    """ZO steps; dev loss and accuracy every `eval_every` steps and at the end; test at the end."""
-    run = PlainRun(cfg)
-    curve = [dict(step=0, **run.evaluate("dev"))]
-    start = time.time()
-    budgets = []
-    for t in range(cfg.max_steps):
-        r = run.engine.step(run.batch(t))
-        budgets.append(r.budget / run.engine.num_blocks)
-        if (t + 1) % eval_every == 0 or t + 1 == cfg.max_steps:
-            curve.append(dict(step=t + 1, **run.evaluate("dev")))
-            if not math.isfinite(curve[-1]["loss"]):
-                break
-    return dict(curve=curve, test=run.evaluate("test"), seconds=time.time() - start,
-                budget_mean=float(np.mean(budgets)), blocks=run.engine.num_blocks)
 
 
 def one_run(out: str, plan: dict, model: str, task: str, task_dir: str, form: str, method: str, lr: float,
@@ -173,25 +138,14 @@ def one_run(out: str, plan: dict, model: str, task: str, task_dir: str, form: st
     path, done = cached(out, settings)
     if done is not None:
         return done
-    cfg = run_config(model, task_dir, method, form, lr, seed, plan["steps"])
-    result = dict(settings=settings, **train(cfg, plan["eval_every"]))
-    write_json_atomic(path, result)
+    arm = arm_of(method, form)
+    result = record_run(path, settings, lambda: run_curve(
+        base_config(model, task_dir, lr, seed, plan["steps"]), arm,
+        every(2 * plan["eval_every"], 2 * plan["steps"]), name=method))
     final = result["curve"][-1]
     log(f"run {task} {form} {method} lr={lr:g} seed={seed}: dev loss {final['loss']:.4f} acc "
         f"{final['accuracy']:.3f}, test acc {result['test']['accuracy']:.3f} ({result['seconds']:.0f}s)")
     return result
-
-
-def run_many(jobs: int, calls: list[tuple], fn=one_run) -> list[dict]:
-    """fn(*args) for each args, `jobs` at a time in spawned worker processes (in order when jobs is 1)."""
-    if jobs == 1 or len(calls) <= 1:
-        return [fn(*args) for args in calls]
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
-    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=torch.set_num_threads,
-                             initargs=(1,)) as pool:
-        return list(pool.map(fn, *zip(*calls)))
 
 
 def run_all(plan: dict, out: str, log: Log, jobs: int = 1) -> dict:
@@ -207,74 +161,20 @@ def run_all(plan: dict, out: str, log: Log, jobs: int = 1) -> dict:
         return (out, plan, model, task, tasks[task], form, method, lr, seed, log)
 
     grid_calls = [args(key, lr, plan["seeds"][0]) for key in keys for lr in plan["grid"][key[1]]]
-    grid_runs = iter(run_many(jobs, grid_calls))
+    grid_runs = iter(run_many(jobs, grid_calls, one_run))
     grids, best = {}, {}
     for key in keys:
         grids[key] = {lr: next(grid_runs) for lr in plan["grid"][key[1]]}
         finite = {lr: r["curve"][-1]["loss"] for lr, r in grids[key].items() if math.isfinite(r["curve"][-1]["loss"])}
         best[key] = (min(finite, key=finite.get) if finite else plan["grid"][key[1]][0], finite)
-    seed_runs = iter(run_many(jobs, [args(key, best[key][0], s) for key in keys for s in plan["seeds"][1:]]))
+    seed_runs = iter(run_many(jobs, [args(key, best[key][0], s) for key in keys for s in plan["seeds"][1:]],
+                              one_run))
     results = {}
     for key in keys:
         lr, finite = best[key]
         runs = [grids[key][lr]] + [next(seed_runs) for _ in plan["seeds"][1:]]
         results[key] = dict(lr=lr, grid=finite, runs=runs)
     return dict(model=model, tasks=tasks, results=results)
-
-
-def steps_to_reach(curve: list[dict], target: float) -> float:
-    """The first evaluated step whose dev loss is <= target (inf if none)."""
-    return next((c["step"] for c in curve if c["loss"] <= target), math.inf)
-
-
-def mean_sd(values) -> str:
-    v = np.array(values, dtype=float)
-    return f"{v.mean():.4f} ± {v.std(ddof=1):.4f}" if len(v) > 1 else f"{v.mean():.4f}"
-
-
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}  # Student t, two-sided 95%, by degrees of freedom
-
-
-def interval(values: list[float]) -> str:
-    """Mean ± the half-width of a 95% t interval [min, max] (the value alone for one)."""
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    half = T975[len(values) - 1] * np.std(values, ddof=1) / math.sqrt(len(values))
-    return f"{np.mean(values):.2f} ± {half:.2f} [{min(values):.2f}, {max(values):.2f}]"
-
-
-def reach_ratio(runs: list[dict], mezo_runs: list[dict]) -> str:
-    """Per seed: steps to reach the final dev loss of MeZO's run with the same seed (same data order), over the
-    steps MeZO took to reach it; mean ± the half-width of a 95% t interval over seeds [min, max], or how many
-    seeds reach it."""
-    ratios = []
-    for run, ref in zip(runs, mezo_runs):
-        target = ref["curve"][-1]["loss"]
-        if steps_to_reach(ref["curve"], target) == 0:
-            return "- (MeZO ends no lower than it starts)"
-        ratios.append(steps_to_reach(run["curve"], target) / steps_to_reach(ref["curve"], target))
-    finite = [r for r in ratios if math.isfinite(r)]
-    if len(finite) < len(ratios):
-        return f"{len(finite)}/{len(ratios)} seeds reach it"
-    return interval(finite)
-
-
-def speedup_at_own_loss(runs: list[dict], mezo_runs: list[dict]) -> str:
-    """Per seed, the other way round: the steps MeZO's run needs to reach this run's final dev loss, over the steps
-    this run needs for it (> 1: faster than MeZO to that level). Seeds where MeZO never reaches it are counted
-    apart (this run ended lower than MeZO ever was)."""
-    ratios, never = [], 0
-    for run, ref in zip(runs, mezo_runs):
-        target = run["curve"][-1]["loss"]
-        own, mezo = steps_to_reach(run["curve"], target), steps_to_reach(ref["curve"], target)
-        if not math.isfinite(mezo):
-            never += 1
-        elif own > 0:
-            ratios.append(mezo / own)
-    parts = [interval(ratios)] if ratios else []
-    if never:
-        parts.append(f"{never}/{len(runs)} seeds below MeZO's curve")
-    return "; ".join(parts) or "-"
 
 
 def tables(plan: dict, done: dict) -> list[str]:

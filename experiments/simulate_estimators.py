@@ -1,7 +1,7 @@
 """The tables of docs/algorithm.md, "Scores that track curvature?": where each score estimator leaves pi, on
 layouts shaped like real models, with known block gradient energies (no model is run).
 
-    python experiments/simulate_estimators.py [--steps 1500] [--long] > /tmp/tables.md
+    python -m experiments.simulate_estimators [--steps 1500] [--long] > /tmp/tables.md
 
 Layouts: the tensors of the demo Llama, OPT-125M and OPT-2.7B (built on the meta device, no weights).
 Energies: a_i = n_i e_i, per-element energies e_i log-normal with sigma 0, 1, 2, independent of the sizes.

@@ -60,7 +60,7 @@ def add_dev_subset(run, name: str = "dev-subset", size: int = SUBSET, seed: int 
     data_cfg = section(run.cfg, "data")
     drawn = load_splits(run.task, run.cfg.seed, data_cfg.num_train, data_cfg.num_dev, data_cfg.num_eval,
                         data_cfg.data_dir)["dev"]
-    dev = run.job.evaluator.data["dev"]
+    dev = run.eval_data["dev"]
     assert len(drawn) == len(dev), "the dev examples do not match the run's encoded dev list"
     keys = [json.dumps(ex, sort_keys=True) for ex in drawn]
     canonical = sorted(keys)
@@ -68,7 +68,7 @@ def add_dev_subset(run, name: str = "dev-subset", size: int = SUBSET, seed: int 
     for i, k in enumerate(keys):
         free.setdefault(k, []).append(i)
     positions = sorted(free[canonical[i]].pop(0) for i in dev_subset(len(canonical), size, seed))
-    run.job.evaluator.data[name] = [dev[i] for i in positions]
+    run.add_split(name, [dev[i] for i in positions])
     return positions
 
 

@@ -1,9 +1,9 @@
 """Issue 47, item C: x_dev = gᵀHg / (‖g‖² tr H), the curvature along the gradient relative to the mean curvature, on
 the dev loss of SmolLM2-135M, grid-free, at three checkpoints per task.
 
-    nice -n 19 python experiments/x_dev.py --out experiments/results/x-dev                  # both tasks
-    python experiments/x_dev.py --out experiments/results/x-dev --stage report              # the table only
-    python experiments/x_dev.py --config ci --model DIR --out /tmp/x                        # the test's: tiny
+    nice -n 19 python -m experiments.x_dev --out experiments/results/x-dev                  # both tasks
+    python -m experiments.x_dev --out experiments/results/x-dev --stage report              # the table only
+    python -m experiments.x_dev --config ci --model DIR --out /tmp/x                        # the test's: tiny
 
 L(w) is the dev loss exactly as the training curves report it (experiments/real_model.py's tasks and data: the
 mean classification loss over the 256 dev examples, in evaluation mode), here on micro-batches collated once.
@@ -33,21 +33,19 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import real_model as R  # noqa: E402
-from pipeline import Log, digest  # noqa: E402
-
-from curvzo_ds import data as D  # noqa: E402
-from curvzo_ds.commands.diagnose import PlainRun  # noqa: E402
-from curvzo_ds.jsonio import write_json_atomic  # noqa: E402
-from curvzo_ds.shard.forwards import eval_mode  # noqa: E402
+from curvzo_ds import data as D
+from curvzo_ds.jsonio import write_json_atomic
+from curvzo_ds.shard.forwards import eval_mode
+from curvzo_ds.train.plain import PlainRun
+from experiments.core import Log, digest
+from experiments.smollm import DATA, GGUF_SHA256, base_config, convert, fetch_gguf, write_task
+from experiments.stats import rloo_per_forward
 
 RATES = {"sentiment": 1e-4, "topic": 5e-5}  # MeZO's rate with the lowest mean final dev loss over 3 seeds
 CONFIGS = {
@@ -56,15 +54,6 @@ CONFIGS = {
     "ci": dict(tasks=["sentiment"], checkpoints=[0, 2], of=4, draws=3, tau=1.0, tau_checks=[0.3], checks=1,
                steps_g=[1e-3, 1e-2], step_g=1e-3, seed=0),
 }
-
-
-def c_q(q: int) -> float:
-    return 2 / q + (q - 1) / q * (1 + 1 / (q - 1) ** 2)
-
-
-def rloo_per_forward(q: int, x: float) -> float:
-    """docs/algorithm.md §2: RLOO q's progress per forward against MeZO's at its best rate, given x."""
-    return (2 / q) * (1 + 2 * x) / (1 / (q - 1) + c_q(q) * x)
 
 
 def x_for_ratio(target: float, qs=range(2, 65)) -> float:
@@ -84,7 +73,7 @@ class DevLoss:
         self.run = run
         self.params = [e.param for e in run.engine.entries]
         self.w0 = [p.detach().clone() for p in self.params]
-        dev = run.job.evaluator.data["dev"]
+        dev = run.eval_data["dev"]
         size = size or run.cfg.micro_batch_size  # the evaluation's micro-batches: the same loss to the last bit
         self.batches = [D.collate(dev[i:i + size], run.tokenizer.pad_token_id) for i in range(0, len(dev), size)]
         self.forwards = 0
@@ -135,12 +124,12 @@ def mezo_weights(model: str, task: str, task_dir: str, plan: dict, step: int, ca
     if step == 0:
         return None
     settings = dict(model=os.path.basename(model), task=task, lr=RATES[task], seed=plan["seed"], of=plan["of"],
-                    data=R.DATA)
+                    data=DATA)
     path = lambda k: os.path.join(cache, f"mezo-{task}-{k}-{digest(settings)}.pt")  # noqa: E731
     if not os.path.exists(path(step)):
         torch.set_num_threads(1)
         start = time.time()
-        run = PlainRun(R.run_config(model, task_dir, "mezo", RATES[task], plan["seed"], plan["of"]))
+        run = PlainRun(base_config(model, task_dir, RATES[task], plan["seed"], plan["of"], method="mezo"))
         for t in range(max(plan["checkpoints"])):
             run.engine.step(run.batch(t))
             if t + 1 in plan["checkpoints"]:
@@ -154,7 +143,7 @@ def mezo_weights(model: str, task: str, task_dir: str, plan: dict, step: int, ca
 def measure(model: str, task: str, task_dir: str, plan: dict, step: int, out: str, cache: str, log: Log) -> dict:
     """One checkpoint's figures, from (and appended to) its cache file."""
     key = digest(dict(model=os.path.basename(model), task=task, step=step, lr=RATES[task],
-                      plan={k: v for k, v in plan.items() if k not in ("draws", "tasks")}, data=R.DATA))
+                      plan={k: v for k, v in plan.items() if k not in ("draws", "tasks")}, data=DATA))
     path = os.path.join(out, f"{task}-{step}-{key}.json")
     rec = None
     if os.path.exists(path):
@@ -163,7 +152,7 @@ def measure(model: str, task: str, task_dir: str, plan: dict, step: int, out: st
         if len(rec["draws"]) >= plan["draws"]:
             return rec
     torch.set_num_threads(1)
-    run = PlainRun(R.run_config(model, task_dir, "mezo", RATES[task], plan["seed"], plan["of"]))
+    run = PlainRun(base_config(model, task_dir, RATES[task], plan["seed"], plan["of"], method="mezo"))
     weights = mezo_weights(model, task, task_dir, plan, step, cache, log)
     if weights:
         state = torch.load(weights)
@@ -292,11 +281,11 @@ def main(argv=None) -> None:
         import curvzo_ds
 
         log(f"x_dev: curvzo_ds from {os.path.dirname(curvzo_ds.__file__)}; plan {json.dumps(plan)}")
-        model = args.model or R.convert(R.fetch_gguf(args.cache, log), args.cache, log)
+        model = args.model or convert(fetch_gguf(args.cache, log), args.cache, log)
         cache = args.cache if not args.model else args.out
         for task in tasks:
             with tempfile.TemporaryDirectory(prefix="x-dev-tasks-") as tmp:  # generated again, identical, each time
-                task_dir = R.write_task(tmp, task)
+                task_dir = write_task(tmp, task)
                 recs += [measure(model, task, task_dir, plan, step, args.out, cache, log)
                          for step in args.checkpoints or plan["checkpoints"]]
     else:
@@ -307,7 +296,7 @@ def main(argv=None) -> None:
                 if rec["task"] in tasks and rec["step"] in plan["checkpoints"] and len(rec["draws"]) >= 2:
                     recs.append(rec)
         recs.sort(key=lambda r: (tasks.index(r["task"]), r["step"]))
-    name = os.path.basename(os.path.normpath(args.model)) if args.model else f"smollm2-135m-{R.GGUF_SHA256[:16]}"
+    name = os.path.basename(os.path.normpath(args.model)) if args.model else f"smollm2-135m-{GGUF_SHA256[:16]}"
     lines = table(recs, plan, cached_reference(args.reference, name))
     with open(os.path.join(args.out, f"table-{args.config}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -2,29 +2,19 @@
 small pipeline model) and experiments/x_dev.py (the curvature along the gradient on SmolLM2's dev loss). Fast tests
 of their arithmetic; the scripts end to end at their `ci` configs in the slow tier."""
 
-import importlib.util
 import json
 import math
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load(name: str):
-    sys.path.insert(0, str(ROOT / "experiments"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from experiments import calibrate as cal
+from experiments import x_dev as x
+from experiments.stats import rloo_per_forward
 
 
 def test_the_warp_reads_each_curve_at_f_over_k():
-    cal = load("calibrate")
     f = np.arange(0, 801, 40, dtype=float)
     y = np.stack([np.where(f > 0, -0.5 * np.log(np.where(f > 0, f, 1.0)), 0.0) + c for c in (0.0, 0.1)])
     at = np.array([0, 40, 240, 400], dtype=float)
@@ -36,20 +26,18 @@ def test_the_warp_reads_each_curve_at_f_over_k():
 
 
 def test_the_rloo_formula_gives_docs_algorithm_figures():
-    x = load("x_dev")
     # docs/algorithm.md §2: q = 4: 1.5 at x = 0, 1.17 at 0.2, 1.0 at 0.5; q = 8: 1.75 at 0, 1.20 at 0.09, 0.88 at 0.25
-    assert [round(x.rloo_per_forward(4, v), 2) for v in (0, 0.2, 0.5)] == [1.5, 1.17, 1.0]
-    assert [round(x.rloo_per_forward(8, v), 2) for v in (0, 0.09, 0.25)] == [1.75, 1.2, 0.88]
+    assert [round(rloo_per_forward(4, v), 2) for v in (0, 0.2, 0.5)] == [1.5, 1.17, 1.0]
+    assert [round(rloo_per_forward(8, v), 2) for v in (0, 0.09, 0.25)] == [1.75, 1.2, 0.88]
     # no q reaches x0.6 of MeZO's forwards (a per-forward ratio of 1/0.6) above the threshold, and some q does below
     t = x.x_for_ratio(1 / 0.6)
     assert 0 < t < 0.05
-    assert max(x.rloo_per_forward(q, t * 1.01) for q in range(2, 65)) < 1 / 0.6
-    assert max(x.rloo_per_forward(q, t * 0.99) for q in range(2, 65)) > 1 / 0.6
+    assert max(rloo_per_forward(q, t * 1.01) for q in range(2, 65)) < 1 / 0.6
+    assert max(rloo_per_forward(q, t * 0.99) for q in range(2, 65)) > 1 / 0.6
 
 
 @pytest.mark.slow
 def test_x_dev_ci_end_to_end(tiny_model, tmp_path, capsys):
-    x = load("x_dev")
     threads = torch.get_num_threads()
     try:
         x.main(["--config", "ci", "--model", tiny_model, "--out", str(tmp_path), "--draws", "2"])
@@ -74,7 +62,6 @@ def test_x_dev_ci_end_to_end(tiny_model, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_calibrate_ci_end_to_end(tmp_path, capsys):
-    cal = load("calibrate")
     threads = torch.get_num_threads()
     try:
         cal.main(["--config", "ci", "--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache")])

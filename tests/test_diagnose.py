@@ -2,12 +2,14 @@
 
 import json
 
+import pytest
 import torch
 
 from curvzo_ds.cli import main
-from curvzo_ds.commands.diagnose import PlainRun, corr_log
+from curvzo_ds.commands.diagnose import corr_log
 from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.shard.params import canonical_name
+from curvzo_ds.train.plain import PlainRun
 
 
 def test_diagnose_writes_the_table_json_and_figures(tmp_path, capsys):
@@ -63,3 +65,28 @@ def test_bad_estimator_is_one_line(capsys, tmp_path):
 
 def test_corr_log_ignores_non_positive_entries():
     assert abs(corr_log([1.0, 2.0, 4.0, 0.0], [2.0, 4.0, 8.0, 5.0]) - 1.0) < 1e-12
+
+
+def test_a_plain_run_evaluates_an_added_split_and_its_evaluator_reads_its_sections():
+    """PlainRun's seams: `add_split` gives the evaluator a split of the run's encoded examples (its metrics are those
+    of the same examples), a name already there is refused; the Evaluator is built from the `eval` and `data` sections;
+    a `sampler` is what makes the engine's sampler."""
+    from curvzo_ds.algo.sampling import CurvZOSampler
+
+    class Mine(CurvZOSampler):
+        pass
+
+    run = PlainRun(TrainConfig(model="demo", task="demo", max_steps=1, eval_steps=7, micro_batch_size=4,
+                               global_batch_size=8), sampler=Mine)
+    assert type(run.engine.sampler) is Mine
+    evaluator = run.job.evaluator
+    assert (evaluator.eval_steps, evaluator.micro_batch_size) == (7, 4)
+    assert evaluator.max_new_tokens == run.cfg.max_new_tokens
+    dev = run.eval_data["dev"]
+    run.add_split("dev-again", list(dev))
+    assert run.evaluate("dev-again") == run.evaluate("dev")
+    run.add_split("dev-first", dev[:3])
+    assert run.evaluate("dev-first") != run.evaluate("dev")
+    with pytest.raises(ValueError, match="already has a split 'dev'"):
+        run.add_split("dev", dev[:3])
+    assert "dev-again" not in run.eval_data  # the job's own splits are not written

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from curvzo_ds.algo.sampling import CurvZOSampler
 from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.errors import NonFiniteLossError
@@ -509,17 +510,22 @@ def test_a_steps_block_statistics_are_the_sums_of_z_squared_of_its_noise():
     from curvzo_ds.noise import reference
     from curvzo_ds.noise.gaussian import FIXED_POINT_BITS
 
+    seen = []
+
+    class Watching(CurvZOSampler):  # the engine's seam for a sampler: it sees what each step observes
+        def observe(self, plan, delta, block_sq) -> None:
+            seen.append(block_sq.clone())
+            super().observe(plan, delta, block_sq)
+
     net = TinyNet()
     x, y = toy_task(16)
     engine = ZOEngine(net, ce_loss, ZOConfig(method="fixed", budget=0.5, score_init=1.0, score_warmup_steps=0,
-                                             learning_rate=1e-3, zo_eps=1e-3, seed=9))
-    seen = []
-    real = engine._reduce
-    engine._reduce = lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]
+                                             learning_rate=1e-3, zo_eps=1e-3, seed=9), sampler=Watching)
     src = NoiseSource(9)
     for t in range(3):
         engine.step((x, y))
-        block_sq, mask = seen[-1].block_sq, engine.last_mask
+        assert len(seen) == t + 1
+        block_sq, mask = seen[-1], engine.last_mask
         assert mask.any() and not mask.all()
         for i, e in enumerate(engine.entries):  # block_granularity=tensor: block i is entry i
             z = reference.normals(*src.key(t, e.name), 0, e.numel)

@@ -3,24 +3,13 @@ a few steps. It checks the pipeline's shape, not its numbers: the tables, the fi
 Measured: 12 s on an idle core, 56 s on the loaded shared machine; in the slow tier (it trains through the CLI's
 code for several runs)."""
 
-import importlib.util
-import pathlib
-
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load_pipeline():
-    spec = importlib.util.spec_from_file_location("pipeline", ROOT / "experiments" / "pipeline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from experiments import pipeline
 
 
 @pytest.mark.slow
 def test_pipeline_ci_config_end_to_end(tmp_path):
-    pipeline = load_pipeline()
     out = tmp_path / "out"
     pipeline.main(["--config", "ci", "--out", str(out)])
     tables = (out / "tables.md").read_text()

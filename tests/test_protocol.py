@@ -1,42 +1,34 @@
 """Issue 47's protocol runner (experiments/protocol.py): the rate rule on made-up caches, the reuse of issue 37's
 cached runs, and (slow tier) the runner end to end on a tiny random Llama at the `ci` config (16 forwards a run)."""
 
-import importlib.util
 import json
 import math
 import os
 import pathlib
-import sys
 
 import pytest
 import torch
 
 from curvzo_ds.config.schema import TrainConfig
+from experiments import protocol as P
+from experiments import rate_rule as RU
+from experiments.report import report_lines
+from experiments.smollm import GGUF_SHA256
+from experiments.stats import rloo_rate_ratio
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def load_protocol():
-    sys.path.insert(0, str(ROOT / "experiments"))  # as the script itself does: real_model, verdict, pipeline
-    spec = importlib.util.spec_from_file_location("protocol", ROOT / "experiments" / "protocol.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-P = load_protocol()
-
-
 def fake_cache(tmp_path, plan=None):
-    plan = plan or dict(P.CONFIGS["ci"], max_grid=8, pilot_seeds=[0, 1, 2])
-    return P.Cache(plan, "ci", "tiny", str(tmp_path), None)
+    plan = plan or dict(RU.CONFIGS["ci"], max_grid=8, pilot_seeds=[0, 1, 2])
+    return RU.Cache(plan, "ci", "tiny", str(tmp_path), None)
 
 
 def put(cache, arm, lr, seed, tail=None, diverge=False):
     """A made-up run of 16 forwards whose tail mean log loss is `tail` (or which diverged)."""
     f = [0, 8, 16]
     loss = [1.0, 0.9, math.exp(tail)] if not diverge else [1.0, 0.9, float("nan")]
-    run = dict(settings=dict(P.settings_of(cache.plan, cache.model, "sentiment", arm, lr, seed)),
+    run = dict(settings=dict(RU.settings_of(cache.plan, cache.model, "sentiment", arm, lr, seed)),
                curve=[dict(step=x // 2, forwards=x, loss=y, accuracy=0.5) for x, y in zip(f, loss)],
                test=dict(accuracy=0.5), seconds=60.0)
     path = cache.path("sentiment", arm, lr, seed)
@@ -45,16 +37,16 @@ def put(cache, arm, lr, seed, tail=None, diverge=False):
 
 
 def rate(k):
-    return P.lattice("ci", "sentiment", "mezo", k)
+    return RU.lattice("ci", "sentiment", "mezo", k)
 
 
 def test_the_lattice_is_sqrt2_steps_rounded_to_3_digits():
     assert [rate(k) for k in range(-1, 4)] == [7.07e-4, 1e-3, 1.41e-3, 2e-3, 2.83e-3]
     # the full protocol's RLOO-8 start lies on the lattice anchored at MeZO's rate, so it meets issue 37's x2 rates
-    anchor, m = P.start_point("full", "topic", "rloo-8")
-    assert anchor == 5e-5 and 2 ** (m / 2) <= P.rloo_rate_ratio(8, P.X_DEV["topic"] or 0.0) < 2 ** ((m + 1) / 2)
-    assert [P.lattice("full", "topic", "rloo-8", 2 - m + 2 * j) for j in range(3)] == [1e-4, 2e-4, 4e-4]
-    assert P.rloo_rate_ratio(8, 0.0) == pytest.approx(7) and P.rloo_rate_ratio(8, 0.25) < 7
+    anchor, m = RU.start_point("full", "topic", "rloo-8")
+    assert anchor == 5e-5 and 2 ** (m / 2) <= rloo_rate_ratio(8, RU.X_DEV["topic"] or 0.0) < 2 ** ((m + 1) / 2)
+    assert [RU.lattice("full", "topic", "rloo-8", 2 - m + 2 * j) for j in range(3)] == [1e-4, 2e-4, 4e-4]
+    assert rloo_rate_ratio(8, 0.0) == pytest.approx(7) and rloo_rate_ratio(8, 0.25) < 7
 
 
 def test_the_grid_goes_up_until_the_tail_gets_worse(tmp_path):
@@ -63,7 +55,7 @@ def test_the_grid_goes_up_until_the_tail_gets_worse(tmp_path):
         put(cache, "mezo", rate(0), s, tail=-1.0)
         put(cache, "mezo", rate(1), s, tail=-1.2)
         put(cache, "mezo", rate(2), s, tail=-1.1 - 0.01 * s)
-    st = P.pilot_state(cache, "sentiment", "mezo")
+    st = RU.pilot_state(cache, "sentiment", "mezo")
     assert st["chosen"] == rate(1) and "worse than" in st["why"] and st["missing"] == []
     assert [lr for lr, _ in st["grid"]] == [rate(0), rate(1), rate(2)]
 
@@ -74,18 +66,18 @@ def test_a_rate_that_diverges_on_one_seed_ends_the_grid(tmp_path):
         put(cache, "mezo", rate(0), s, tail=-1.0)
         put(cache, "mezo", rate(1), s, tail=-1.5)
     put(cache, "mezo", rate(2), 1, diverge=True)  # seeds 0 and 2 of this rate need not run
-    st = P.pilot_state(cache, "sentiment", "mezo")
+    st = RU.pilot_state(cache, "sentiment", "mezo")
     assert st["chosen"] == rate(1) and st["why"] == f"{rate(2):g} diverged on seed 1"
 
 
 def test_missing_pilots_are_the_next_runs(tmp_path):
     cache = fake_cache(tmp_path)
     put(cache, "mezo", rate(0), 0, tail=-1.0)
-    st = P.pilot_state(cache, "sentiment", "mezo")
+    st = RU.pilot_state(cache, "sentiment", "mezo")
     assert st["chosen"] is None and st["missing"] == [(rate(0), 1), (rate(0), 2)]
     for s in (1, 2):
         put(cache, "mezo", rate(0), s, tail=-1.0)
-    assert P.pilot_state(cache, "sentiment", "mezo")["missing"] == [(rate(1), s) for s in range(3)]
+    assert RU.pilot_state(cache, "sentiment", "mezo")["missing"] == [(rate(1), s) for s in range(3)]
     lines = "\n".join(P.plan_lines(cache, ["sentiment"], ["mezo"], "OUT"))
     assert f"--run --arm mezo --task sentiment --runs {rate(1):g}:0 {rate(1):g}:1 {rate(1):g}:2 --out OUT" in lines
 
@@ -93,25 +85,25 @@ def test_missing_pilots_are_the_next_runs(tmp_path):
 def test_a_start_rate_that_diverges_sends_the_grid_down(tmp_path):
     cache = fake_cache(tmp_path)
     put(cache, "mezo", rate(0), 2, diverge=True)
-    assert P.pilot_state(cache, "sentiment", "mezo")["missing"] == [(rate(-1), s) for s in range(3)]
+    assert RU.pilot_state(cache, "sentiment", "mezo")["missing"] == [(rate(-1), s) for s in range(3)]
     put(cache, "mezo", rate(-1), 0, diverge=True)
     for s in range(3):
         put(cache, "mezo", rate(-2), s, tail=-0.5)
-    st = P.pilot_state(cache, "sentiment", "mezo")
+    st = RU.pilot_state(cache, "sentiment", "mezo")
     assert st["chosen"] == rate(-2) and "first stable rate below" in st["why"]
 
 
 def test_a_run_that_ends_above_its_zero_shot_loss_has_diverged(tmp_path):
     cache = fake_cache(tmp_path)
     put(cache, "mezo", rate(0), 0, tail=math.log(1.2))  # finite, but above the zero-shot 1.0
-    assert P.diverged(cache.get("sentiment", "mezo", rate(0), 0))
+    assert RU.diverged(cache.get("sentiment", "mezo", rate(0), 0))
 
 
 def test_issue_37s_cached_runs_are_found_by_their_settings():
     """Every MeZO and RLOO q = 8 run of issue 37 is found under protocol.py's description of its settings, as a pilot
     of the full config (the lookup that lets them serve as pilots)."""
     runs = ROOT / "experiments" / "results" / "real-model" / "runs"
-    cache = P.Cache(P.CONFIGS["full"], "full", f"smollm2-135m-{P.R.GGUF_SHA256[:16]}", "/nonexistent", str(runs))
+    cache = RU.Cache(RU.CONFIGS["full"], "full", f"smollm2-135m-{GGUF_SHA256[:16]}", "/nonexistent", str(runs))
     found = 0
     for path in sorted(runs.glob("*.json")):
         s = json.loads(path.read_text())["settings"]
@@ -127,7 +119,7 @@ def test_issue_37s_cached_runs_are_found_by_their_settings():
 def test_workers_share_the_queue_by_claims(tmp_path, monkeypatch):
     """--work runs what the plan needs next, skips a run another worker holds (its flock), reads the plan again
     after each run (the pilot grid chooses its rate, then the fresh seeds follow) and stops when nothing is left."""
-    cache = P.Cache(P.CONFIGS["ci"], "ci", "tiny", str(tmp_path), None)
+    cache = RU.Cache(RU.CONFIGS["ci"], "ci", "tiny", str(tmp_path), None)
     ran = []
 
     def fake_run(cache, model_dir, task, task_dir, arm, lr, seed, log):
@@ -148,8 +140,8 @@ def test_workers_share_the_queue_by_claims(tmp_path, monkeypatch):
 def put_fresh(cache, arm, seed, final):
     """A made-up fresh run at the arm's start rate: dev and subset losses 1.0, 0.9, `final` at 0, 8 and 16
     forwards (a final above 1.0 has diverged)."""
-    lr = P.lattice("ci", "sentiment", arm, 0)
-    run = dict(settings=P.settings_of(cache.plan, cache.model, "sentiment", arm, lr, seed),
+    lr = RU.lattice("ci", "sentiment", arm, 0)
+    run = dict(settings=RU.settings_of(cache.plan, cache.model, "sentiment", arm, lr, seed),
                curve=[dict(step=x // 2, forwards=x, loss=y, subset_loss=y, accuracy=0.5)
                       for x, y in zip([0, 8, 16], [1.0, 0.9, final])], test=dict(accuracy=0.5), seconds=60.0)
     path = cache.path("sentiment", arm, lr, seed)
@@ -159,17 +151,17 @@ def put_fresh(cache, arm, seed, final):
 
 def test_the_report_shows_a_diverged_seed_left_out_beside_the_rule(tmp_path):
     """The rule counts every fresh seed; where some diverged, a second table compares without them."""
-    cache = fake_cache(tmp_path, dict(P.CONFIGS["ci"], max_grid=8, pilot_seeds=[0, 1, 2], fresh_seeds=[3, 4, 5]))
+    cache = fake_cache(tmp_path, dict(RU.CONFIGS["ci"], max_grid=8, pilot_seeds=[0, 1, 2], fresh_seeds=[3, 4, 5]))
     for arm in ("mezo", "rloo-8"):
         for seed in cache.plan["pilot_seeds"]:
-            put(cache, arm, P.lattice("ci", "sentiment", arm, 0), seed, tail=-0.5)
-            put(cache, arm, P.lattice("ci", "sentiment", arm, 1), seed, tail=-0.4)
+            put(cache, arm, RU.lattice("ci", "sentiment", arm, 0), seed, tail=-0.5)
+            put(cache, arm, RU.lattice("ci", "sentiment", arm, 1), seed, tail=-0.4)
     for seed, mezo, rloo in zip(cache.plan["fresh_seeds"], [0.5, 0.4, 0.45], [0.3, 0.2, 0.25]):
         put_fresh(cache, "mezo", seed, mezo)
         put_fresh(cache, "rloo-8", seed, rloo)
-    assert "Without the diverged" not in "\n".join(P.report_lines(cache, ["sentiment"], ["mezo", "rloo-8"], None))
+    assert "Without the diverged" not in "\n".join(report_lines(cache, ["sentiment"], ["mezo", "rloo-8"], None))
     put_fresh(cache, "mezo", 5, 50.0)  # MeZO's third seed diverges
-    lines = P.report_lines(cache, ["sentiment"], ["mezo", "rloo-8"], None)
+    lines = report_lines(cache, ["sentiment"], ["mezo", "rloo-8"], None)
     assert [line for line in lines if line.startswith("| sentiment | mezo |")][0].split(" | ")[3] == "3 (1)"
     start = lines.index(next(x for x in lines if x.startswith("Without the diverged")))
     rows = [line for line in lines[start:lines.index("Pilot grids (mean tail log dev loss over the pilot seeds; "
@@ -187,12 +179,12 @@ def test_the_report_shows_a_diverged_seed_left_out_beside_the_rule(tmp_path):
 
 def test_the_report_checks_the_prediction_for_loss_std_against_rloo8(tmp_path):
     """The issue predicts loss_std's tail mean at least 0.1 below RLOO-8's: a Welch interval, decided on full seeds."""
-    cache = fake_cache(tmp_path, dict(P.CONFIGS["ci"], max_grid=8, pilot_seeds=[0, 1, 2], fresh_seeds=[3, 4, 5]))
+    cache = fake_cache(tmp_path, dict(RU.CONFIGS["ci"], max_grid=8, pilot_seeds=[0, 1, 2], fresh_seeds=[3, 4, 5]))
     arms = ["mezo", "rloo-8", "rloo-8-std"]
     for arm in arms:
         for seed in cache.plan["pilot_seeds"]:
-            put(cache, arm, P.lattice("ci", "sentiment", arm, 0), seed, tail=-0.5)
-            put(cache, arm, P.lattice("ci", "sentiment", arm, 1), seed, tail=-0.4)
+            put(cache, arm, RU.lattice("ci", "sentiment", arm, 0), seed, tail=-0.5)
+            put(cache, arm, RU.lattice("ci", "sentiment", arm, 1), seed, tail=-0.4)
     for seed, mezo, plain, std in zip([3, 4, 5], [0.5, 0.4, 0.45], [0.3, 0.2, 0.25], [0.1, 0.12, 0.08]):
         put_fresh(cache, "mezo", seed, mezo)
         put_fresh(cache, "rloo-8", seed, plain)
@@ -200,7 +192,7 @@ def test_the_report_checks_the_prediction_for_loss_std_against_rloo8(tmp_path):
             put_fresh(cache, "rloo-8-std", seed, std)
 
     def row():
-        lines = P.report_lines(cache, ["sentiment"], arms, None)
+        lines = report_lines(cache, ["sentiment"], arms, None)
         start = lines.index(next(x for x in lines if x.startswith("The issue's prediction")))
         return next(x for x in lines[start:] if x.startswith("| sentiment |")).split(" | ")
 
@@ -212,7 +204,7 @@ def test_the_report_checks_the_prediction_for_loss_std_against_rloo8(tmp_path):
     assert float(cells[3].split()[0]) == pytest.approx(want, abs=1e-4) and cells[4] == "yes |"
     put_fresh(cache, "rloo-8-std", 5, 0.9)  # one bad seed widens the interval past -0.1
     assert row()[4] == "no |"
-    assert not any(x.startswith("The issue's prediction") for x in P.report_lines(cache, ["sentiment"], arms[:2], None))
+    assert not any(x.startswith("The issue's prediction") for x in report_lines(cache, ["sentiment"], arms[:2], None))
 
 
 @pytest.mark.slow
@@ -223,7 +215,7 @@ def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
     arms = ["mezo", "rloo-8"] + (["rloo-8-std"] if "step_normalization" in TrainConfig.__dataclass_fields__ else [])
     out = tmp_path / "out"
     common = ["--config", "ci", "--model", tiny_model, "--out", str(out), "--reuse", ""]
-    cache = P.Cache(P.CONFIGS["ci"], "ci", os.path.basename(tiny_model), str(out), None)
+    cache = RU.Cache(RU.CONFIGS["ci"], "ci", os.path.basename(tiny_model), str(out), None)
     P.main(["--plan", *common])
     first = f"--run --arm mezo --task sentiment --runs {rate(0):g}:0 {rate(0):g}:1 --out {out}"
     assert first in capsys.readouterr().out
@@ -233,20 +225,20 @@ def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
         pilot = cache.get("sentiment", "mezo", rate(3), 0)
         assert [c["forwards"] for c in pilot["curve"]] == [0, 8, 16] and "subset_loss" not in pilot["curve"][0]
         for arm in arms:
-            for seed in P.CONFIGS["ci"]["pilot_seeds"]:
-                put(cache, arm, P.lattice("ci", "sentiment", arm, 0), seed, tail=-0.5)
-                put(cache, arm, P.lattice("ci", "sentiment", arm, 1), seed, tail=-0.4)
-            st = P.pilot_state(cache, "sentiment", arm)
-            assert st["chosen"] == P.lattice("ci", "sentiment", arm, 0) and not st["missing"]
+            for seed in RU.CONFIGS["ci"]["pilot_seeds"]:
+                put(cache, arm, RU.lattice("ci", "sentiment", arm, 0), seed, tail=-0.5)
+                put(cache, arm, RU.lattice("ci", "sentiment", arm, 1), seed, tail=-0.4)
+            st = RU.pilot_state(cache, "sentiment", arm)
+            assert st["chosen"] == RU.lattice("ci", "sentiment", arm, 0) and not st["missing"]
         P.main(["--work", "--arms", *arms, *common])  # every arm's fresh seeds, as --plan lists them
     finally:
         torch.set_num_threads(threads)
     fresh = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
     fresh = [r for r in fresh if r["settings"]["stage"] == "fresh"]
-    assert len(fresh) == len(P.CONFIGS["ci"]["fresh_seeds"]) * len(arms)
+    assert len(fresh) == len(RU.CONFIGS["ci"]["fresh_seeds"]) * len(arms)
     for r in fresh:
         points = {c["forwards"]: c for c in r["curve"]}
-        if not P.diverged(r):
+        if not RU.diverged(r):
             assert sorted(points) == [0, 8, 16] and all("subset_loss" in c and "loss" in c for c in points.values())
         assert r["provenance"]["code"]["path"] == str(ROOT) and "commit" in r["provenance"]["code"]
         assert r["provenance"]["machine"]["node"] and r["seconds"] > 0 and "accuracy" in r["test"]
@@ -261,11 +253,11 @@ def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
     first = report.split("Without the diverged")[0].split("The issue's prediction")[0]  # the rule's table alone
     rows = [line for line in first.splitlines() if line.startswith("| sentiment |")]
     pilot_rows = [line for line in pilots.splitlines() if line.startswith("| sentiment |")]
-    assert len(pilot_rows) == 2 * len(arms) * len(P.CONFIGS["ci"]["pilot_seeds"])  # the grid's two rates per arm
+    assert len(pilot_rows) == 2 * len(arms) * len(RU.CONFIGS["ci"]["pilot_seeds"])  # the grid's two rates per arm
     assert [row.split(" | ")[1] for row in rows] == arms
     assert all(row.endswith(("| yes |", "| no |")) for row in rows[1:]) and rows[0].endswith("| - |")
     # an arm short of its fresh seeds gets intervals but no verdict
-    seeds = P.CONFIGS["ci"]["fresh_seeds"]
+    seeds = RU.CONFIGS["ci"]["fresh_seeds"]
     for path in (out / "runs").glob("*.json"):
         s = json.loads(path.read_text())["settings"]
         if (s["stage"], s["arm"], s["seed"]) == ("fresh", "rloo-8", seeds[0]):

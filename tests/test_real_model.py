@@ -2,7 +2,6 @@
 GGUF package and no hub. The end-to-end test checks the pipeline's shape (every arm, the tables, the figure, the
 diagnostic, the run cache); the unit tests check the two arms the script adds to the engine."""
 
-import importlib.util
 import json
 import math
 import os
@@ -13,27 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from curvzo_ds.config.sections import section
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str = "real_model"):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def plain_run(script, tiny_model, tmp_path, arm: str, lr: float = 1e-2):
-    task = script.write_task(str(tmp_path / "tasks"), "sentiment")
-    return script.PlainRun(script.run_config(tiny_model, task, arm, lr, 0, 3))
+from curvzo_ds.train.plain import PlainRun
+from experiments import one_step, rloo_real, smollm
+from experiments import real_model as script
+from experiments.core import OracleSampler
 
 
 def test_tasks_hold_out_templates_and_words_for_test(tmp_path):
-    script = load_script()
     for task in ("sentiment", "topic"):
-        path = pathlib.Path(script.write_task(str(tmp_path), task))
+        path = pathlib.Path(smollm.write_task(str(tmp_path), task))
         spec = json.loads((path / "task.json").read_text())
         assert len(spec["label_words"]) == 2 and "{text}" in spec["template"]
         rows = {s: [json.loads(x) for x in (path / f"{s}.jsonl").read_text().splitlines()]
@@ -42,14 +29,13 @@ def test_tasks_hold_out_templates_and_words_for_test(tmp_path):
         seen = {r["text"] for r in rows["train"] + rows["dev"]}
         assert not seen & {r["text"] for r in rows["test"]}
         assert {0, 1} == {r["label"] for r in rows["test"]}
-    held_out = set(script.halves(script.POSITIVE, True) + script.halves(script.NEGATIVE, True))
+    held_out = set(smollm.halves(smollm.POSITIVE, True) + smollm.halves(smollm.NEGATIVE, True))
     sentiment = [json.loads(x) for x in (tmp_path / "sentiment" / "train.jsonl").read_text().splitlines()]
     train_words = {w for r in sentiment for w in re.findall(r"[a-z]+", r["text"].lower())}
-    assert held_out & set(script.POSITIVE + script.NEGATIVE) == held_out and not held_out & train_words
+    assert held_out & set(smollm.POSITIVE + smollm.NEGATIVE) == held_out and not held_out & train_words
 
 
 def test_the_grid_grows_past_the_edge_where_its_best_rate_sits():
-    script = load_script()
     run = lambda loss: {"curve": [{"loss": loss}]}  # noqa: E731
     assert script.beyond({1e-5: run(0.2), 3e-5: run(0.3), 1e-4: run(9.0)}) == 3e-6  # best at the low edge
     assert script.beyond({3e-5: run(0.3), 1e-4: run(0.1), 3e-4: run(float("nan"))}) is None  # bracketed
@@ -58,11 +44,9 @@ def test_the_grid_grows_past_the_edge_where_its_best_rate_sits():
 
 
 def test_oracle_sampler_keeps_the_energies_it_is_given(tiny_model, tmp_path):
-    script = load_script()
-    run = plain_run(script, tiny_model, tmp_path, "oracle")
+    task = smollm.write_task(str(tmp_path / "tasks"), "sentiment")
+    run = PlainRun(script.run_config(tiny_model, task, "oracle", 1e-2, 0, 3), sampler=OracleSampler)
     engine = run.engine
-    engine.sampler = script.OracleSampler(section(engine.cfg, "sampler"), section(engine.cfg, "engine"), engine.sizes,
-                                          engine.noise.mask_uniforms)
     energy = run.block_energy(run.batch(0))
     engine.sampler.scores = energy.clone()
     engine.step(run.batch(0))
@@ -73,7 +57,6 @@ def test_oracle_sampler_keeps_the_energies_it_is_given(tiny_model, tmp_path):
 
 @pytest.mark.slow
 def test_real_model_ci_config_end_to_end(tiny_model, tmp_path):
-    script = load_script()
     out = tmp_path / "out"
     script.main(["--config", "ci", "--model", tiny_model, "--out", str(out)])
     tables = (out / "tables.md").read_text()
@@ -102,7 +85,6 @@ def test_real_model_ci_config_end_to_end(tiny_model, tmp_path):
 
 
 def test_tasks_outside_the_config_are_refused(tmp_path, capsys):
-    script = load_script()
     with pytest.raises(SystemExit) as exc:
         script.main(["--config", "ci", "--tasks", "topic", "--out", str(tmp_path)])
     assert exc.value.code == 2
@@ -110,16 +92,7 @@ def test_tasks_outside_the_config_are_refused(tmp_path, capsys):
     assert not os.listdir(tmp_path)  # refused before anything is written
 
 
-def load_one_step():
-    load_script()  # one_step imports real_model from experiments/, which load_script puts on sys.path
-    spec = importlib.util.spec_from_file_location("one_step", ROOT / "experiments" / "one_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_one_step_ratio_is_the_progress_ratio_per_forward():
-    one_step = load_one_step()
     # (1 / mean [2, 4]) / (1 / mean [1, 3]) * 2 / 4 forwards = (1/3) / (1/2) / 2 = 1/3
     r, _ = one_step.ratio(1.0, np.array([2.0, 4.0]), 1.0, np.array([1.0, 3.0]), 4)
     assert r == pytest.approx(1 / 3)
@@ -128,16 +101,8 @@ def test_one_step_ratio_is_the_progress_ratio_per_forward():
     assert one_step.ratio(4.0, d, 1.0, d, 2) == pytest.approx((4.0, 0.0))
 
 
-def test_rloo_second_moment_has_the_cross_terms_in_ghg():
-    one_step = load_one_step()
-    # q = 4, ‖g‖² = 1, tr H = 3, gᵀHg = 0: tr H / 3 = 1; gᵀHg = 1 adds 2/4 + (3/4)(1 + 1/9) = 4/3
-    assert one_step.rloo_moment(4, 3.0, 0.0, 1.0) == pytest.approx(1.0)
-    assert one_step.rloo_moment(4, 3.0, 1.0, 1.0) == pytest.approx(1.0 + 4 / 3)
-
-
 @pytest.mark.slow
 def test_one_step_ci_config_end_to_end(tiny_model, tmp_path):
-    one_step = load_one_step()
     threads = torch.get_num_threads()
     try:
         one_step.main(["--config", "ci", "--model", tiny_model, "--out", str(tmp_path)])
@@ -164,7 +129,7 @@ def test_one_step_ci_config_end_to_end(tiny_model, tmp_path):
 def test_rloo_report_pairs_each_run_with_mezos_run_of_its_seed(tmp_path, monkeypatch):
     """experiments/rloo_real.py --report on a made-up cache: MeZO's best seed-0 rate sets each seed's targets; an
     RLOO run's forwards to MeZO's final dev loss and accuracy are divided by MeZO's own forwards to them."""
-    module = load_script("rloo_real")
+    module = rloo_real
     monkeypatch.setattr(module, "OUT", str(tmp_path))
     (tmp_path / "runs").mkdir()
 
@@ -193,7 +158,7 @@ def test_rloo_report_pairs_each_run_with_mezos_run_of_its_seed(tmp_path, monkeyp
 def test_rloo_report_gives_mezos_seed_0_and_3_seed_references(tmp_path, monkeypatch):
     """The 3-seed reference is MeZO's rate with the lowest mean final dev loss over 3 seeds: a rate that wins seed 0
     but diverges on another seed loses it to a stable rate, and a rate with 2 seeds is not a candidate."""
-    module = load_script("rloo_real")
+    module = rloo_real
     monkeypatch.setattr(module, "OUT", str(tmp_path))
     (tmp_path / "runs").mkdir()
     finals = {(1e-4, 0): 0.1, (1e-4, 1): 0.4, (1e-4, 2): float("inf"), (5e-5, 0): 0.3, (5e-5, 1): 0.3,

@@ -1,25 +1,12 @@
 """Issue 47's metrics (experiments/verdict.py) on made-up curves with known answers: no training, milliseconds."""
 
-import importlib.util
 import math
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from experiments import verdict as V
 
-
-def load_verdict():
-    spec = importlib.util.spec_from_file_location("verdict", ROOT / "experiments" / "verdict.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("verdict", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-V = load_verdict()
 F = np.arange(0, 401, 40, dtype=float)  # the protocol's evaluation points
 
 

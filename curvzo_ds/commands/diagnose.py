@@ -24,10 +24,9 @@ from curvzo_ds.algo.estimators import ESTIMATORS, expected_scores
 from curvzo_ds.algo.sampling import CurvZOSampler, adaptive_budget
 from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.config.sections import section
-from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.jsonio import write_json_atomic
-from curvzo_ds.shard.forwards import eval_mode
+from curvzo_ds.train.plain import PlainRun
 
 log = logging.getLogger("curvzo_ds")
 
@@ -101,50 +100,6 @@ def simulate(sizes: torch.Tensor, energy: torch.Tensor, cfg, steps: int, seed: i
 
 # ----------------------------------------------------------------------------------------------------
 # On a model: CurvZO steps with the backprop gradient on the same batches.
-
-
-class PlainRun:
-    """A one-process run on a plain model (no DeepSpeed): the task, the data stream, the engine, evaluation.
-
-    Its Job comes from train/build.py's `build_plain`, which builds the model, data and batches exactly as
-    `curvzo-ds train` does for one rank (the same presets, splits, micro-batches and loss), so its steps are the
-    training run's; it adds `block_energy`, the first-order ground truth of a batch. The diagnostic and experiments/
-    use it.
-    """
-
-    def __init__(self, cfg: TrainConfig):
-        # Imported here: the CLI imports this module to build its parser, and the build brings transformers and
-        # DeepSpeed.
-        from curvzo_ds.train.build import build_plain
-
-        self.job = job = build_plain(cfg)
-        self.cfg, self.task, self.tokenizer = job.cfg, job.task, job.tokenizer
-        self.train_data, self.eval_data = job.train_data, job.eval_data
-        self.model, self.loss, self.engine = job.model, job.loss, job.engine
-
-    def batch(self, step: int) -> MicroBatches:
-        return self.job.batch(step)
-
-    def block_energy(self, batch: MicroBatches) -> torch.Tensor:
-        """||g_i||^2 per block of the gradient of the batch's mean loss (the loss the step's Delta differentiates),
-        by backprop in eval mode (no dropout), as the engine's forwards run."""
-        module = self.model
-        module.zero_grad(set_to_none=True)
-        with eval_mode(module), torch.enable_grad():
-            sums = [self.loss(module, mb) for mb in batch.items]
-            (sum(s for s, _ in sums) / sum(float(c) for _, c in sums)).backward()
-        entries = self.engine.entries
-        out = torch.zeros(self.engine.num_blocks, dtype=torch.float64)
-        for b, block in enumerate(self.engine.blocks):
-            for ei, lo, hi in block.segments:
-                grad = entries[ei].param.grad
-                if grad is not None:
-                    out[b] += grad.detach().reshape(-1)[lo:hi].double().pow(2).sum()
-        module.zero_grad(set_to_none=True)
-        return out
-
-    def evaluate(self, split: str) -> dict:
-        return self.job.evaluate(split)
 
 
 def probe_steps(steps: int, every: int) -> list[int]:

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,10 +47,12 @@ class ZOEngine(EngineState):
 
     `topology` (distributed.Topology): which ranks share a ZeRO-3 partition; `group` is the short form for a
     shard group made by the caller (hybrid sharding); neither: the whole job is one partition.
+    `sampler`: what makes the engine's sampler, called as `CurvZOSampler` is (the `sampler` and `engine` sections,
+    the block sizes, the mask uniforms); None: `CurvZOSampler`. A subclass serves (experiments/ inject an oracle).
     """
 
     def __init__(self, model, loss_fn: LossFn, config: ZOConfig | None = None, *, group=None,
-                 topology: Topology | None = None, **overrides):
+                 topology: Topology | None = None, sampler: Callable[..., CurvZOSampler] | None = None, **overrides):
         self.cfg = cfg = engine_config(config, overrides)
         self.model = model
         self.module = ds_compat.module_of(model)
@@ -74,8 +77,8 @@ class ZOEngine(EngineState):
         self.noise = NoiseSource(cfg.seed)
         # Statistics and losses meet on the collectives' device, or with one rank on the weights' (no group needed).
         self.device = self.comm.device if self.comm.world_size > 1 else ds_compat.storage_device(self.entries[0].param)
-        self.sampler = CurvZOSampler(section(cfg, "sampler"), section(cfg, "engine"), self.sizes,
-                                     self.noise.mask_uniforms)
+        self.sampler = (sampler or CurvZOSampler)(section(cfg, "sampler"), section(cfg, "engine"), self.sizes,
+                                                  self.noise.mask_uniforms)
         self.estimator = FiniteDifference(cfg.difference, cfg.step_normalization, cfg.zo_eps)
         self.rate = Rate(cfg.learning_rate, cfg.lr_scheduler_type, cfg.max_steps, cfg.plateau_factor,
                          cfg.plateau_patience)

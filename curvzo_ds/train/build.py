@@ -124,27 +124,28 @@ def build(cfg: TrainConfig) -> Job:
                          cfg.micro_batch_size)
     engine = engine_for(ds_engine, lambda m, mb: loss(m, D.to_device(mb, device)), zo_part(cfg), topology=topology)
     check_data_agrees(topology.job, train_data, eval_data)
-    evaluator = Evaluator(ds_engine, task, tokenizer, eval_data, cfg.micro_batch_size, topology.job, device,
-                          cfg.max_new_tokens, loss, cfg.eval_steps)
+    evaluator = Evaluator.of(section(cfg, "eval"), section(cfg, "data"), ds_engine, task, tokenizer, eval_data,
+                             topology.job, device, loss)
     log.info("model %s: %d trainable tensors (%d blocks, %d parameters), world size %d, %d threads per rank",
              cfg.model, len(engine.entries), engine.num_blocks, engine.num_params, topology.job.world_size, threads)
     return Job(cfg, topology, threads, task, tokenizer, train_data, eval_data, ds_engine, loss, engine, evaluator,
                device, keep_alive, layout.record())
 
 
-def build_plain(cfg: TrainConfig) -> Job:
+def build_plain(cfg: TrainConfig, sampler: Callable | None = None) -> Job:
     """A one-process Job on a plain model (no DeepSpeed, no process group, on the CPU), built from the same presets,
     splits, micro-batches and loss as `build`, so that its steps are those of a one-rank training run. A static
-    mask (static_mask=true) is fitted here, as `curvzo-ds train` fits it before step 1."""
+    mask (static_mask=true) is fitted here, as `curvzo-ds train` fits it before step 1. `sampler`: ZOEngine's (what
+    makes the engine's sampler; None: CurvZOSampler)."""
     cfg = resolve(cfg)
     task, tokenizer, train_data, eval_data = load_data(section(cfg, "data"), section(cfg, "model"), cfg.seed)
     model, keep_alive = build_model(section(cfg, "model"), cfg.seed, {})
     loss = D.loss_fn_for(task, cfg.train_as_classification, cfg.objective, tokenizer, cfg.max_new_tokens,
                          cfg.micro_batch_size)
-    engine = engine_for(model, loss, zo_part(cfg))
+    engine = engine_for(model, loss, zo_part(cfg), sampler=sampler)
     device = torch.device("cpu")
-    evaluator = Evaluator(model, task, tokenizer, eval_data, cfg.micro_batch_size, Comm(None), device,
-                          cfg.max_new_tokens, loss, cfg.eval_steps)
+    evaluator = Evaluator.of(section(cfg, "eval"), section(cfg, "data"), model, task, tokenizer, eval_data,
+                             Comm(None), device, loss)
     job = Job(cfg, None, None, task, tokenizer, train_data, eval_data, model, loss, engine, evaluator, device,
               keep_alive)
     if cfg.static_mask:

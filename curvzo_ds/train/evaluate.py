@@ -73,14 +73,32 @@ def evaluate(model, task, tokenizer, encoded: list[dict], micro_batch_size: int,
 
 class Evaluator:
     """A run's evaluations: `should_eval(step)` (dev every `eval_steps`), `evaluate(split, step)`, and the last
-    result of each split (`last[split] = (step, metrics)`), so that the end of a run need not evaluate again."""
+    result of each split (`last[split] = (step, metrics)`), so that the end of a run need not evaluate again.
 
-    def __init__(self, model, task, tokenizer, data: dict[str, list[dict]], micro_batch_size: int, comm, device,
-                 max_new_tokens: int, loss_fn, eval_steps: int = 0):
-        self.model, self.task, self.tokenizer, self.data = model, task, tokenizer, data
+    `of(eval_cfg, data_cfg, ...)` builds it from the config's `eval` section (eval_steps) and the `data` section's
+    micro_batch_size and max_new_tokens; `add_split(name, examples)` adds a split of encoded examples (experiments/
+    evaluate a fixed dev subset so)."""
+
+    def __init__(self, model, task, tokenizer, data: dict[str, list[dict]], comm, device, loss_fn, *,
+                 micro_batch_size: int, max_new_tokens: int, eval_steps: int = 0):
+        self.model, self.task, self.tokenizer, self.data = model, task, tokenizer, dict(data)
         self.micro_batch_size, self.comm, self.device = micro_batch_size, comm, device
         self.max_new_tokens, self.loss_fn, self.eval_steps = max_new_tokens, loss_fn, eval_steps
         self.last: dict[str, tuple[int, dict]] = {}
+
+    @classmethod
+    def of(cls, eval_cfg, data_cfg, model, task, tokenizer, data: dict[str, list[dict]], comm, device,
+           loss_fn) -> Evaluator:
+        """The evaluator of a run's `eval` section (config.sections: eval_steps) and `data` section (the evaluation's
+        micro_batch_size and the generation's max_new_tokens)."""
+        return cls(model, task, tokenizer, data, comm, device, loss_fn, micro_batch_size=data_cfg.micro_batch_size,
+                   max_new_tokens=data_cfg.max_new_tokens, eval_steps=eval_cfg.eval_steps)
+
+    def add_split(self, name: str, examples: list[dict]) -> None:
+        """Evaluate `examples` (encoded as the run's splits are) as the split `name`; an existing name is refused."""
+        if name in self.data:
+            raise ValueError(f"the evaluator already has a split {name!r}")
+        self.data[name] = list(examples)
 
     def should_eval(self, step: int) -> bool:
         return "dev" in self.data and bool(self.eval_steps) and step % self.eval_steps == 0

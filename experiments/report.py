@@ -1,0 +1,156 @@
+"""Issue 47's report (`python -m experiments.protocol --report`): each arm's fresh seeds against MeZO's with
+experiments/verdict.py's metrics, the loss_std prediction, and the pilot grids, from the cached runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+from experiments import verdict as V
+from experiments.rate_rule import Cache, curve_of, diverged, pilot_state, pilot_tail
+from experiments.stats import mean_sd
+
+
+def fresh_runs(cache: Cache, task: str, arm: str) -> tuple[float | None, list[dict]]:
+    st = pilot_state(cache, task, arm)
+    if st["chosen"] is None:
+        return None, []
+    runs = [cache.get(task, arm, st["chosen"], s) for s in cache.plan["fresh_seeds"]]
+    return st["chosen"], [r for r in runs if r is not None]
+
+
+def subset_curves(runs: list[dict], forwards: int) -> tuple[np.ndarray, np.ndarray]:
+    f = np.array(sorted({int(k) for k in runs[0]["settings"]["evaluation"]}), dtype=float)
+    rows = []
+    for r in runs:
+        got = dict(zip(*curve_of(r, "subset_loss")))
+        rows.append(V.log_losses([got.get(x) for x in f]))
+    return f, np.stack(rows)
+
+
+def null_summary(path: str | None) -> str:
+    if not path or not os.path.exists(path):
+        return "not available"
+    with open(path) as f:
+        s = json.load(f)["summary"].get("subset: null")
+    if s is None:
+        return "not available"
+    return (f"factor {s['factor'][1]:.2f} [{s['factor'][0]:.2f}, {s['factor'][2]:.2f}], upper bound "
+            f"{s['upper'][1]:.2f} [{s['upper'][0]:.2f}, {s['upper'][2]:.2f}], rule's false positives "
+            f"{s['fpr_or_power']:.3f}")
+
+
+def tail_means(f: np.ndarray, y: np.ndarray, forwards: int) -> np.ndarray:
+    """Each run's tail mean log dev loss from subset_curves' (forwards, log losses)."""
+    return np.array([V.tail_mean(f, np.exp(row), forwards) for row in y])
+
+
+def compare(plan: dict, runs: list[dict], mezo: list[dict]) -> dict:
+    """An arm's fresh runs against MeZO's: the Welch cell, the time-warp cell (and its bootstrap), the paired
+    forwards-to-MeZO's-final cell."""
+    f, y = subset_curves(runs, plan["forwards"])
+    fm, ym = subset_curves(mezo, plan["forwards"])
+    w = V.welch(tail_means(f, y, plan["forwards"]), tail_means(fm, ym, plan["forwards"]))
+    point = V.warp(f, y, fm, ym, plan["forwards"])
+    boot = V.warp_bootstrap(f, y, fm, ym, plan["forwards"])
+    mezo_seed = {r["settings"]["seed"]: row for r, row in zip(mezo, ym)}
+    pairs = [V.forwards_to_final(f, np.exp(row), fm, np.exp(mezo_seed[r["settings"]["seed"]]))
+             for r, row in zip(runs, y) if r["settings"]["seed"] in mezo_seed]
+    flag = ((f" (extrapolated; capped: MeZO's curve, extended, does not reach some of the arm's tail points within "
+             f"{V.CAP:g}x its forwards, so the factor is at most this)") if point["capped"] else
+            " (extrapolated)" if point["extrapolated"] else "")
+    return dict(boot=boot, welch=f"{w['diff']:+.4f} [{w['low']:+.4f}, {w['high']:+.4f}]",
+                warp=f"{point['factor']:.3f} [{boot['low']:.3f}, {boot['high']:.3f}]{flag}",
+                pairs=V.forwards_to_final_summary(pairs))
+
+
+def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str | None) -> list[str]:
+    plan, n = cache.plan, len(cache.plan["fresh_seeds"])
+    null = null_summary(null_path)
+    lines = [f"Fresh seeds {plan['fresh_seeds'][0]}-{plan['fresh_seeds'][-1]} at each arm's chosen rate; the "
+             f"{plan['subset']}-example dev subset every {plan['eval_every']} forwards; tail = the last "
+             f"{V.TAIL:.0%} of {plan['forwards']} forwards. MeZO-vs-MeZO null (item B, 8 vs 8 seeds, median "
+             f"[2.5%, 97.5%]): {null}.", "",
+             "| task | arm | rate (pilot rule) | fresh seeds (diverged) | tail mean log dev loss, mean ± sd | "
+             "− MeZO's, Welch 95% | time-warp factor [bootstrap 95%] | forwards to MeZO's final dev loss "
+             "(issue 37's, paired by seed) | full dev loss at 400, mean ± sd | test accuracy | "
+             "fewer forwards than MeZO? |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    sensitivity = []
+    for task in tasks:
+        mezo_lr, mezo = fresh_runs(cache, task, "mezo")
+        for arm in arms:
+            lr, runs = (mezo_lr, mezo) if arm == "mezo" else fresh_runs(cache, task, arm)
+            st = pilot_state(cache, task, arm)
+            if not runs:
+                lines.append(f"| {task} | {arm} | {'undecided' if lr is None else format(lr, 'g')} ({st['why']}) | "
+                             "0 | - | - | - | - | - | - | - |")
+                continue
+            f, y = subset_curves(runs, plan["forwards"])
+            tails = tail_means(f, y, plan["forwards"])
+            bad = sum(diverged(r) for r in runs)
+            finals = [r["curve"][-1].get("loss", math.nan) for r in runs]
+            acc = [r["test"]["accuracy"] for r in runs]
+            row = (f"| {task} | {arm} | {lr:g} ({st['why']}) | {len(runs)} ({bad}) | "
+                   f"{mean_sd(tails)} | ")
+            if arm == "mezo" or not mezo:
+                row += f"- | - | - | {mean_sd(finals)} | "
+                row += f"{np.mean(acc):.3f} | - |"
+                lines.append(row)
+                continue
+            c = compare(plan, runs, mezo)
+            verdict = ("yes" if V.fewer_forwards(c["boot"]["high"]) else "no") if len(runs) == len(mezo) == n else (
+                f"pending ({len(runs)} and MeZO's {len(mezo)} of {n} seeds)")
+            row += f"{c['welch']} | {c['warp']} | {c['pairs']} | {mean_sd(finals)} | {np.mean(acc):.3f} | {verdict} |"
+            lines.append(row)
+            kept, mezo_kept = [r for r in runs if not diverged(r)], [r for r in mezo if not diverged(r)]
+            if (len(kept), len(mezo_kept)) != (len(runs), len(mezo)) and kept and mezo_kept:
+                c = compare(plan, kept, mezo_kept)
+                sensitivity.append(f"| {task} | {arm} | {len(kept)} of {len(runs)} | {len(mezo_kept)} of "
+                                   f"{len(mezo)} | {c['welch']} | {c['warp']} |")
+    if sensitivity:
+        lines += ["", "Without the diverged fresh seeds (a sensitivity check, not the rule: the verdict above counts "
+                  "every seed, and a diverged MeZO seed raises MeZO's mean curve, which favours the arm):", "",
+                  "| task | arm | arm's seeds kept | MeZO's seeds kept | tail mean − MeZO's, Welch 95% | "
+                  "time-warp factor [bootstrap 95%] |", "|---|---|---|---|---|---|", *sensitivity]
+    prediction = []
+    for task in tasks if {"rloo-8", "rloo-8-std"} <= set(arms) else []:
+        (_, plain), (_, std) = fresh_runs(cache, task, "rloo-8"), fresh_runs(cache, task, "rloo-8-std")
+        if plain and std:
+            w = V.welch(*(tail_means(*subset_curves(r, plan["forwards"]), plan["forwards"]) for r in (std, plain)))
+            held = ("yes" if w["high"] <= -0.1 else "no") if len(plain) == len(std) == n else "pending"
+            prediction.append(f"| {task} | {len(std)} | {len(plain)} | {w['diff']:+.4f} [{w['low']:+.4f}, "
+                              f"{w['high']:+.4f}] | {held} |")
+    if prediction:
+        lines += ["", "The issue's prediction for `loss_std`: a tail mean at least 0.1 below RLOO-8's (the upper 95% "
+                  "bound of the difference <= -0.1):", "",
+                  "| task | rloo-8-std seeds | rloo-8 seeds | tail mean, rloo-8-std − rloo-8, Welch 95% | "
+                  "at least 0.1 below? |", "|---|---|---|---|---|", *prediction]
+    lines += ["", "Pilot grids (mean tail log dev loss over the pilot seeds; the full dev set):", ""]
+    pilot_rows = ["", "Pilot runs (the full dev set):", "",
+                  "| task | arm | rate | seed | dev loss at 0 / 200 / 400 forwards | tail mean log dev loss | from |",
+                  "|---|---|---|---|---|---|---|"]
+    for task in tasks:
+        for arm in arms:
+            st = pilot_state(cache, task, arm)
+            cells = []
+            for lr, runs in st["grid"]:
+                got = [r for r in runs.values() if r is not None]
+                if any(diverged(r) for r in got):
+                    cells.append(f"{lr:g}: diverged")
+                elif got:
+                    cells.append(f"{lr:g}: {np.mean([pilot_tail(r) for r in got]):.3f} ({len(got)} seeds)")
+                for seed, r in runs.items():
+                    if r is not None:
+                        f, loss = curve_of(r)
+                        at = [f"{loss[f == x][0]:.4f}" if (f == x).any() else "-" for x in (0, 200, 400)]
+                        tail = "diverged" if diverged(r) else f"{pilot_tail(r):.3f}"
+                        pilot_rows.append(f"| {task} | {arm} | {lr:g} | {seed} | {' / '.join(at)} | {tail} | "
+                                          f"{r['source']} |")
+            lines.append(f"- {task} / {arm} (start {st['start']:g}): {', '.join(cells)}; {st['why']}")
+    return lines + pilot_rows
+
+
