@@ -213,6 +213,64 @@ def warp_bootstrap(f_arm, arm_curves, f_mezo, mezo_curves, total: float | None =
                 extrapolated=float(((r["how"] == 1) | (r["how"] == 2)).any(1).mean()))
 
 
+def reach(f, y, targets) -> np.ndarray:
+    """For each row r of y (mean log-loss curves on forwards f) and each target t[r, p], the forwards at which curve r
+    first reaches t[r, p], linear in log loss between its evaluation points, and +inf where it never does within f:
+    nothing is extrapolated (issue 57)."""
+    f = np.asarray(f, dtype=float)
+    y = np.atleast_2d(np.asarray(y, dtype=float))
+    t = np.asarray(targets, dtype=float).reshape(y.shape[0], -1)
+    below = y[:, None, :] <= t[:, :, None]
+    hit, j = below.any(-1), below.argmax(-1)
+    jm = np.maximum(j - 1, 0)
+    y_lo, y_hi = np.take_along_axis(y, jm, 1), np.take_along_axis(y, j, 1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        frac = np.where(y_lo > y_hi, (y_lo - t) / (y_lo - y_hi), 0.0)
+    out = np.where(j == 0, f[0], f[jm] + frac * (f[j] - f[jm]))
+    return np.where(hit, out, np.inf)
+
+
+def warp_interpolated_from_means(f_arm, y_arm, f_mezo, y_mezo, grid) -> np.ndarray:
+    """The time-warp factor that never extrapolates (issue 57), per row pair of mean curves: for each F of `grid`
+    (points of MeZO's curve), MeZO's mean log loss at F is the target and the arm's mean curve's first forwards to
+    it (`reach`) over F is the point's factor; the factor is their geometric mean. A point whose target is at or
+    above the arm's starting loss (MeZO has not improved there: every arm reaches it at 0 forwards) says nothing and
+    is left out; an arm that never reaches a target within its own forwards has factor +inf there, and so does a
+    non-finite MeZO target (a diverged seed). nan when no point is left."""
+    f_mezo = np.asarray(f_mezo, dtype=float)
+    grid = np.asarray(grid, dtype=float)
+    y_arm = np.atleast_2d(np.asarray(y_arm, dtype=float))
+    idx = [int(np.flatnonzero(np.isclose(f_mezo, g))[0]) for g in grid]
+    targets = np.atleast_2d(y_mezo)[:, idx]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        k = reach(f_arm, y_arm, targets) / grid[None, :]
+        k = np.where(np.isfinite(targets), k, np.inf)
+        k = np.where(np.isfinite(targets) & (targets >= y_arm[:, :1]), np.nan, k)
+        return np.exp(np.nanmean(np.log(k), 1)) if k.size else np.full(len(y_arm), np.nan)
+
+
+def warp_interpolated(f_arm, arm_curves, f_mezo, mezo_curves, grid, resamples: int = RESAMPLES,
+                      seed: int = RNG_SEED, level: float = 0.95) -> dict:
+    """`warp_interpolated_from_means` of the seeds' mean curves, with its percentile bootstrap interval (both arms'
+    seeds resampled, as `warp_bootstrap`; nan counts as +inf). `reached`: the grid points the arm's mean curve
+    reaches; a factor with none reached is refused (None)."""
+    arm_curves, mezo_curves = np.asarray(arm_curves, dtype=float), np.asarray(mezo_curves, dtype=float)
+    arm_mean, mezo_mean = mean_curve(arm_curves)[None], mean_curve(mezo_curves)[None]
+    f_mezo_arr = np.asarray(f_mezo, dtype=float)
+    idx = [int(np.flatnonzero(np.isclose(f_mezo_arr, g))[0]) for g in grid]
+    targets = mezo_mean[:, idx]
+    informative = ~(np.isfinite(targets) & (targets >= arm_mean[:, :1]))
+    reached = int((np.isfinite(reach(f_arm, arm_mean, targets)) & informative).sum())
+    rng = np.random.default_rng(seed)
+    ia = rng.integers(0, len(arm_curves), (resamples, len(arm_curves)))
+    im = rng.integers(0, len(mezo_curves), (resamples, len(mezo_curves)))
+    boot = warp_interpolated_from_means(f_arm, arm_curves[ia].mean(1), f_mezo, mezo_curves[im].mean(1), grid)
+    low, high = percentile(boot, [50 * (1 - level), 50 * (1 + level)])
+    factor = float(warp_interpolated_from_means(f_arm, arm_mean, f_mezo, mezo_mean, grid)[0])
+    return dict(factor=factor if reached else None, low=float(low), high=float(high), reached=reached,
+                points=int(informative.sum()))
+
+
 def percentile(values, q) -> np.ndarray:
     """np.percentile that keeps +-inf (numpy's interpolation turns inf - inf into nan): infinities are replaced by
     +-1e300 for the interpolation and restored after; nan counts as +inf."""

@@ -1,0 +1,270 @@
+"""Issue 57's protocol at a horizon and on noise: the normalised step with `learning_rate: auto` and each schedule,
+the control `running_rms`, MeZO, plain RLOO-8 and the preset as it was (a fixed eta), on clean and noisy labels.
+
+    nice -n 19 python -m experiments.horizon --config small --work      # a worker: runs what the plan lists, cached
+    nice -n 19 python -m experiments.horizon --config smollm --work     # SmolLM2-135M at 2,000 forwards
+    python -m experiments.horizon --config small --plan                 # the runs still missing
+    python -m experiments.horizon --config small --report               # the tables, from the cached runs
+    python -m experiments.horizon --config ci --work --out /tmp/x       # the test's: a tiny model, 32 forwards
+
+Configs: `small` is experiments/pipeline.py's pre-trained model (about 1M parameters, 3000 steps of pre-training, as
+experiments/calibrate.py) on `sentiment`, 16,000 forwards, the full dev set every 800; `smollm` is SmolLM2-135M
+(experiments/smollm.py) on `sentiment`, `topic` and `sentiment` with 20% of its train labels flipped (dev and test
+clean), 2,000 forwards, the full dev set every 200. Each run is one row of ARMS at its rate (RATES: the rates the
+400-forward protocol's rule chose on SmolLM2; on the small model MeZO's calibrated 1e-4 and RLOO-8 at 4x it) and
+one seed; `auto` arms choose their own rate (algo/rate.py). Every run goes through experiments/core.py's
+`run_curve` and is cached in --out/runs/<hash of its settings>.json; a worker claims a run with an flock in
+--out/.claims/, so one worker per core shares the queue.
+
+The report compares each arm with MeZO per task and variant, by verdict.py's metrics: the tail mean log dev loss
+(Welch 95%), the time-warp factor that never extrapolates (`verdict.warp_interpolated`, F over the last half of the
+horizon on the evaluation grid, bootstrap 95%) beside the old one (refused where every point is extrapolated or
+capped), and the test accuracy difference (Welch 95%). The decision rule (issue 57, item 5): upper bound of the
+non-extrapolated factor <= 0.75 and the test accuracy difference's lower bound >= -0.01, on every SmolLM2 task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import math
+import os
+import tempfile
+
+import numpy as np
+
+from experiments import verdict as V
+from experiments.core import Log, cached, digest, every, record_run, run_curve
+from experiments.stats import mean_sd
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RLOO8 = dict(method="mezo", difference="rloo", num_directions=8)
+STD_AUTO = dict(RLOO8, step_normalization="loss_std", learning_rate="auto")
+ARMS = {  # one row of config keys each (the rate of the rows without `learning_rate` comes from RATES)
+    "mezo": dict(method="mezo"),
+    "rloo-8": dict(RLOO8),
+    "std-auto-plateau": dict(STD_AUTO, lr_scheduler_type="plateau"),
+    "rms-auto-plateau": dict(method="mezo", step_normalization="running_rms", learning_rate="auto",
+                             lr_scheduler_type="plateau"),
+    "std-auto-constant": dict(STD_AUTO),
+    "std-auto-linear": dict(STD_AUTO, lr_scheduler_type="linear"),
+    "preset-fixed": dict(RLOO8, step_normalization="loss_std", learning_rate=5.66e-3),  # configs/ as of issue 47
+}
+RATES = {"small": {"mezo": 1e-4, "rloo-8": 4e-4},
+         "smollm": {"mezo": {"sentiment": 1.41e-4, "topic": 7.07e-5}, "rloo-8": {"sentiment": 8e-4, "topic": 4e-4}},
+         "ci": {"mezo": 1e-3, "rloo-8": 4e-3}}
+NOISY = {"label_noise": 0.2}
+CONFIGS = {
+    "small": dict(model="pipeline", cells=[("sentiment", "clean"), ("sentiment", "noisy")], horizon=16000,
+                  eval_every=800, seeds=list(range(8)), first_seeds=4,
+                  arms=["mezo", "std-auto-plateau", "rms-auto-plateau", "rloo-8", "std-auto-constant",
+                        "std-auto-linear", "preset-fixed"]),
+    "smollm": dict(model="smollm", cells=[("sentiment", "noisy"), ("sentiment", "clean"), ("topic", "clean")],
+                   horizon=2000, eval_every=200, seeds=list(range(3, 7)), first_seeds=2,
+                   arms=["mezo", "std-auto-plateau", "rms-auto-plateau", "preset-fixed"]),
+    "ci": dict(model="tiny", cells=[("sentiment", "clean"), ("sentiment", "noisy")], horizon=32, eval_every=16,
+               seeds=[0, 1], first_seeds=2, arms=["mezo", "std-auto-plateau", "rms-auto-plateau"]),
+}
+
+
+def rate_of(config: str, arm: str, task: str) -> float | None:
+    """An arm's rate, or None where the row sets its own (`auto`, the preset's)."""
+    if "learning_rate" in ARMS[arm]:
+        return None
+    rate = RATES[config][arm]
+    return rate[task] if isinstance(rate, dict) else rate
+
+
+def settings_of(config: str, model: str, task: str, variant: str, arm: str, seed: int) -> dict:
+    plan = CONFIGS[config]
+    return dict(protocol="horizon", config=config, model=os.path.basename(os.path.normpath(model)), task=task,
+                variant=variant, arm=arm, spec=ARMS[arm], lr=rate_of(config, arm, task), seed=seed,
+                horizon=plan["horizon"], eval_every=plan["eval_every"])
+
+
+def plan_runs(config: str) -> list[tuple[str, str, str, int]]:
+    """(task, variant, arm, seed) in the order the workers take them: the first seeds of every cell and arm, then
+    the rest, so that an interrupted protocol has every arm on every cell."""
+    plan = CONFIGS[config]
+    first, rest = plan["seeds"][:plan["first_seeds"]], plan["seeds"][plan["first_seeds"]:]
+    return [(task, variant, arm, seed) for seeds in (first, rest) for task, variant in plan["cells"]
+            for arm in plan["arms"] for seed in seeds]
+
+
+class Setup:
+    """The model directory and the task directories of a config, made once per worker."""
+
+    def __init__(self, config: str, cache: str, model: str | None, tmp: str, log: Log):
+        self.config, self.tmp = config, tmp
+        if config == "smollm":
+            from experiments import smollm
+
+            self.model = model or smollm.convert(smollm.fetch_gguf(cache, log), cache, log)
+            self.write, self.base = (lambda task: smollm.write_task(tmp, task)), smollm.base_config
+        else:
+            from experiments import language, pipeline
+
+            self.model = model or pipeline.pretrain(cache, 3000 if config == "small" else 10, log)
+            sizes = (pipeline.DATA["num_train"], pipeline.DATA["num_dev"], pipeline.DATA["num_test"])
+            self.write = lambda task: language.write_task(tmp, task, 0, *sizes)
+            self.base = pipeline.base_config
+        self.tasks: dict[str, str] = {}
+
+    def task_dir(self, task: str) -> str:
+        if task not in self.tasks:
+            self.tasks[task] = self.write(task)
+        return self.tasks[task]
+
+
+def one_run(setup: Setup, out: str, task: str, variant: str, arm: str, seed: int, log: Log) -> dict:
+    config = setup.config
+    plan = CONFIGS[config]
+    settings = settings_of(config, setup.model, task, variant, arm, seed)
+    path, done = cached(out, settings)
+    if done is not None:
+        return done
+    base = setup.base(setup.model, setup.task_dir(task), settings["lr"] or 1e-3, seed, 1)
+    result = record_run(path, settings, lambda: run_curve(
+        base, ARMS[arm], every(plan["eval_every"], plan["horizon"]), variant=NOISY if variant == "noisy" else None,
+        name=arm))
+    last = result["curve"][-1]
+    log(f"{task}/{variant} {arm} seed {seed}: dev loss {last.get('loss')}, test {result['test'].get('accuracy')} "
+        f"({result['seconds']:.0f}s)")
+    return result
+
+
+def work(config: str, out: str, cache: str, model: str | None, log: Log) -> None:
+    """Run what the plan lists and no other worker holds, one at a time, until nothing is left."""
+    import torch
+
+    torch.set_num_threads(1)
+    os.makedirs(os.path.join(out, ".claims"), exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="horizon-") as tmp:
+        setup = Setup(config, cache, model, tmp, log)
+        for task, variant, arm, seed in plan_runs(config):
+            settings = settings_of(config, setup.model, task, variant, arm, seed)
+            if cached(out, settings)[1] is not None:
+                continue
+            with open(os.path.join(out, ".claims", digest(settings)), "w") as claim:
+                try:
+                    fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # another worker runs it
+                if cached(out, settings)[1] is None:
+                    one_run(setup, out, task, variant, arm, seed, log)
+
+
+# ------------------------------------------------------------------------------------------------------ the report
+def load_runs(out: str, config: str) -> dict:
+    """{(task, variant, arm): [runs by seed]} of the cached runs of `config`."""
+    import json
+
+    runs: dict = {}
+    folder = os.path.join(out, "runs")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        with open(os.path.join(folder, name)) as f:
+            run = json.load(f)
+        s = run["settings"]
+        if s.get("protocol") == "horizon" and s["config"] == config:
+            runs.setdefault((s["task"], s["variant"], s["arm"]), []).append(run)
+    return {k: sorted(v, key=lambda r: r["settings"]["seed"]) for k, v in runs.items()}
+
+
+def curves(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    f = np.array([p["forwards"] for p in max((r["curve"] for r in runs), key=len)], dtype=float)
+    return f, np.array([V.log_losses([p.get("loss") for p in r["curve"]], len(f)) for r in runs])
+
+
+def diverged(run: dict) -> bool:
+    first, last = run["curve"][0].get("loss"), run["curve"][-1].get("loss")
+    return last is None or not math.isfinite(last) or (first is not None and last > first)
+
+
+def compare(arm_runs: list[dict], mezo_runs: list[dict], horizon: int, eval_every: int) -> dict:
+    fa, ya = curves(arm_runs)
+    fm, ym = curves(mezo_runs)
+    grid = [f for f in range(horizon // 2, horizon + 1, eval_every)]
+    tails = [V.tail_mean(fa, [p.get("loss") for p in r["curve"]], horizon) for r in arm_runs]
+    mezo_tails = [V.tail_mean(fm, [p.get("loss") for p in r["curve"]], horizon) for r in mezo_runs]
+    old = V.warp(fa, ya, fm, ym, horizon)
+    how = V.warp_from_means(fa, V.mean_curve(ya)[None], fm, V.mean_curve(ym)[None], horizon)["how"][0]
+    acc = [r["test"].get("accuracy") for r in arm_runs]
+    mezo_acc = [r["test"].get("accuracy") for r in mezo_runs]
+    return dict(tail=V.welch(tails, mezo_tails), warp=V.warp_interpolated(fa, ya, fm, ym, grid),
+                old=None if ((how == 1) | (how == 2)).all() else old["factor"],
+                old_extrapolated=old["extrapolated"], test=V.welch(acc, mezo_acc),
+                final=mean_sd([r["curve"][-1].get("loss") for r in arm_runs]),
+                diverged=sum(diverged(r) for r in arm_runs), seeds=len(arm_runs))
+
+
+def interval(d: dict, fmt: str = "{:+.3f}") -> str:
+    if not math.isfinite(d["diff"]):
+        return f"{d['diff']}"
+    return fmt.format(d["diff"]) + (f" [{fmt.format(d['low'])}, {fmt.format(d['high'])}]"
+                                    if math.isfinite(d["low"]) else "")
+
+
+def report(out: str, config: str) -> list[str]:
+    plan = CONFIGS[config]
+    runs = load_runs(out, config)
+    lines = [f"### Horizon protocol, config `{config}` ({plan['horizon']} forwards, dev every {plan['eval_every']})",
+             ""]
+    for task, variant in plan["cells"]:
+        mezo = runs.get((task, variant, "mezo"), [])
+        lines += [f"**{task}, {variant}** (MeZO: {len(mezo)} seeds)", "",
+                  "| arm | seeds | diverged | final dev loss | tail mean log dev loss - MeZO's | time-warp, not "
+                  "extrapolated (reached/points) | old time-warp | test accuracy - MeZO's | rule |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for arm in plan["arms"]:
+            mine = runs.get((task, variant, arm), [])
+            if not mine or arm == "mezo" and len(mine) < 2 or not mezo:
+                lines.append(f"| {arm} | {len(mine)} | | | | | | | |")
+                continue
+            c = compare(mine, mezo, plan["horizon"], plan["eval_every"])
+            w = c["warp"]
+            warp = ("refused (no point reached)" if w["factor"] is None else
+                    f"x{w['factor']:.2f} [{w['low']:.2f}, {w['high']:.2f}] ({w['reached']}/{w['points']})")
+            old = "refused (every point extrapolated or capped)" if c["old"] is None else f"x{c['old']:.2f}" + (
+                " (extrapolated)" if c["old_extrapolated"] else "")
+            ok = (w["factor"] is not None and w["high"] <= V.THRESHOLD and math.isfinite(c["test"]["low"])
+                  and c["test"]["low"] >= -0.01)
+            lines.append(f"| {arm} | {c['seeds']} | {c['diverged']} | {c['final']} | {interval(c['tail'], '{:+.2f}')}"
+                         f" | {warp} | {old} | {interval(c['test'])} | {'passes' if ok else 'no'} |")
+        lines.append("")
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=list(CONFIGS), default="small")
+    parser.add_argument("--out", help="default: experiments/results/horizon-<config>")
+    parser.add_argument("--cache", help="where the model is kept (default: ~/.cache/curvzo_ds/pipeline or "
+                                        "real_model)")
+    parser.add_argument("--model", help="a model directory instead (the test's tiny Llama)")
+    stage = parser.add_mutually_exclusive_group(required=True)
+    stage.add_argument("--work", action="store_true")
+    stage.add_argument("--plan", action="store_true")
+    stage.add_argument("--report", action="store_true")
+    args = parser.parse_args(argv)
+    out = args.out or os.path.join(HERE, "results", f"horizon-{args.config}")
+    cache = args.cache or os.path.expanduser("~/.cache/curvzo_ds/" + ("real_model" if args.config == "smollm"
+                                                                      else "pipeline"))
+    os.makedirs(out, exist_ok=True)
+    os.makedirs(cache, exist_ok=True)
+    log = Log(os.path.join(out, "progress.log"))
+    if args.work:
+        work(args.config, out, cache, args.model, log)
+    if args.plan:
+        done = load_runs(out, args.config)
+        missing = [r for r in plan_runs(args.config)
+                   if r[3] not in [x["settings"]["seed"] for x in done.get(r[:3], [])]]
+        print("\n".join(" ".join(map(str, r)) for r in missing) or "nothing missing")
+    if args.report or args.work:
+        lines = report(out, args.config)
+        with open(os.path.join(out, "table.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
