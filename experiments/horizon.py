@@ -62,7 +62,7 @@ CONFIGS = {
     "smollm": dict(model="smollm", cells=[("sentiment", "noisy"), ("sentiment", "clean"), ("topic", "clean")],
                    horizon=2000, eval_every=200, seeds=list(range(3, 7)), first_seeds=2,
                    arms=["mezo", "std-auto-plateau", "rms-auto-plateau", "preset-fixed"]),
-    "ci": dict(model="tiny", cells=[("sentiment", "clean"), ("sentiment", "noisy")], horizon=32, eval_every=16,
+    "ci": dict(model="tiny", cells=[("sentiment", "noisy")], horizon=32, eval_every=16,
                seeds=[0, 1], first_seeds=2, arms=["mezo", "std-auto-plateau", "rms-auto-plateau"]),
 }
 

@@ -268,3 +268,27 @@ def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
     assert rows[0].endswith(f"| pending (1 and MeZO's {len(seeds)} of {len(seeds)} seeds) |"), rows
     P.main(["--plan", *common])
     assert "still to run (fresh): none" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_horizon_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
+    """experiments/horizon.py --work and --report at its `ci` config (32 forwards, the noisy cell, MeZO and the two
+    auto arms with the plateau schedule, 2 seeds): every planned run is cached with its curve, an auto arm's chosen
+    rate is recorded at each evaluation point, and the report has a row per arm against MeZO."""
+    from experiments import horizon as H
+
+    out = tmp_path / "h"
+    threads = torch.get_num_threads()
+    try:
+        H.main(["--config", "ci", "--work", "--model", tiny_model, "--out", str(out), "--cache", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    runs = H.load_runs(str(out), "ci")
+    assert sorted(runs) == sorted(("sentiment", "noisy", arm) for arm in H.CONFIGS["ci"]["arms"])
+    assert all(len(v) == 2 for v in runs.values())
+    auto = runs[("sentiment", "noisy", "std-auto-plateau")][0]
+    assert [c["forwards"] for c in auto["curve"]] == [0, 16, 32] and auto["curve"][-1]["learning_rate"] > 0
+    text = capsys.readouterr().out
+    assert "| std-auto-plateau | 2 |" in text and "| rms-auto-plateau | 2 |" in text
+    H.main(["--config", "ci", "--plan", "--out", str(out)])
+    assert "nothing missing" in capsys.readouterr().out

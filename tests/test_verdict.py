@@ -136,3 +136,22 @@ def test_the_dev_subset_is_fixed():
     idx = V.dev_subset(256)
     assert idx == V.dev_subset(256) == sorted(idx) and len(set(idx)) == 64 and max(idx) < 256
     assert V.dev_subset(10) == list(range(10))
+
+
+def test_the_time_warp_that_never_extrapolates_reads_a_known_warp():
+    """Issue 57's factor: MeZO's log loss falls linearly in forwards; an arm whose curve is MeZO's at twice the
+    forwards reaches each of MeZO's targets at half the forwards (0.5, exactly: both curves are linear between their
+    points); MeZO against itself is 1; an arm that stops improving never reaches the late targets (+inf), and one
+    that reaches none is refused. Nothing past the arm's own last point is read."""
+    f = np.arange(0, 401, 40, dtype=float)
+    mezo = np.tile(-f / 400, (3, 1))  # log loss from 0 to -1
+    grid = list(range(200, 401, 40))
+    fast = np.tile(-np.minimum(2 * f / 400, 2.0), (3, 1))
+    assert V.warp_interpolated(f, fast, f, mezo, grid, resamples=50)["factor"] == pytest.approx(0.5)
+    same = V.warp_interpolated(f, mezo, f, mezo, grid, resamples=50)
+    assert same["factor"] == pytest.approx(1.0) and same["reached"] == same["points"] == 6
+    stalls = np.tile(-np.minimum(f / 400, 0.6), (3, 1))  # reaches MeZO's -0.5 and -0.6, never -0.7 and below
+    r = V.warp_interpolated(f, stalls, f, mezo, grid, resamples=50)
+    assert r["factor"] == math.inf and r["reached"] == 2 and r["high"] == math.inf
+    flat = np.zeros((3, len(f)))
+    assert V.warp_interpolated(f, flat, f, mezo, grid, resamples=50)["factor"] is None
