@@ -61,7 +61,7 @@ CONFIGS = {
                         "std-auto-linear", "preset-fixed"]),
     "smollm": dict(model="smollm", cells=[("sentiment", "noisy"), ("sentiment", "clean"), ("topic", "clean")],
                    horizon=2000, eval_every=200, seeds=list(range(3, 7)), first_seeds=2,
-                   arms=["mezo", "std-auto-plateau", "rms-auto-plateau", "preset-fixed"]),
+                   arms=["mezo", "preset-fixed", "std-auto-plateau", "rms-auto-plateau"]),
     "ci": dict(model="tiny", cells=[("sentiment", "noisy")], horizon=32, eval_every=16,
                seeds=[0, 1], first_seeds=2, arms=["mezo", "std-auto-plateau", "rms-auto-plateau"]),
 }
@@ -76,19 +76,22 @@ def rate_of(config: str, arm: str, task: str) -> float | None:
 
 
 def settings_of(config: str, model: str, task: str, variant: str, arm: str, seed: int) -> dict:
+    from curvzo_ds.algo.rate import AUTO_WALK_FRACTION
+
     plan = CONFIGS[config]
+    auto = dict(auto_fraction=AUTO_WALK_FRACTION) if ARMS[arm].get("learning_rate") == "auto" else {}
     return dict(protocol="horizon", config=config, model=os.path.basename(os.path.normpath(model)), task=task,
                 variant=variant, arm=arm, spec=ARMS[arm], lr=rate_of(config, arm, task), seed=seed,
-                horizon=plan["horizon"], eval_every=plan["eval_every"])
+                horizon=plan["horizon"], eval_every=plan["eval_every"], **auto)
 
 
 def plan_runs(config: str) -> list[tuple[str, str, str, int]]:
-    """(task, variant, arm, seed) in the order the workers take them: the first seeds of every cell and arm, then
-    the rest, so that an interrupted protocol has every arm on every cell."""
+    """(task, variant, arm, seed) in the order the workers take them: the first seeds of every arm and cell, then
+    the rest, so that an interrupted protocol has every arm on every cell; arm by arm in the order of `arms`."""
     plan = CONFIGS[config]
     first, rest = plan["seeds"][:plan["first_seeds"]], plan["seeds"][plan["first_seeds"]:]
-    return [(task, variant, arm, seed) for seeds in (first, rest) for task, variant in plan["cells"]
-            for arm in plan["arms"] for seed in seeds]
+    return [(task, variant, arm, seed) for seeds in (first, rest) for arm in plan["arms"]
+            for task, variant in plan["cells"] for seed in seeds]
 
 
 class Setup:
