@@ -50,7 +50,9 @@ ARMS = {  # one row of config keys each (the rate of the rows without `learning_
     "std-auto-linear": dict(STD_AUTO, lr_scheduler_type="linear"),
     "preset-fixed": dict(RLOO8, step_normalization="loss_std", learning_rate=5.66e-3),  # configs/ as of issue 47
 }
-RATES = {"small": {"mezo": 1e-4, "rloo-8": 4e-4},
+RHOS = (0.02, 0.04, 0.08, 0.16, 0.32)  # auto_walk_fraction's lattice (x2) on the small model
+ARMS.update({f"std-rho-{rho:g}": dict(STD_AUTO, auto_walk_fraction=rho) for rho in RHOS})
+RATES = {"small": {"mezo": 1e-4, "rloo-8": 4e-4}, "small-rho": {}, "small-rho-400": {"mezo": 1e-4},
          "smollm": {"mezo": {"sentiment": 1.41e-4, "topic": 7.07e-5}, "rloo-8": {"sentiment": 8e-4, "topic": 4e-4}},
          "ci": {"mezo": 1e-3, "rloo-8": 4e-3}}
 NOISY = {"label_noise": 0.2}
@@ -59,6 +61,12 @@ CONFIGS = {
                   eval_every=800, seeds=list(range(8)), first_seeds=4,
                   arms=["mezo", "std-auto-plateau", "rms-auto-plateau", "rloo-8", "std-auto-constant",
                         "std-auto-linear", "preset-fixed"]),
+    # rho's calibration on the small model: loss_std at a constant auto rate over auto_walk_fraction's lattice, at
+    # issue 47's horizon (400 forwards) and at 16,000: does the best rho stay where SmolLM2's lattice put it?
+    "small-rho": dict(model="pipeline", cells=[("sentiment", "clean")], horizon=16000, eval_every=800, seeds=[0, 1],
+                      first_seeds=2, arms=[f"std-rho-{rho:g}" for rho in RHOS]),
+    "small-rho-400": dict(model="pipeline", cells=[("sentiment", "clean")], horizon=400, eval_every=40,
+                          seeds=[0, 1, 2], first_seeds=3, arms=["mezo"] + [f"std-rho-{rho:g}" for rho in RHOS]),
     "smollm": dict(model="smollm", cells=[("sentiment", "noisy"), ("sentiment", "clean"), ("topic", "clean")],
                    horizon=2000, eval_every=200, seeds=list(range(3, 7)), first_seeds=2,
                    arms=["mezo", "preset-fixed", "std-auto-plateau", "rms-auto-plateau"]),
@@ -79,7 +87,8 @@ def settings_of(config: str, model: str, task: str, variant: str, arm: str, seed
     from curvzo_ds.algo.rate import AUTO_WALK_FRACTION
 
     plan = CONFIGS[config]
-    auto = dict(auto_fraction=AUTO_WALK_FRACTION) if ARMS[arm].get("learning_rate") == "auto" else {}
+    auto = dict(auto_fraction=ARMS[arm].get("auto_walk_fraction", AUTO_WALK_FRACTION)
+                ) if ARMS[arm].get("learning_rate") == "auto" else {}
     return dict(protocol="horizon", config=config, model=os.path.basename(os.path.normpath(model)), task=task,
                 variant=variant, arm=arm, spec=ARMS[arm], lr=rate_of(config, arm, task), seed=seed,
                 horizon=plan["horizon"], eval_every=plan["eval_every"], **auto)
@@ -107,7 +116,7 @@ class Setup:
         else:
             from experiments import language, pipeline
 
-            self.model = model or pipeline.pretrain(cache, 3000 if config == "small" else 10, log)
+            self.model = model or pipeline.pretrain(cache, 10 if config == "ci" else 3000, log)
             sizes = (pipeline.DATA["num_train"], pipeline.DATA["num_dev"], pipeline.DATA["num_test"])
             self.write = lambda task: language.write_task(tmp, task, 0, *sizes)
             self.base = pipeline.base_config

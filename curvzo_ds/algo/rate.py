@@ -24,9 +24,10 @@ class Schedule(str, enum.Enum):
 
 AUTO = "auto"
 # learning_rate: auto holds the per-coordinate random walk of the whole horizon at this fraction of the trainable
-# weights' root mean square. 0.08: issue 47's lattice chose eta = 5.66e-3 for 50 steps of q = 8 on SmolLM2-135M
-# (weights' RMS 0.183) on both of its tasks, which is 0.083; docs/algorithm.md and experiments/RESULTS.md ("The
-# horizon protocol") have its check on experiments/pipeline.py's model and at other horizons.
+# weights' root mean square (the default of the `auto_walk_fraction` key). 0.08: issue 47's lattice chose
+# eta = 5.66e-3 for 50 steps of q = 8 on SmolLM2-135M (weights' RMS 0.183) on both of its tasks, which is 0.083;
+# docs/algorithm.md and experiments/RESULTS.md ("The horizon protocol") have its check on experiments/pipeline.py's
+# model and at other horizons.
 AUTO_WALK_FRACTION = 0.08
 
 

@@ -106,6 +106,8 @@ class ZOConfig:
     lr_scheduler_type: str = key("constant", "constant, linear (decay to 0 at max_steps) or plateau (the rate times "
                                              "plateau_factor after plateau_patience evaluations without a lower dev "
                                              "loss; needs eval_steps > 0)")
+    auto_walk_fraction: float = key(0.08, "learning_rate auto: rho, the per-coordinate walk of the whole horizon as a "
+                                          "fraction of the trainable weights' RMS (docs/algorithm.md)")
     plateau_factor: float = key(0.5, "lr_scheduler_type=plateau: the rate's factor at each plateau, in (0, 1)")
     plateau_patience: int = key(3, "lr_scheduler_type=plateau: dev evaluations without a lower dev loss before a cut")
     max_steps: int = key(0, "the horizon of a linear schedule and of learning_rate auto (0: none); the CLI trains "
@@ -174,6 +176,7 @@ class ZOConfig:
         need(_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a number >= 0")
         need(self.lr_scheduler_type in SCHEDULES, "lr_scheduler_type", ", ".join(SCHEDULES))
         need(_finite(self.plateau_factor) and 0 < self.plateau_factor < 1, "plateau_factor", "a number in (0, 1)")
+        need(_finite(self.auto_walk_fraction) and self.auto_walk_fraction > 0, "auto_walk_fraction", "a number > 0")
         need(_posint(self.plateau_patience), "plateau_patience", "an integer >= 1")
         if self.lr_scheduler_type == "linear" and self.max_steps == 0:
             raise ConfigError("lr_scheduler_type=linear needs max_steps > 0, the step at which the learning rate "

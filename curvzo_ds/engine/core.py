@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from curvzo_ds.algo.differences import Estimate, FiniteDifference
-from curvzo_ds.algo.rate import AUTO_WALK_FRACTION, Rate, auto_rate
+from curvzo_ds.algo.rate import Rate, auto_rate
 from curvzo_ds.algo.sampling import CurvZOSampler, StepPlan
 from curvzo_ds.config.resolve import engine_config
 from curvzo_ds.config.schema import ZOConfig
@@ -172,9 +172,9 @@ class ZOEngine(EngineState):
         tensors (collective), and the horizon max_steps give eta. Called by the first step; recorded in the state."""
         cfg = self.cfg
         rms = weights_rms(self.entries, self.topology.job)
-        eta = auto_rate(rms, cfg.step_normalization, cfg.num_directions, cfg.max_steps)
+        eta = auto_rate(rms, cfg.step_normalization, cfg.num_directions, cfg.max_steps, cfg.auto_walk_fraction)
         self.rate.choose(eta, f"the per-coordinate walk of max_steps={cfg.max_steps} steps held to "
-                              f"{AUTO_WALK_FRACTION:g} of the trainable weights' RMS {rms:.4g} "
+                              f"auto_walk_fraction={cfg.auto_walk_fraction:g} of the trainable weights' RMS {rms:.4g} "
                               f"({cfg.step_normalization}, num_directions={cfg.num_directions})")
         return eta
 
