@@ -50,10 +50,14 @@ ARMS = {  # one row of config keys each (the rate of the rows without `learning_
     "std-auto-linear": dict(STD_AUTO, lr_scheduler_type="linear"),
     "preset-fixed": dict(RLOO8, step_normalization="loss_std", learning_rate=5.66e-3),  # configs/ as of issue 47
 }
+ARMS.update({"mezo-lora": dict(method="mezo", lora=True), "std-auto-plateau-lora": dict(ARMS["std-auto-plateau"],
+                                                                                         lora=True)})
 RHOS = (0.02, 0.04, 0.08, 0.16, 0.32)  # auto_walk_fraction's lattice (x2) on the small model
 ARMS.update({f"std-rho-{rho:g}": dict(STD_AUTO, auto_walk_fraction=rho) for rho in RHOS})
 RATES = {"small": {"mezo": 1e-4, "rloo-8": 4e-4}, "small-rho": {}, "small-rho-400": {"mezo": 1e-4},
-         "smollm": {"mezo": {"sentiment": 1.41e-4, "topic": 7.07e-5}, "rloo-8": {"sentiment": 8e-4, "topic": 4e-4}},
+         # mezo-lora: MeZO's LoRA rate (the CLI's preset 5e-5, MeZO's paper)
+         "smollm": {"mezo": {"sentiment": 1.41e-4, "topic": 7.07e-5}, "rloo-8": {"sentiment": 8e-4, "topic": 4e-4},
+                    "mezo-lora": 5e-5},
          "ci": {"mezo": 1e-3, "rloo-8": 4e-3}}
 NOISY = {"label_noise": 0.2}
 CONFIGS = {
@@ -69,7 +73,9 @@ CONFIGS = {
                           seeds=[0, 1, 2], first_seeds=3, arms=["mezo"] + [f"std-rho-{rho:g}" for rho in RHOS]),
     "smollm": dict(model="smollm", cells=[("sentiment", "noisy"), ("sentiment", "clean"), ("topic", "clean")],
                    horizon=2000, eval_every=200, seeds=list(range(3, 7)), first_seeds=2,
-                   arms=["mezo", "preset-fixed", "std-auto-plateau", "rms-auto-plateau"]),
+                   arms=["mezo", "preset-fixed", "std-auto-plateau", "rms-auto-plateau"],
+                   lora_cell=("sentiment", "clean"), lora_arms=["mezo-lora", "std-auto-plateau-lora"],
+                   lora_seeds=[3, 4, 5]),
     "ci": dict(model="tiny", cells=[("sentiment", "noisy")], horizon=32, eval_every=16,
                seeds=[0, 1], first_seeds=2, arms=["mezo", "std-auto-plateau", "rms-auto-plateau"]),
 }
@@ -99,8 +105,11 @@ def plan_runs(config: str) -> list[tuple[str, str, str, int]]:
     the rest, so that an interrupted protocol has every arm on every cell; arm by arm in the order of `arms`."""
     plan = CONFIGS[config]
     first, rest = plan["seeds"][:plan["first_seeds"]], plan["seeds"][plan["first_seeds"]:]
-    return [(task, variant, arm, seed) for seeds in (first, rest) for arm in plan["arms"]
+    runs = [(task, variant, arm, seed) for seeds in (first, rest) for arm in plan["arms"]
             for task, variant in plan["cells"] for seed in seeds]
+    if "lora_cell" in plan:  # the LoRA cell: one task, MeZO against the auto normalised step
+        runs += [(*plan["lora_cell"], arm, seed) for arm in plan["lora_arms"] for seed in plan["lora_seeds"]]
+    return runs
 
 
 class Setup:
@@ -221,15 +230,18 @@ def report(out: str, config: str) -> list[str]:
     runs = load_runs(out, config)
     lines = [f"### Horizon protocol, config `{config}` ({plan['horizon']} forwards, dev every {plan['eval_every']})",
              ""]
-    for task, variant in plan["cells"]:
-        mezo = runs.get((task, variant, "mezo"), [])
-        lines += [f"**{task}, {variant}** (MeZO: {len(mezo)} seeds)", "",
+    sections = [(cell, plan["arms"], "mezo") for cell in plan["cells"]]
+    if "lora_cell" in plan:
+        sections.append((plan["lora_cell"], plan["lora_arms"], "mezo-lora"))
+    for (task, variant), arms, reference in sections:
+        mezo = runs.get((task, variant, reference), [])
+        lines += [f"**{task}, {variant}** ({reference}: {len(mezo)} seeds)", "",
                   "| arm | seeds | diverged | final dev loss | tail mean log dev loss - MeZO's | time-warp, not "
                   "extrapolated (reached/points) | old time-warp | test accuracy - MeZO's | rule |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        for arm in plan["arms"]:
+        for arm in arms:
             mine = runs.get((task, variant, arm), [])
-            if not mine or arm == "mezo" and len(mine) < 2 or not mezo:
+            if not mine or arm == reference or not mezo:
                 lines.append(f"| {arm} | {len(mine)} | | | | | | | |")
                 continue
             c = compare(mine, mezo, plan["horizon"], plan["eval_every"])
