@@ -67,6 +67,41 @@ def compare(plan: dict, runs: list[dict], mezo: list[dict]) -> dict:
                 pairs=V.forwards_to_final_summary(pairs))
 
 
+def no_extrapolation_lines(cache: Cache, tasks: list[str], arms: list[str]) -> list[str]:
+    """Issue 57's reading of the same runs: the time-warp factor that never extrapolates (`verdict.warp_interpolated`,
+    F = MeZO's evaluation points in the last half of the forwards), over every seed and over the seeds that did not
+    diverge, and the test accuracy against MeZO's (Welch 95%)."""
+    plan = cache.plan
+    half = [x for x in range(plan["forwards"] // 2, plan["forwards"] + 1, plan["eval_every"])]
+    rows = []
+    for task in tasks:
+        _, mezo = fresh_runs(cache, task, "mezo")
+        for arm in [a for a in arms if a != "mezo"]:
+            _, runs = fresh_runs(cache, task, arm)
+            if not runs or not mezo:
+                continue
+            cells = []
+            for mine, theirs in ((runs, mezo), ([r for r in runs if not diverged(r)],
+                                                [r for r in mezo if not diverged(r)])):
+                f, y = subset_curves(mine, plan["forwards"])
+                fm, ym = subset_curves(theirs, plan["forwards"])
+                w = V.warp_interpolated(f, y, fm, ym, half)
+                cells.append(f"{len(mine)} vs {len(theirs)}: " + (
+                    "refused (no point reached)" if w["factor"] is None else
+                    f"{w['factor']:.2f} [{w['low']:.2f}, {w['high']:.2f}] ({w['reached']}/{w['points']})"))
+            acc = V.welch([r["test"]["accuracy"] for r in runs], [r["test"]["accuracy"] for r in mezo])
+            rows.append(f"| {task} | {arm} | {cells[0]} | {cells[1]} | {acc['diff']:+.3f} [{acc['low']:+.3f}, "
+                        f"{acc['high']:+.3f}] |")
+    if not rows:
+        return []
+    return ["The time-warp factor that never extrapolates (issue 57: for each F in the last half of the forwards, "
+            "MeZO's mean log dev loss at F, the forwards at which the arm's mean curve first reaches it; the "
+            "geometric mean of their ratios; bootstrap 95% over both arms' seeds; (points reached/points)) and the "
+            "test accuracy against MeZO's:", "",
+            "| task | arm | time-warp, every seed | time-warp, seeds that did not diverge | test accuracy − MeZO's, "
+            "Welch 95% |", "|---|---|---|---|---|", *rows]
+
+
 def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str | None) -> list[str]:
     plan, n = cache.plan, len(cache.plan["fresh_seeds"])
     null = null_summary(null_path)
@@ -129,6 +164,7 @@ def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str
                   "bound of the difference <= -0.1):", "",
                   "| task | rloo-8-std seeds | rloo-8 seeds | tail mean, rloo-8-std − rloo-8, Welch 95% | "
                   "at least 0.1 below? |", "|---|---|---|---|---|", *prediction]
+    lines += ["", *no_extrapolation_lines(cache, tasks, arms)]
     lines += ["", "Pilot grids (mean tail log dev loss over the pilot seeds; the full dev set):", ""]
     pilot_rows = ["", "Pilot runs (the full dev set):", "",
                   "| task | arm | rate | seed | dev loss at 0 / 200 / 400 forwards | tail mean log dev loss | from |",
