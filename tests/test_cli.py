@@ -200,6 +200,8 @@ def test_the_fewest_forwards_preset_file_trains_rloo8_with_loss_std(tmp_path):
     cfg = load_config(str(preset), ["model=facebook/opt-13b"], None)
     assert (cfg.method, cfg.difference, cfg.num_directions, cfg.step_normalization, cfg.learning_rate) == (
         "mezo", "rloo", 8, "loss_std", 5.66e-3)
+    # issue 57: the file states the horizon its constant eta was measured for, and its schedule
+    assert (cfg.max_steps, cfg.lr_scheduler_type) == (50, "constant")
     args = [a for a in COMMON if a != "method=curvzo"][1:]  # the file's method, not the tests' default
     run_checked([*CLI, "--config", str(preset), *args, "--set", "max_steps=2", "--set", f"output_dir={tmp_path}"])
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
