@@ -45,16 +45,16 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def rotate_checkpoints(output_dir: str, keep: int | None, protect: str | None = None) -> None:
-    """Keep the newest `keep` checkpoints, and never delete `protect` (the best-dev one)."""
+def rotate_checkpoints(output_dir: str, keep: int | None, protect: str | list | None = None) -> None:
+    """Keep the newest `keep` checkpoints, and never delete `protect` (the best-dev one; a list: each of them)."""
     if not keep:
         return
+    kept = {os.path.abspath(p) for p in ([protect] if isinstance(protect, str) else protect or []) if p}
     found = list_checkpoints(output_dir)
     doomed = found[:-keep] if len(found) > keep else []
     for _, path in doomed:
-        if protect and os.path.abspath(path) == os.path.abspath(protect):
-            continue
-        shutil.rmtree(path, ignore_errors=True)
+        if os.path.abspath(path) not in kept:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class CheckpointManager:
@@ -87,6 +87,7 @@ class CheckpointManager:
         self.write_extra = write_extra
         self.best: dict | None = None  # {"step", "metrics", "checkpoint": the saved one, protected from rotation}
         self.saved_step: int | None = None  # the step of the last save of this run
+        self.initial: str | None = None  # a run's checkpoint-0 (save_initial), kept until the run ends
 
     def path_for(self, step: int) -> str:
         return checkpoint_dir(self.output_dir, step)
@@ -134,7 +135,7 @@ class CheckpointManager:
         job = engine.topology.job
         if job.rank == 0:
             rotate_checkpoints(self.output_dir, self.save_total_limit,
-                               protect=self.best["checkpoint"] if self.best else None)
+                               protect=[self.best["checkpoint"] if self.best else None, self.initial])
             if mark_latest:
                 replace_atomic(os.path.join(self.output_dir, "latest"), os.path.basename(path))
         job.barrier()
@@ -142,6 +143,26 @@ class CheckpointManager:
         log.info("saved %s%s", path, " (the best evaluation so far)" if self.best and self.best["step"] == step
                  and self.metric else "")
         return path
+
+    def save_initial(self, engine) -> str:
+        """Collective: checkpoint-0, the weights a run starts from, for a divergence rollback to a step before any
+        other checkpoint (train/divergence.py). Kept from rotation while the run goes on (a resumed run finds it), and
+        removed when the run ends (`drop_initial`), so a finished run's checkpoints are as without it."""
+        self.initial = self.save(engine)
+        return self.initial
+
+    def keep_initial(self) -> None:
+        """A resumed run: the checkpoint-0 of its first start, if it is there, stays its fallback."""
+        path = self.path_for(0)
+        if os.path.isfile(os.path.join(path, "manifest.json")):
+            self.initial = path
+
+    def drop_initial(self, rank: int) -> None:
+        """The run ended: checkpoint-0 goes (rank 0), unless it is the best-dev checkpoint."""
+        best = self.best and self.best.get("checkpoint")
+        if rank == 0 and self.initial and not (best and os.path.abspath(best) == os.path.abspath(self.initial)):
+            shutil.rmtree(self.initial, ignore_errors=True)
+        self.initial = None
 
     def maybe_save(self, engine, last: bool = False) -> str | None:
         """Save when `save_steps` divides the step or at the `last` step, unless this step is saved already;

@@ -13,7 +13,7 @@ when
 the step of the lowest running mean and of the best dev loss) at half the rate, at most `max_rollbacks` times;
 `stop`, or a rollback beyond them, ends the run with exit code 4 (`Diverged`), its checkpoints intact. A fresh
 run with `rollback` saves checkpoint-0 first, so that a run that diverges before its first save has a checkpoint
-to return to.
+to return to; it is kept from rotation until the run ends, then removed.
 """
 
 from __future__ import annotations

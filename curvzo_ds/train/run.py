@@ -57,7 +57,9 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
                             start=engine.step_count, run_config=to_dict(cfg))
             if cfg.on_divergence == "rollback" and engine.step_count == 0:
                 engine.gather_persistent()  # before any forward: the regions a checkpoint reads
-                manager.save(engine)  # checkpoint-0: a run that diverges before its first save returns here
+                manager.save_initial(engine)  # checkpoint-0: a run that diverges early returns here
+            elif cfg.on_divergence == "rollback":
+                manager.keep_initial()  # a resumed run: its first start's checkpoint-0, if there
             try:
                 with record.progress():
                     train_loop(job, manager, record, clock, stop, watch)
@@ -70,6 +72,7 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
             digest = params_digest(engine.entries, job.topology.job)
             final, best, test = final_evaluations(job, manager, record)
             best = with_digest(job, best, step, digest)
+            manager.drop_initial(job.rank)  # the run is over: checkpoint-0 was its fallback only
             record.close()
             return write_summary(job, manager, step, digest, final, best, test, time.time() - started)
         finally:
