@@ -295,6 +295,8 @@ class TrainConfig(ZOConfig):
     # a key given there that the DeepSpeed config sets otherwise (docs/deepspeed.md). A field, so that
     # dataclasses.replace keeps it; no part of equality, of to_dict (run_config.json, config.json) or of the key list.
     sources: dict = field(default_factory=dict, compare=False, repr=False, metadata={"internal": True})
+    # Not a key either: the --config files, merged in this order (a later one wins); the run's log names them.
+    config_files: tuple = field(default=(), compare=False, repr=False, metadata={"internal": True})
 
     def _check(self) -> None:
         super()._check()

@@ -1,0 +1,91 @@
+"""Issue 59 §3: what surprised a new user, each fixed at its root and tested here by its own function, in one
+process (no run is trained: the refusals and rules are unit-tested; docs/reliability.md, tests/test_bad_inputs.py
+has the CLI's one-line refusals)."""
+
+import os
+
+import pytest
+
+from curvzo_ds.config.load import checked_path, differences, load_config
+from curvzo_ds.errors import ConfigError
+
+
+def test_several_config_files_merge_in_order_and_each_key_names_its_file(tmp_path):
+    """A second --config silently dropped the first (the preset plus another file trained plain MeZO): the files
+    merge in order, a later one winning, --set over all; each key's source names the file it came from, and the
+    files are kept in order for the run's log line."""
+    preset, mine = tmp_path / "preset.yaml", tmp_path / "mine.yaml"
+    preset.write_text("method: curvzo\nnum_directions: 4\nseed: 1\n")
+    mine.write_text("seed: 2\nmax_steps: 7\n")
+    cfg = load_config([str(preset), str(mine)], ["max_steps=9"], None)
+    assert (cfg.method, cfg.num_directions, cfg.seed, cfg.max_steps) == ("curvzo", 4, 2, 9)
+    assert cfg.sources == {"method": f"--config {preset}", "num_directions": f"--config {preset}",
+                           "seed": f"--config {mine}", "max_steps": "--set"}
+    assert cfg.config_files == (str(preset), str(mine))
+    assert load_config(str(preset), [], None).config_files == (str(preset),)  # one file, as before
+    from curvzo_ds.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--config", "a.yaml", "--config", "b.yaml"])
+    assert args.config == ["a.yaml", "b.yaml"]
+
+
+def test_path_keys_are_recorded_absolute_and_checked_for_their_kind(tmp_path, monkeypatch):
+    """A relative task= tied a run to the directory it started in, and the absolute path of the same task was refused
+    on resume as "cannot be changed". Paths that exist are recorded absolute; a saved relative path and the new
+    absolute one of the same directory are the same; a built-in name or a hub id stays as it is; a file where a
+    directory is needed (or the reverse) is one line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tasks" / "mine").mkdir(parents=True)
+    (tmp_path / "ds.json").write_text("{}")
+    assert checked_path("task", "tasks/mine") == str(tmp_path / "tasks" / "mine")
+    assert checked_path("deepspeed", "ds.json") == str(tmp_path / "ds.json")
+    for key, value in (("task", "sst2"), ("model", "demo"), ("data_dir", "samples"), ("model", "facebook/opt-125m")):
+        assert checked_path(key, value) == value
+    assert differences({"task": "tasks/mine"}, {"task": str(tmp_path / "tasks" / "mine")}, ["task"]) == []
+    assert differences({"task": "tasks/mine"}, {"task": "sst2"}, ["task"]) == ["task: 'tasks/mine' -> 'sst2'"]
+    for key, value, words in (("task", "ds.json", "task=ds.json is a file, not a directory: give a task directory"),
+                              ("model", "ds.json", "model=ds.json is a file, not a directory"),
+                              ("tokenizer", "ds.json", "tokenizer=ds.json is a file"),
+                              ("data_dir", "ds.json", "data_dir=ds.json is a file"),
+                              ("deepspeed", "tasks", "deepspeed=tasks is a directory: name the DeepSpeed JSON file"),
+                              ("deepspeed", "none.json", "deepspeed=none.json: no such file or directory")):
+        with pytest.raises(ConfigError, match="^" + words.replace("(", r"\(")):
+            checked_path(key, value)
+    cfg = load_config(None, ["task=tasks/mine"], None)
+    assert cfg.task == os.path.join(tmp_path, "tasks", "mine")  # what config.json and run_config.json record
+
+
+def test_best_dev_breaks_a_metric_tie_by_the_dev_loss(tmp_path):
+    """On generation tasks F1 often ties, and the first evaluation stayed "best" while the dev loss kept falling: a
+    tie now goes to the lower dev loss (a higher one, or none, keeps the earlier best)."""
+    from curvzo_ds.checkpoint.manager import CheckpointManager
+
+    manager = CheckpointManager(str(tmp_path), metric="f1")
+    assert manager.track(100, {"f1": 0.2, "loss": 3.0})
+    assert manager.track(200, {"f1": 0.2, "loss": 2.5})  # the tie, with a lower loss
+    assert not manager.track(300, {"f1": 0.2, "loss": 2.7})
+    assert not manager.track(400, {"f1": 0.2})
+    assert not manager.track(500, {"f1": 0.1, "loss": 0.1})  # the metric first
+    assert manager.track(600, {"f1": 0.3, "loss": 9.0})
+    assert manager.best["step"] == 600
+    lower = CheckpointManager(str(tmp_path), metric="loss", greater_is_better=False)
+    assert lower.track(1, {"loss": 1.0}) and not lower.track(2, {"loss": 1.0})
+
+
+def test_plan_and_train_check_refuse_the_layout_the_ranks_refuse():
+    """`plan --num-directions 3 --shard-group-size 2` said "fits" for a layout that train refused inside the ranks
+    (a 47-line torchrun failure): plan says "refused" with the ranks' reason, and `train --check --world-size N` (the
+    launch/ scripts pass N) refuses it before any rank starts."""
+    from curvzo_ds.commands.plan import plan
+    from curvzo_ds.commands.train import check_world_layout
+
+    with pytest.raises(ConfigError, match=r"^refused: num_directions=3 must be a multiple of the number of replica "
+                                          r"groups \(2 = world size 4 / shard_group_size 2\)"):
+        plan(model="demo", world_size=4, shard_group_size=2, num_directions=3)
+    cfg = load_config(None, ["shard_group_size=2", "num_directions=3"], None)
+    with pytest.raises(ConfigError, match=r"^num_directions=3 must be a multiple of the number of replica groups"):
+        check_world_layout(cfg, 4)
+    check_world_layout(cfg, 2)  # one replica group: any q
+    with pytest.raises(ConfigError, match="^shard_group_size=2 must divide the world size 3"):
+        check_world_layout(cfg, 3)
+    check_world_layout(load_config(None, ["num_directions=3"], None), 4)  # auto: a layout that fits is chosen
