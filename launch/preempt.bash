@@ -52,8 +52,14 @@ forward() {
 }
 
 # The scripts' own settings, then `curvzo-ds train --check` (which checks MASTER_PORT with the configuration).
+# `preflight --world RULE ARGS...`: RULE says how many ranks the launcher starts, NPROC or NPROC*NNODES (checked
+# against shard_group_size and num_directions, as the ranks would); without it the world size is not checked.
 preflight() {
-    local name value
+    local name value world=()
+    if [ "${1:-}" = --world ]; then
+        world=("$2")
+        shift 2
+    fi
     for name in NPROC NNODES NODE_RANK; do
         value="${!name:-}"
         if [ -n "$value" ] && ! [[ "$value" =~ ^[0-9]+$ && ( "$name" = NODE_RANK || "$value" -ge 1 ) ]]; then
@@ -67,5 +73,10 @@ preflight() {
              "0..$(( ${NNODES:-1} - 1 ))" >&2
         return 2
     fi
-    DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" "${PYTHON:-python}" -m curvzo_ds.cli train --check "$@"
+    case "${world[0]:-}" in
+        NPROC) world=(--world-size "${NPROC:-2}") ;;
+        'NPROC*NNODES') world=(--world-size "$(( ${NPROC:-2} * ${NNODES:-1} ))") ;;
+        *) world=() ;;
+    esac
+    DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" "${PYTHON:-python}" -m curvzo_ds.cli train --check "${world[@]}" "$@"
 }
