@@ -250,6 +250,8 @@ def _export_adapter(checkpoint: str, model: dict, staging: str, out: str, merge_
     else:  # peft's Auto classes need the task type in the adapter config
         lines = [f"wrote the LoRA adapter to {out_adapter} (base model {base_ref}): PeftModel.from_pretrained("
                  f"AutoModelForCausalLM.from_pretrained({base_ref!r}), {out_adapter!r})"]
+    if base_ref is not None and cfg is not None and cfg.quantization != "none":
+        lines = [_quantised_hint(cfg, out_adapter, base_ref, base_dir)]
     if merge_lora:
         if cfg is not None and cfg.quantization != "none":
             log.warning("--merge-lora: the adapter was trained against the %s-quantised base; it is merged into the "
@@ -272,6 +274,19 @@ def _export_adapter(checkpoint: str, model: dict, staging: str, out: str, merge_
         _copy(checkpoint, staging, TOKENIZER_FILES)
         lines.insert(0, f"wrote the merged model to {out}: AutoModelForCausalLM.from_pretrained({out!r})")
     return lines
+
+
+def _quantised_hint(cfg: TrainConfig, out_adapter: str, base_ref: str, base_dir: str | None) -> str:
+    """The load line of an adapter trained on a quantised base: the base loaded quantised as the run loaded it
+    (models.quantization_kwargs), for peft's Auto classes and a plain from_pretrained load it in full precision,
+    whose outputs differ from those the adapter was trained with."""
+    from curvzo_ds.models import DTYPES, quantization_kwargs
+
+    bnb = ", ".join(f"{k}={v!r}" for k, v in quantization_kwargs(cfg.quantization, DTYPES[cfg.dtype]).items())
+    return (f"wrote the LoRA adapter to {out_adapter} (base model {base_ref!r}, trained on the base quantised to "
+            f"{cfg.quantization}: load the base quantised as the run did, not in full precision): "
+            f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base_dir or base_ref!r}, "
+            f"quantization_config=BitsAndBytesConfig({bnb})), {out_adapter!r})")
 
 
 def _base_model(recorded: str | None, cfg: TrainConfig | None, staging: str, out: str, adapter_dir: str):
