@@ -10,6 +10,11 @@
 # then gets one signal, from here, not two at once (torchrun, given a second while it stops its workers, leaves
 # them running). Signals that come together are passed on once; one that comes STOP_AGAIN seconds or more later
 # is passed on too: the ranks take it as "stop now" (curvzo_ds/train/signals.py, STOP_NOW_AFTER = 5 s).
+# A script started with `&` by a non-interactive shell (a batch script's background job) starts with SIGINT ignored,
+# and bash can then neither trap nor relay it: there the launcher stays in the script's process group (no setsid),
+# so that a SIGINT sent to the job's process group reaches the launcher itself, which passes it on (no terminal
+# sends a Ctrl-C to such a job, so the launcher still gets one signal). SIGTERM and SIGHUP reach a job started
+# with `&` as any other (docs/reliability.md).
 STOP_AGAIN=6  # whole seconds ($SECONDS): more than the ranks' 5
 run_job() {
     local own=0 code=0 pid last_forward=-100
@@ -17,7 +22,7 @@ run_job() {
         CURVZO_DS_EXIT_DIR=$(mktemp -d) && own=1
         export CURVZO_DS_EXIT_DIR
     fi
-    if command -v setsid >/dev/null 2>&1; then
+    if [ "$(trap -p INT)" != "trap -- '' SIGINT" ] && command -v setsid >/dev/null 2>&1; then
         setsid -w "$@" &  # a child of a script is no group leader: setsid execs the launcher, $! is its pid
     else
         "$@" &
@@ -31,8 +36,9 @@ run_job() {
         wait "$pid" || code=$?
     done
     if [ "$code" != 0 ] && compgen -G "$CURVZO_DS_EXIT_DIR/preempted-*" >/dev/null; then
-        echo "curvzo-ds: the ranks stopped on a signal after saving a checkpoint (the launcher exited $code): exit 3;" \
-             "resume with --resume" >&2
+        echo "curvzo-ds: the ranks stopped on a signal after saving a checkpoint (the launcher exited $code$(
+             [ "$1" = torchrun ] && echo "; torchrun's traceback above (SignalException, ChildFailedError) is its" \
+                                        "own report of that stop, not an error")): exit 3; resume with --resume" >&2
         code=3
     fi
     if [ "$code" != 0 ] && [ "$code" != 3 ] && compgen -G "$CURVZO_DS_EXIT_DIR/bad-input-*" >/dev/null; then

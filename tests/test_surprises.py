@@ -89,3 +89,24 @@ def test_plan_and_train_check_refuse_the_layout_the_ranks_refuse():
     with pytest.raises(ConfigError, match="^shard_group_size=2 must divide the world size 3"):
         check_world_layout(cfg, 3)
     check_world_layout(load_config(None, ["num_directions=3"], None), 4)  # auto: a layout that fits is chosen
+
+
+def test_the_first_signal_is_acknowledged_at_once_in_one_line(capfd, monkeypatch):
+    """The first SIGTERM or Ctrl-C during a long step said nothing until the step ended (minutes on a large model):
+    the handler writes one line at once (rank 0 only: every rank of a launched job gets the signal)."""
+    import signal
+
+    from curvzo_ds.train.signals import StopRequest
+
+    monkeypatch.delenv("RANK", raising=False)
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # together with the first: the same request, no second line
+    assert stop.requested and stop.signal_name == "SIGTERM"
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("curvzo-ds: SIGTERM received: the run stops at the end of the step "
+                                                   "in progress, after saving a checkpoint"), err
+    monkeypatch.setenv("RANK", "1")
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.requested and capfd.readouterr().err == ""
