@@ -110,3 +110,48 @@ def test_the_first_signal_is_acknowledged_at_once_in_one_line(capfd, monkeypatch
     with StopRequest() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
     assert stop.requested and capfd.readouterr().err == ""
+
+
+def test_a_manifest_whose_dtype_disagrees_with_its_tensors_is_refused(tmp_path, capsys):
+    """A manifest recording a dtype its rank files do not hold gave a silently lossy export and was accepted by
+    `eval --resume`: verify_checkpoint (which export, eval --resume and train --resume all run first) compares each
+    slice's stored dtype with the manifest's, an fp32 master copy (`master`) allowed."""
+    import json
+
+    import torch
+
+    from curvzo_ds.checkpoint import manager as ckpt
+    from curvzo_ds.checkpoint.format import verify_checkpoint
+    from curvzo_ds.cli import main
+    from curvzo_ds.engine import ZOEngine
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    engine = ZOEngine(model, lambda m, x: (m(x).square().sum(), 1), method="mezo", learning_rate=1e-2, zo_eps=1e-2)
+    engine.step(torch.ones(2, 4))
+    path = ckpt.save_checkpoint(engine, str(tmp_path / "run"))
+    manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
+    assert all(info["master"] is False for info in manifest["tensors"].values())
+    verify_checkpoint(path)
+    for dtype, master, stored in (("bfloat16", False, "F32"), ("float16", False, "F32"), ("float16", True, None),
+                                  ("float32", True, None)):
+        edited = json.loads(json.dumps(manifest))
+        edited["tensors"]["0.weight"].update(dtype=dtype, master=master)
+        with open(os.path.join(path, "manifest.json"), "w") as f:
+            json.dump(edited, f)
+        if stored is None:  # F32 is what an fp32 master copy of a 16-bit (or 32-bit) tensor holds: consistent
+            verify_checkpoint(path)
+            continue
+        with pytest.raises(ConfigError, match=f"holds 0.weight as {stored}, where the manifest records dtype {dtype}"):
+            verify_checkpoint(path)
+        bad = edited
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(bad, f)
+    assert main(["export", path, "--out", str(tmp_path / "x")]) == 2 and "manifest and the tensors disagree" in \
+        capsys.readouterr().err
+    older = json.loads(json.dumps(manifest))  # a checkpoint from before `master`: F32 under a 16-bit dtype passes
+    for info in older["tensors"].values():
+        info.pop("master")
+    older["tensors"]["0.weight"]["dtype"] = "bfloat16"
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(older, f)
+    verify_checkpoint(path)
