@@ -3,6 +3,7 @@ process (no run is trained: the refusals and rules are unit-tested; docs/reliabi
 has the CLI's one-line refusals)."""
 
 import os
+import re
 
 import pytest
 
@@ -155,3 +156,31 @@ def test_a_manifest_whose_dtype_disagrees_with_its_tensors_is_refused(tmp_path, 
     with open(os.path.join(path, "manifest.json"), "w") as f:
         json.dump(older, f)
     verify_checkpoint(path)
+
+
+def test_the_environment_variables_the_project_reads_are_checked_where_they_are_read(monkeypatch, tmp_path):
+    """Bad values of the variables curvzo_ds reads gave tracebacks (DeepSpeed's own import for DS_ACCELERATOR), were
+    ignored (CURVZO_DS_NOISE_KERNEL) or hung (an unresolvable MASTER_ADDR under torchrun): each is one line naming the
+    variable. (The launchers' RANK, WORLD_SIZE, MASTER_PORT, NPROC, ... are the bad-input table's and
+    test_reliability's.)"""
+    from curvzo_ds import environment
+    from curvzo_ds.shard.distributed import check_launcher_env
+
+    (tmp_path / "file").write_text("x")
+    for name, value, words in (
+            ("CURVZO_DS_NOISE_KERNEL", "fast", "CURVZO_DS_NOISE_KERNEL='fast' is not one of auto, torch, triton"),
+            ("DS_ACCELERATOR", "gpu", "DS_ACCELERATOR='gpu' is not one of DeepSpeed's accelerators (cuda, cpu"),
+            ("CURVZO_DS_CACHE", str(tmp_path / "file"), "CURVZO_DS_CACHE=" + str(tmp_path / "file") + " is a file"),
+            ("MASTER_ADDR", "no-such-host.invalid", "MASTER_ADDR=no-such-host.invalid (MASTER_PORT=29500) cannot be "
+                                                    "resolved")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ConfigError, match="^the environment: " + re.escape(words)):
+            environment.noise_kernel()
+            environment.check_accelerator()
+            environment.cache_dir()
+            check_launcher_env(os.environ)
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    check_launcher_env(os.environ)
+    assert environment.noise_kernel() == "auto" and environment.cache_dir().endswith("curvzo_ds")

@@ -68,10 +68,12 @@ def preflight(cfg, world_size: int | None = None) -> None:
     import logging
     import os
 
+    from curvzo_ds.environment import noise_kernel
     from curvzo_ds.shard.distributed import check_launcher_env
     from curvzo_ds.train.inputs import check_dtype, checked_data
 
     check_launcher_env(os.environ)  # MASTER_PORT, and a rank's variables where a launcher set them already
+    noise_kernel()  # CURVZO_DS_NOISE_KERNEL, which the ranks read when they build the engine
     if world_size is not None:
         check_world_layout(cfg, world_size)
     check_dtype(cfg.dtype)
