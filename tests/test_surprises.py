@@ -184,3 +184,12 @@ def test_the_environment_variables_the_project_reads_are_checked_where_they_are_
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     check_launcher_env(os.environ)
     assert environment.noise_kernel() == "auto" and environment.cache_dir().endswith("curvzo_ds")
+
+
+def test_train_help_names_the_built_in_tasks():
+    """`train --help` said "built-in task name or a task directory" and named none."""
+    from curvzo_ds.commands.train import keys_help
+    from curvzo_ds.tasks import TASK_NAMES
+
+    line = next(line for line in keys_help().splitlines() if line.strip().startswith("task "))
+    assert all(name in line for name in TASK_NAMES) and "sst2, rte" in line, line

@@ -21,6 +21,7 @@ from curvzo_ds.algo.sampling import Method
 from curvzo_ds.config.ds_policy import REFUSAL_BY_KEY
 from curvzo_ds.config.report_to import resolve_report_to
 from curvzo_ds.errors import ConfigError
+from curvzo_ds.tasks.task import TASK_NAMES
 
 
 class Granularity(str, enum.Enum):
@@ -239,7 +240,8 @@ class TrainConfig(ZOConfig):
     tokenizer: str | None = key(None, "defaults to the model's")
     trust_remote_code: bool = key(False, "run the Python code that a hub model or tokenizer ships (transformers' "
                                          "name); off: only the classes in transformers are used")
-    task: str = key("demo", "built-in task name or a task directory")
+    task: str = key("demo", f"a built-in task ({', '.join(TASK_NAMES)}) or a task directory (task.json and "
+                            "train.jsonl; docs/contracts.md)")
     data_dir: str | None = key(None, "unset: the hub dataset of a built-in task; samples: its bundled examples; "
                                      "DIR: local train/validation JSONL or CSV, or a datasets save_to_disk dir")
     output_dir: str = key("runs/demo", "where metrics.jsonl, summary.json and checkpoint-<step>/ go")
