@@ -193,3 +193,24 @@ def test_train_help_names_the_built_in_tasks():
 
     line = next(line for line in keys_help().splitlines() if line.strip().startswith("task "))
     assert all(name in line for name in TASK_NAMES) and "sst2, rte" in line, line
+
+
+def test_an_absurd_horizon_is_warned_about_with_the_time_it_implies(caplog):
+    """max_steps=1e8 was accepted without a word: after its first steps a run says how long the rest would take,
+    when that is more than a week (once, rank 0 only)."""
+    import logging
+
+    from curvzo_ds.train.loop import HorizonWatch
+
+    with caplog.at_level(logging.WARNING, logger="curvzo_ds"):
+        watch = HorizonWatch(100_000_000, rank=0)
+        for step, now in enumerate([10.0, 10.5, 11.0, 11.5, 12.0], start=1):
+            watch.observe(step, now)
+        HorizonWatch(100_000_000, rank=1).observe(1, 0.0)
+        short = HorizonWatch(300, rank=0)
+        for step, now in enumerate([10.0, 10.5, 11.0, 11.5], start=1):
+            short.observe(step, now)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "max_steps=100000000: at 0.5 s per step (this run's steps so far) the 99999996 steps left take about 579 days"
+    ), warnings
