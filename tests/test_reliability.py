@@ -102,7 +102,12 @@ def test_a_launch_script_exits_3_when_the_ranks_stopped_on_a_signal(tmp_path):
     lines = [line for line in bad.stderr.splitlines() if line.strip()]
     assert bad.returncode == 2, bad.stderr[-3000:]
     assert lines == ["curvzo-ds train: error: max_steps='abc' is invalid: it must be an integer >= 0"], lines
-    for setting, words in (("max_length=2", "cuts away the prompt"), ("dtype=float16", "has no float16")):
+    from deepspeed.accelerator import get_accelerator
+
+    refused = [("max_length=2", "cuts away the prompt")]
+    if not get_accelerator().is_fp16_supported():  # where the device has float16, the run trains (test_bad_inputs)
+        refused.append(("dtype=float16", "has no float16"))
+    for setting, words in refused:
         data = script(*COMMON, "--set", f"output_dir={tmp_path / 'short'}", "--set", setting)
         lines = [line for line in data.stderr.splitlines() if line.strip() and "Setting accelerator" not in line]
         assert data.returncode == 2 and len(lines) == 1 and words in lines[0], data.stderr[-3000:]
