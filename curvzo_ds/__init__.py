@@ -9,6 +9,8 @@
 a Hugging Face Trainer: `ZOTrainer` (imported on first use, so `import curvzo_ds` stays light).
 """
 
+import contextlib
+
 from curvzo_ds.checkpoint.manager import CheckpointManager, load_checkpoint, save_checkpoint
 from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.data.stream import MicroBatches, split_batch
@@ -21,7 +23,8 @@ __version__ = "0.1.0"
 
 # DeepSpeed's CPU op is built once per Python environment in curvzo_ds's cache (startup.py): a user's own script
 # (accelerate launch, ZOTrainer) that imports curvzo_ds shares the CLI's build instead of building it again.
-extensions_dir()
+with contextlib.suppress(ConfigError):  # a TORCH_EXTENSIONS_DIR that is a file: the CLI says so in one line
+    extensions_dir()
 quiet_known_warnings()
 check_versions()  # an unsupported torch, deepspeed, transformers, accelerate or peft is named here (versions.py)
 

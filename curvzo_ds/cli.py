@@ -20,6 +20,7 @@ import sys
 
 from curvzo_ds.commands import bench, diagnose, export, plan, plot, train
 from curvzo_ds.commands import eval as evaluate
+from curvzo_ds.environment import check_accelerator
 from curvzo_ds.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, ConfigError, RunEnded
 from curvzo_ds.startup import exit_now, extensions_dir
 
@@ -53,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         hint = _did_you_mean(parser, args, unknown)
         _say(f"curvzo-ds {args.command}: error: unrecognized arguments: {' '.join(unknown)}{hint}")
         return EXIT_BAD_INPUT
-    extensions_dir()  # a JIT build cache per Python environment, unless TORCH_EXTENSIONS_DIR is set (startup.py)
     try:
+        check_accelerator()  # DS_ACCELERATOR, before any command imports DeepSpeed (which refuses it in a traceback)
+        extensions_dir()  # a JIT build cache per Python environment, unless TORCH_EXTENSIONS_DIR is set (startup.py)
         code = args.handler(args)  # a handler may return its exit code (plan: 1 when the plan does not fit)
     except (ConfigError, FileNotFoundError) as e:
         _say(f"curvzo-ds {args.command}: error: {e}")

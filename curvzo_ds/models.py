@@ -114,10 +114,16 @@ def quantization_config(quantization: str, dtype: torch.dtype):
                           "pip install 'curvzo_ds[quant]', or set quantization=none") from None
     from transformers import BitsAndBytesConfig
 
+    return BitsAndBytesConfig(**quantization_kwargs(quantization, dtype))
+
+
+def quantization_kwargs(quantization: str, dtype: torch.dtype) -> dict:
+    """The BitsAndBytesConfig arguments of `quantization` (4bit or 8bit), the one statement of how a run quantises
+    its base: `quantization_config` builds it, and export's load hint prints it."""
     if quantization == "4bit":
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-                                  bnb_4bit_use_double_quant=False)
-    return BitsAndBytesConfig(load_in_8bit=True)
+        return {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": dtype,
+                "bnb_4bit_use_double_quant": False}
+    return {"load_in_8bit": True}
 
 
 def load_device() -> str:

@@ -33,9 +33,11 @@ _captured: list[str] = []
 
 def extensions_dir() -> str:
     """TORCH_EXTENSIONS_DIR for this Python environment (the user's own setting wins); sets it and returns it."""
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+    from curvzo_ds.environment import cache_dir, directory
+
+    if directory("TORCH_EXTENSIONS_DIR"):
         return os.environ["TORCH_EXTENSIONS_DIR"]
-    cache = os.environ.get("CURVZO_DS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "curvzo_ds")
+    cache = cache_dir()
     prefix = os.path.realpath(sys.prefix)
     name = f"{os.path.basename(prefix) or 'python'}-{hashlib.sha256(prefix.encode()).hexdigest()[:12]}"
     os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, "torch_extensions", name)

@@ -4,6 +4,6 @@
 # --deepspeed_multinode_launcher standard" (without `standard`, DeepSpeed's pdsh runs from machine 0 only).
 # Exit code 3: the ranks (on this machine) stopped on a signal after a checkpoint (launch/preempt.bash).
 source "$(dirname "${BASH_SOURCE[0]}")/preempt.bash"
-preflight --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@" || exit $?  # a bad input: one line, exit 2, no rank started
+preflight --world NPROC --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@" || exit $?  # a bad input: one line, exit 2, no rank started
 run_job accelerate launch --config_file "${ACCELERATE_CONFIG:-ds_configs/accelerate_zero3.yaml}" \
     --num_processes "${NPROC:-2}" ${ACCELERATE_ARGS:-} -m curvzo_ds.cli train --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"

@@ -10,5 +10,5 @@ if [ -n "${HOSTFILE:-}" ]; then
     run_job deepspeed --hostfile "$HOSTFILE" ${DS_ARGS:-} --module curvzo_ds.cli train --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"
     exit
 fi
-preflight --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@" || exit $?  # a bad input: one line, exit 2, no rank started
+preflight --world NPROC --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@" || exit $?  # a bad input: one line, exit 2, no rank started
 run_job deepspeed --num_gpus "${NPROC:-2}" --master_port "${MASTER_PORT:-29500}" --module curvzo_ds.cli train --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"

@@ -13,5 +13,5 @@ if ! python -c "import importlib.metadata as m; m.version('curvzo_ds'); import d
 fi
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" OMP_NUM_THREADS=1
 source launch/preempt.bash  # exit code 3: stopped on a signal after a checkpoint
-preflight --deepspeed ds_configs/zero3.json --set method=curvzo --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@" || exit $?  # a bad input: one line, exit 2, no rank started
+preflight --world NPROC --deepspeed ds_configs/zero3.json --set method=curvzo --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@" || exit $?  # a bad input: one line, exit 2, no rank started
 run_job torchrun --nproc_per_node "${NPROC:-2}" --master_port "${MASTER_PORT:-29500}" -m curvzo_ds.cli train --deepspeed ds_configs/zero3.json --set method=curvzo --set "ddp_timeout=${DDP_TIMEOUT:-1800}" "$@"

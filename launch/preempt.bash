@@ -10,6 +10,11 @@
 # then gets one signal, from here, not two at once (torchrun, given a second while it stops its workers, leaves
 # them running). Signals that come together are passed on once; one that comes STOP_AGAIN seconds or more later
 # is passed on too: the ranks take it as "stop now" (curvzo_ds/train/signals.py, STOP_NOW_AFTER = 5 s).
+# A script started with `&` by a non-interactive shell (a batch script's background job) starts with SIGINT ignored,
+# and bash can then neither trap nor relay it: there the launcher stays in the script's process group (no setsid),
+# so that a SIGINT sent to the job's process group reaches the launcher itself, which passes it on (no terminal
+# sends a Ctrl-C to such a job, so the launcher still gets one signal). SIGTERM and SIGHUP reach a job started
+# with `&` as any other (docs/reliability.md).
 STOP_AGAIN=6  # whole seconds ($SECONDS): more than the ranks' 5
 run_job() {
     local own=0 code=0 pid last_forward=-100
@@ -17,7 +22,7 @@ run_job() {
         CURVZO_DS_EXIT_DIR=$(mktemp -d) && own=1
         export CURVZO_DS_EXIT_DIR
     fi
-    if command -v setsid >/dev/null 2>&1; then
+    if [ "$(trap -p INT)" != "trap -- '' SIGINT" ] && command -v setsid >/dev/null 2>&1; then
         setsid -w "$@" &  # a child of a script is no group leader: setsid execs the launcher, $! is its pid
     else
         "$@" &
@@ -31,8 +36,9 @@ run_job() {
         wait "$pid" || code=$?
     done
     if [ "$code" != 0 ] && compgen -G "$CURVZO_DS_EXIT_DIR/preempted-*" >/dev/null; then
-        echo "curvzo-ds: the ranks stopped on a signal after saving a checkpoint (the launcher exited $code): exit 3;" \
-             "resume with --resume" >&2
+        echo "curvzo-ds: the ranks stopped on a signal after saving a checkpoint (the launcher exited $code$(
+             [ "$1" = torchrun ] && echo "; torchrun's traceback above (SignalException, ChildFailedError) is its" \
+                                        "own report of that stop, not an error")): exit 3; resume with --resume" >&2
         code=3
     fi
     if [ "$code" != 0 ] && [ "$code" != 3 ] && compgen -G "$CURVZO_DS_EXIT_DIR/bad-input-*" >/dev/null; then
@@ -52,8 +58,14 @@ forward() {
 }
 
 # The scripts' own settings, then `curvzo-ds train --check` (which checks MASTER_PORT with the configuration).
+# `preflight --world RULE ARGS...`: RULE says how many ranks the launcher starts, NPROC or NPROC*NNODES (checked
+# against shard_group_size and num_directions, as the ranks would); without it the world size is not checked.
 preflight() {
-    local name value
+    local name value world=()
+    if [ "${1:-}" = --world ]; then
+        world=("$2")
+        shift 2
+    fi
     for name in NPROC NNODES NODE_RANK; do
         value="${!name:-}"
         if [ -n "$value" ] && ! [[ "$value" =~ ^[0-9]+$ && ( "$name" = NODE_RANK || "$value" -ge 1 ) ]]; then
@@ -67,5 +79,10 @@ preflight() {
              "0..$(( ${NNODES:-1} - 1 ))" >&2
         return 2
     fi
-    DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" "${PYTHON:-python}" -m curvzo_ds.cli train --check "$@"
+    case "${world[0]:-}" in
+        NPROC) world=(--world-size "${NPROC:-2}") ;;
+        'NPROC*NNODES') world=(--world-size "$(( ${NPROC:-2} * ${NNODES:-1} ))") ;;
+        *) world=() ;;
+    esac
+    DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" "${PYTHON:-python}" -m curvzo_ds.cli train --check "${world[@]}" "$@"
 }

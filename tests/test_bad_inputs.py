@@ -227,8 +227,10 @@ CASES = [
     ("export-not-a-checkpoint", ["export", "{done}", "--out", "{tmp}/export"], "no manifest.json"),
     ("export-missing", ["export", "{tmp}/no-checkpoint", "--out", "{tmp}/export"], "no-checkpoint"),
     ("export-checksum", ["export", "{tmp}/corrupt", "--out", "{tmp}/export"], "checksum mismatch"),
-    # an export over a non-empty directory would mix two exports' files (issue 28 §4)
-    ("export-out-not-empty", ["export", "{done}/checkpoint-3", "--out", "{tmp}/tasks"], "pass --overwrite"),
+    # an export over a non-empty directory would mix two exports' files (issue 28 §4); one that holds anything but an
+    # earlier export is never replaced (issue 59 §2)
+    ("export-out-not-empty", ["export", "{done}/checkpoint-3", "--out", "{tmp}/tasks"],
+     "holds files that no export writes (bad-json-line/, bad-metric/"),
     # plot
     ("plot-empty-dir", ["plot", "{tmp}/empty"], "holds no metrics.jsonl"),
     ("plot-missing-dir", ["plot", "{tmp}/no-run"], "no such directory"),
@@ -240,6 +242,132 @@ CASES = [
     ("plan-group-not-dividing", ["plan", "--world-size", "4", "--shard-group-size", "3"], "shard-group-size"),
     ("plan-no-config-json", ["plan", "--model", "{tmp}/empty", "--world-size", "2"], "config.json"),
 ]
+
+
+# Issue 59: refused before any process group, so run in ONE forked process (tests/bad_input_batch.py: main(argv) per
+# case, each case's stderr captured), not a fork each (the suite's launch budget, tests/launches.json). Same
+# columns, plus the case's environment; the same checks. {tmp} also holds, for these: finished-run (a run's files),
+# earlier-export (an export's), dtype-mismatch (the finished checkpoint, its manifest claiming bfloat16).
+BATCHED = [
+    # export --overwrite never deletes a run, live or finished (a live one: tests/test_export.py)
+    ("export-overwrite-a-finished-run", ["export", "{done}/checkpoint-3", "--out", "{tmp}/finished-run", "--overwrite"],
+     "holds a run (checkpoint-8, config.json, metrics.jsonl): an export never replaces a run's files", {}),
+    ("export-overwrite-other-files", ["export", "{done}/checkpoint-3", "--out", "{tmp}/tasks", "--overwrite"],
+     "holds files that no export writes", {}),
+    ("export-earlier-export-needs-overwrite", ["export", "{done}/checkpoint-3", "--out", "{tmp}/earlier-export"],
+     "is not empty: it holds an earlier export", {}),
+    # a manifest whose dtype its tensors do not have
+    ("export-dtype-mismatch", ["export", "{tmp}/dtype-mismatch/checkpoint-3", "--out", "{tmp}/x"],
+     "where the manifest records dtype bfloat16: the manifest and the tensors disagree", {}),
+    ("eval-dtype-mismatch", ["eval", "--resume", "{tmp}/dtype-mismatch/checkpoint-3"],
+     "the manifest and the tensors disagree", {}),
+    # the directions rule, in plan and before any rank starts
+    ("plan-directions-refused", ["plan", "--world-size", "4", "--shard-group-size", "2", "--num-directions", "3"],
+     "refused: num_directions=3 must be a multiple of the number of replica groups (2 = world size 4 / "
+     "shard_group_size 2)", {}),
+    ("plan-directions-refused-8", ["plan", "--world-size", "8", "--shard-group-size", "2", "--num-directions", "6"],
+     "use --num-directions a multiple of 4", {}),
+    ("check-directions-refused", ["train", "--check", "--world-size", "4", "--set", "shard_group_size=2", "--set",
+                                  "num_directions=3"], "num_directions=3 must be a multiple of the number of replica "
+     "groups (2 = world size 4 / shard_group_size 2)", {}),
+    ("check-group-not-dividing", ["train", "--check", "--world-size", "3", "--set", "shard_group_size=2"],
+     "shard_group_size=2 must divide the world size 3", {}),
+    ("check-world-size-zero", ["train", "--check", "--world-size", "0"], "--world-size 0: use an integer >= 1", {}),
+    ("world-size-without-check", ["train", "--world-size", "2"], "--world-size goes with --check only", {}),
+    # several --config files: each is read (the first was dropped)
+    ("config-first-of-two-missing", ["train", "--config", "{tmp}/none.yaml", "--config", "{tmp}/float32.yaml"],
+     "none.yaml: no such file", {}),
+    ("config-second-of-two-a-list", ["train", "--config", "{tmp}/float32.yaml", "--config", "{tmp}/list.yaml"],
+     "list.yaml: must be a mapping", {}),
+    # path-valued keys: the kind of path each needs
+    ("task-a-file", ["train", "--set", "task={tmp}/bad.json"], "bad.json is a file, not a directory: give a task "
+     "directory (the one holding task.json) or a built-in task", {}),
+    ("model-a-file", ["train", "--set", "model={tmp}/bad.json"], "model={tmp}/bad.json is a file, not a directory", {}),
+    ("tokenizer-a-file", ["train", "--set", "tokenizer={tmp}/bad.json"], "tokenizer={tmp}/bad.json is a file", {}),
+    ("data-dir-a-file", ["train", "--set", "data_dir={tmp}/bad.json"], "data_dir={tmp}/bad.json is a file", {}),
+    ("deepspeed-a-directory", ["train", "--deepspeed", "{tmp}/empty"], "is a directory: name the DeepSpeed JSON "
+     "file", {}),
+    # the environment variables the project reads
+    ("env-noise-kernel", ["train", "--check"], "CURVZO_DS_NOISE_KERNEL='fast' is not one of auto, torch, triton",
+     {"CURVZO_DS_NOISE_KERNEL": "fast"}),
+    ("env-ds-accelerator", ["plan", "--world-size", "1"], "DS_ACCELERATOR='gpu' is not one of DeepSpeed's",
+     {"DS_ACCELERATOR": "gpu"}),
+    ("env-extensions-dir-a-file", ["train"], "TORCH_EXTENSIONS_DIR={tmp}/bad.json is a file, not a directory",
+     {"TORCH_EXTENSIONS_DIR": "{tmp}/bad.json"}),
+    ("env-master-addr", ["train", "--check"], "MASTER_ADDR=no-such-host.invalid (MASTER_PORT=29500) cannot be "
+     "resolved", {"MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29500"}),
+    # the newest keys: directions, differences, step_normalization, objectives, quantization, static masks
+    ("num-directions-zero", ["train", "--set", "num_directions=0"], "num_directions=0 is invalid: it must be an "
+     "integer >= 1", {}),
+    ("num-directions-negative", ["train", "--set", "num_directions=-2"], "num_directions=-2 is invalid", {}),
+    ("num-directions-float", ["train", "--set", "num_directions=2.5"], "num_directions=2.5 must be an integer", {}),
+    ("difference-upper-case", ["train", "--set", "difference=RLOO"], "difference='RLOO' is invalid: it must be "
+     "central or rloo", {}),
+    ("difference-a-number", ["train", "--set", "difference=2"], "difference=2 must be a string", {}),
+    ("step-normalization-unknown", ["train", "--set", "step_normalization=rms"], "step_normalization='rms' is "
+     "invalid", {}),
+    ("step-normalization-a-number", ["train", "--set", "step_normalization=1"], "step_normalization=1 must be a "
+     "string", {}),
+    ("step-normalization-central", ["train", "--set", "step_normalization=loss_std"],
+     "step_normalization=loss_std needs difference=rloo", {}),
+    ("step-normalization-rloo-one-direction", ["train", "--set", "step_normalization=loss_std", "--set",
+                                               "difference=rloo"], "difference=rloo needs num_directions >= 2", {}),
+    ("objective-upper-case", ["train", "--set", "objective=F1"], "objective='F1' is invalid: it must be loss, "
+     "accuracy or f1", {}),
+    ("objective-a-list", ["train", "--set", "objective=[f1]"], "objective=['f1'] must be a string", {}),
+    ("quantization-upper-case", ["train", "--set", "quantization=NONE"], "quantization='NONE' is invalid", {}),
+    ("quantization-lora-false", ["train", "--set", "quantization=8bit", "--set", "lora=false"],
+     "quantization=8bit needs lora=true", {}),
+    ("quantization-8bit-offload", ["train", "--set", "lora=true", "--set", "quantization=8bit", "--set",
+                                   "offload_param=cpu"], "quantization=8bit needs zero_stage=0", {}),
+    ("static-mask-curvzo", ["train", "--set", "static_mask=0.1", "--set", "method=curvzo"],
+     "static_mask=0.1 needs method=mezo", {}),
+    ("static-mask-over-one", ["train", "--set", "static_mask=1.5"], "static_mask=1.5 is invalid", {}),
+    ("plan-num-directions-zero", ["plan", "--world-size", "1", "--num-directions", "0"], "use integers >= 1", {}),
+    ("plan-quantization-8bit-offload", ["plan", "--world-size", "1", "--quantization", "8bit", "--offload", "cpu"],
+     "plan it with --shard-group-size 1 and no --offload", {}),
+]
+
+
+@pytest.fixture(scope="module")
+def batched(places, tmp_path_factory) -> dict:
+    """Every BATCHED case, in one process forked once (tests/bad_input_batch.py), against one copy of the run."""
+    root = tmp_path_factory.mktemp("batched")
+    tmp = pathlib.Path(places["tmp"])
+    run = tmp / "finished-run"
+    (run / "checkpoint-8").mkdir(parents=True)
+    (run / "checkpoint-8" / "manifest.json").write_text("{}")
+    (run / "config.json").write_text(json.dumps({"output_dir": str(run), "method": "mezo"}))
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 0.7}\n')
+    (tmp / "earlier-export").mkdir()
+    (tmp / "earlier-export" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp / "earlier-export" / "model.safetensors").write_bytes(b"")
+    mismatch = tmp / "dtype-mismatch" / "checkpoint-3"
+    shutil.copytree(pathlib.Path(places["done"]) / "checkpoint-3", mismatch)
+    manifest = json.loads((mismatch / "manifest.json").read_text())
+    first = sorted(manifest["tensors"])[0]
+    manifest["tensors"][first].update(dtype="bfloat16", master=False)
+    (mismatch / "manifest.json").write_text(json.dumps(manifest))
+    own = {**places, "done": str(root / "done")}
+    shutil.copytree(places["done"], own["done"])
+    cases = [{"id": name, "env": {k: v.format(**own) for k, v in env.items()},
+              "argv": [a.format(**own) for a in (args[:1] + BASE + args[1:] if args[0] in ("train", "eval")
+                                                 else args)]} for name, args, _, env in BATCHED]
+    (root / "cases.json").write_text(json.dumps(cases))
+    proc = cli(str(root / "cases.json"), str(root / "results.json"), own["done"],
+               script=ROOT / "tests" / "bad_input_batch.py", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"own": own, "results": json.loads((root / "results.json").read_text()),
+            "before": _snapshot(pathlib.Path(places["done"]))}
+
+
+@pytest.mark.parametrize("name,args,words,env", BATCHED, ids=[c[0] for c in BATCHED])
+def test_a_batched_bad_input_is_one_line_and_exit_2(batched, name, args, words, env):
+    result, own = batched["results"][name], batched["own"]
+    errors = [line for line in result["stderr"].splitlines() if line.startswith(f"curvzo-ds {args[0]}: error:")]
+    assert result["returncode"] == 2 and "Traceback" not in result["stderr"], result["stderr"][-3000:]
+    assert len(errors) == 1 and words.format(**own) in errors[0], result["stderr"][-3000:]
+    assert _snapshot(pathlib.Path(own["done"])) == batched["before"], f"{own['done']} changed"
 
 
 def _snapshot(root: pathlib.Path) -> dict[str, str]:
@@ -375,7 +503,8 @@ def test_a_bad_input_is_one_line_and_exit_2(places, outcomes, name, args, words)
 
 
 def test_the_table_is_large_and_its_ids_unique():
-    assert len(CASES) >= 112 and len({c[0] for c in CASES}) == len(CASES)
+    ids = [c[0] for c in CASES + BATCHED]
+    assert len(CASES) >= 112 and len(BATCHED) >= 40 and len(set(ids)) == len(ids)
 
 
 def test_float16_is_refused_in_one_line_where_the_device_has_none(places, tmp_path):

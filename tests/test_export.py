@@ -178,6 +178,52 @@ def test_a_full_checkpoint_exports_and_one_with_frozen_parameters_is_refused(tmp
     assert "1 of the model's were frozen (e.g. model.norm.weight)" in err and not (tmp_path / "x").exists()
 
 
+def test_export_overwrite_replaces_an_earlier_export_and_never_a_run_live_or_finished(tmp_path, capsys):
+    """Issue 59 §2: `export --overwrite` into a live run's directory deleted its checkpoints, metrics, logs and lock;
+    into a finished run's, the run. Both are refused in one line naming what is there, nothing changed; into an
+    earlier export, the new export replaces it whole. A live run is one whose lock (train/outputs.RunLock) is held:
+    an flock on another open file conflicts within this process too."""
+    from curvzo_ds.train.outputs import RunLock
+
+    def tree(root):
+        return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+    good = checkpoint_of(tiny_llama(), tmp_path / "source")
+    for name in ("live", "finished"):
+        run = tmp_path / name
+        (run / "checkpoint-8").mkdir(parents=True)
+        (run / "checkpoint-8" / "manifest.json").write_text("{}")
+        (run / "config.json").write_text(json.dumps({"output_dir": str(run), "method": "mezo"}))
+        (run / "metrics.jsonl").write_text('{"step": 1, "loss": 0.7}\n')
+    lock = RunLock.take(str(tmp_path / "live"))
+    try:
+        before = tree(tmp_path / "live")
+        err = export_error(good, tmp_path / "live", capsys, "--overwrite")
+        assert f"--out {tmp_path / 'live'} is in use by a live run (pid {os.getpid()} on " in err, err
+        assert tree(tmp_path / "live") == before
+    finally:
+        lock.release()
+    before = tree(tmp_path / "finished")
+    err = export_error(good, tmp_path / "finished", capsys, "--overwrite")
+    assert "holds a run (checkpoint-8, config.json, metrics.jsonl): an export never replaces a run's files" in err
+    assert tree(tmp_path / "finished") == before
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    assert "holds files that no export writes (todo.txt)" in export_error(good, tmp_path / "notes", capsys,
+                                                                          "--overwrite")
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    # an earlier export: refused without --overwrite, replaced with it (and an export into a new directory inside a
+    # run is no harm: it adds a directory)
+    out = tmp_path / "export"
+    assert main(["export", good, "--out", str(out)]) == 0
+    (out / "model.safetensors").write_bytes(b"stale")
+    assert "is not empty: it holds an earlier export" in export_error(good, out, capsys)
+    assert main(["export", good, "--out", str(out), "--overwrite"]) == 0
+    assert main(["export", good, "--out", str(tmp_path / "finished" / "export")]) == 0
+    assert tree(out) == tree(tmp_path / "finished" / "export")
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith((".tmp", ".old", RunLock.NAME))]
+
+
 def test_export_refuses_in_one_line_what_it_cannot_write_faithfully(tmp_path, capsys):
     plain = checkpoint_of(torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Linear(8, 4)), tmp_path / "plain",
                           loss=lambda m, ids: (m(ids).square().mean(), 1))

@@ -161,7 +161,7 @@ def test_eval_of_a_quantised_checkpoint_rebuilds_the_quantised_base(quant_run, t
     assert eval_cli(out / "checkpoint-6", tmp_path)["dev"]["loss"] == logged_eval(out, 6)["dev"]["loss"]
 
 
-def test_the_export_loads_in_peft_onto_the_base_it_names_and_merge_warns(quant_run, tmp_path, caplog):
+def test_the_export_loads_in_peft_onto_the_base_it_names_and_merge_warns(quant_run, tmp_path, caplog, capsys):
     """The adapter names its base ("base", the demo's full-precision weights, saved beside it). peft loads it onto
     that base quantised as the run did, which gives the trained model's logits; --merge-lora merges it into the
     full-precision base, with a warning that it was trained against the quantised one."""
@@ -173,7 +173,13 @@ def test_the_export_loads_in_peft_onto_the_base_it_names_and_merge_warns(quant_r
 
     out, _ = quant_run
     export = tmp_path / "adapter"
+    capsys.readouterr()
     assert main(["export", str(out / "checkpoint-6"), "--out", str(export)]) == 0
+    # issue 59: its load hint loads the base quantised as below (it loaded it in full precision: test 0.555 for 0.57)
+    hint = capsys.readouterr().out
+    assert (f"AutoModelForCausalLM.from_pretrained({str(export / 'base')!r}, quantization_config=BitsAndBytesConfig("
+            "load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=torch.float32, "
+            f"bnb_4bit_use_double_quant=False)), {str(export)!r})") in hint, hint
     adapter_config = json.loads((export / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == "base"
     assert "quantization_config" not in json.loads((export / "base" / "config.json").read_text())

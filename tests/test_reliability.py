@@ -69,19 +69,24 @@ def test_sigterm_saves_at_a_step_boundary_and_resume_is_exact(reference, tmp_pat
 
 @pytest.mark.multirank
 def test_a_launch_script_exits_3_when_the_ranks_stopped_on_a_signal(tmp_path):
-    """Issue 28 §12: SIGTERM to launch/torchrun.sh alone (as a batch system signals a job script): the script passes
-    it to torchrun, both ranks save the same boundary checkpoint, torchrun exits 1 and the script 3. A job that
-    fails otherwise keeps torchrun's code."""
+    """Issue 28 §12: a launch script exits 3 when its ranks stopped on a signal after a checkpoint (torchrun exits
+    1). Issue 59: the script runs as a background job of a non-interactive batch script (`launch/torchrun.sh &`),
+    which bash starts with SIGINT ignored, so that it can neither trap nor relay SIGINT; a SIGINT to the job's process
+    group was lost (the run trained to its end and exited 0). The launcher now stays in that group and gets it:
+    both ranks save the same boundary checkpoint, and the script's last line explains torchrun's traceback. A job
+    that fails otherwise keeps torchrun's code."""
     env = {**ENV, "NPROC": "2", "MASTER_PORT": str(free_port()), "PATH": SCRIPT_PATH}
     out = tmp_path / "script"
-    proc = start(["bash", str(ROOT / "launch" / "torchrun.sh")], out, env=env)
+    batch = 'trap "" INT; bash "$0" "$@" & wait $!'  # the outer shell too ignores the group's SIGINT, as no job waits
+    proc = start(["bash", "-c", batch, str(ROOT / "launch" / "torchrun.sh")], out, env=env)
     wait_for_steps(out, proc, 20)
-    os.kill(proc.pid, signal.SIGTERM)  # the script only: start() made it the leader of its own session
+    os.killpg(proc.pid, signal.SIGINT)  # the job's process group: start() made the outer shell its leader
     code = finish(proc)
     text = log_of(out)
-    stops = [line for line in text.splitlines() if line.startswith("curvzo-ds train: stopped on a signal (SIGTERM)")]
+    stops = [line for line in text.splitlines() if line.startswith("curvzo-ds train: stopped on a signal (SIGINT)")]
     assert code == 3 and len(stops) == 2, f"exit {code}:\n{text[-3000:]}"
-    assert "(the launcher exited 1): exit 3" in text, text[-3000:]
+    assert "(the launcher exited 1; torchrun's traceback above (SignalException, ChildFailedError) is its own report" \
+           " of that stop, not an error): exit 3" in text, text[-3000:]
     saved = checkpoints(out)
     assert saved and 20 <= saved[-1] < TOTAL and saved[-1] % SAVE != 0, saved
     # Issue 38 §6: a bad input is one line and exit 2 before any rank starts (the script's `train --check`), the
@@ -97,7 +102,12 @@ def test_a_launch_script_exits_3_when_the_ranks_stopped_on_a_signal(tmp_path):
     lines = [line for line in bad.stderr.splitlines() if line.strip()]
     assert bad.returncode == 2, bad.stderr[-3000:]
     assert lines == ["curvzo-ds train: error: max_steps='abc' is invalid: it must be an integer >= 0"], lines
-    for setting, words in (("max_length=2", "cuts away the prompt"), ("dtype=float16", "has no float16")):
+    from deepspeed.accelerator import get_accelerator
+
+    refused = [("max_length=2", "cuts away the prompt")]
+    if not get_accelerator().is_fp16_supported():  # where the device has float16, the run trains (test_bad_inputs)
+        refused.append(("dtype=float16", "has no float16"))
+    for setting, words in refused:
         data = script(*COMMON, "--set", f"output_dir={tmp_path / 'short'}", "--set", setting)
         lines = [line for line in data.stderr.splitlines() if line.strip() and "Setting accelerator" not in line]
         assert data.returncode == 2 and len(lines) == 1 and words in lines[0], data.stderr[-3000:]

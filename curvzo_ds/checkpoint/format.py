@@ -133,6 +133,8 @@ def check_manifest(path: str, manifest: dict) -> None:
             raise bad(f"tensor {name} has no shape")
         if not isinstance(getattr(torch, str(info.get("dtype")), None), torch.dtype):
             raise bad(f"tensor {name} has no dtype ({info.get('dtype')!r})")
+        if not isinstance(info.get("master", False), bool):
+            raise bad(f"tensor {name}: master {info.get('master')!r} is not true or false")
         if info.get("numel") != math.prod(shape):
             raise bad(f"tensor {name}: numel {info.get('numel')!r} is not the product of its shape {shape}")
     covered: dict[str, list] = {name: [] for name in tensors}
@@ -173,16 +175,37 @@ def verify_checkpoint(path: str, verified: set | None = None) -> dict:
         try:
             with safe_open(fpath, framework="pt") as f:
                 held = {key: f.get_slice(key).get_shape() for key in f.keys()}
+                stored = {key: f.get_slice(key).get_dtype() for key in f.keys()}
         except Exception as e:  # noqa: BLE001 - safetensors' own error types; the file verified, the header is bad
             raise ConfigError(f"{fpath} is not a safetensors file ({e}): the checkpoint is corrupt") from None
         for tensor, (lo, hi) in manifest["slices"][name].items():
             if held.get(tensor) != [hi - lo]:
                 raise ConfigError(f"{fpath} holds {held.get(tensor)!r} for {tensor}, where the manifest says "
                                   f"[{hi - lo}] elements: the checkpoint is corrupt")
+            check_stored_dtype(fpath, tensor, manifest["tensors"][tensor], stored[tensor])
     for name, sha in manifest.get("other_files", {}).items():
         if file_sha256(own_file(path, name)) != sha:
             raise ConfigError(f"checksum mismatch for {os.path.join(path, name)}: the checkpoint is corrupt")
     return manifest
+
+
+# safetensors' names of the dtypes a checkpoint holds
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
+
+
+def check_stored_dtype(fpath: str, tensor: str, info: dict, stored: str) -> None:
+    """That the rank file `fpath` holds `tensor` in the dtype its manifest entry records: the tensor's own dtype, or
+    F32 where the entry says `master` (an fp32 master copy of a 16-bit tensor). A checkpoint written before `master`
+    was recorded may hold F32 for any 16-bit tensor. Otherwise a load would convert it and an export lose precision
+    without a word: a one-line ConfigError."""
+    dtype, master = info["dtype"], info.get("master")
+    want = "F32" if master else SAFETENSORS_DTYPES.get(dtype, dtype)
+    older = master is None and stored == "F32" and dtype in ("bfloat16", "float16")
+    if stored != want and not older:
+        copy = " (an fp32 master copy)" if master else ""
+        raise ConfigError(f"{fpath} holds {tensor} as {stored}, where the manifest records dtype {dtype}{copy}: the "
+                          "manifest and the tensors disagree, so a load or an export would convert the values "
+                          "silently; the checkpoint is corrupt")
 
 
 def check_model(path: str, manifest: dict, entries) -> None:

@@ -6,6 +6,7 @@ rotates to save_total_limit keeping the best, tracks the best evaluation and the
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import shutil
@@ -67,7 +68,8 @@ class CheckpointManager:
       rotates to `save_total_limit`, never deleting the best checkpoint, and every rank meets at a barrier;
     - `maybe_save(engine, last)`: `save` when `save_steps` divides the step or at the last step, once per step;
     - `track(step, metrics)`: the best evaluation so far by `metric` (higher is better unless
-      `greater_is_better=False`); the best is protected from rotation once it is saved;
+      `greater_is_better=False`; a tie goes to the lower dev `loss`); the best is protected from rotation once
+      it is saved;
     - `load(engine, path)`: the weights, the ZO state, and the state of the manager and of every component;
     - `resume_path(resume)`: the checkpoint a `--resume` means (`True`: the newest one that verifies; a path: it,
       verified).
@@ -109,6 +111,9 @@ class CheckpointManager:
         best = self.best["metrics"].get(self.metric)
         if best is None:
             return True
+        if value == best:  # a tie (F1 or accuracy on a small dev set often ties): the lower dev loss is better
+            loss, best_loss = metrics.get("loss"), self.best["metrics"].get("loss")
+            return _finite(loss) and (not _finite(best_loss) or loss < best_loss)
         return value > best if self.greater_is_better else value < best
 
     def track(self, step: int, metrics: dict) -> bool:
@@ -216,3 +221,7 @@ class CheckpointManager:
 
     def load_state_dict(self, state: dict) -> None:
         self.best = state.get("best_dev")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)

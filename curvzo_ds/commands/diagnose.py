@@ -216,7 +216,8 @@ def register(sub) -> None:
                                    "of the configured run; every --probe-every steps, the backprop gradient on the "
                                    "same batch. Prints the correlations of pi and S with the block energies and "
                                    "writes diagnose.json and one PNG per estimator to --out (docs/algorithm.md).")
-    p.add_argument("--config", help="a YAML file of key: value")
+    p.add_argument("--config", action="append", metavar="FILE",
+                   help="a YAML file of key: value; repeat it to merge several in order (a later file wins)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config key")
     p.add_argument("--estimators", default="normalized,unbiased_element",
                    help="score_estimator values, comma-separated")

@@ -16,15 +16,18 @@ What it cannot write faithfully it refuses in one line: a full model some of who
 checkpoint lacks them), a model without a Hugging Face config, several adapters, tensors that are not peft's
 adapter keys, a merge without a known base model, a checkpoint without a model record (an older curvzo_ds).
 Tensors are assembled one at a time from the ranks' slices; one process, no GPU needed. The export is written
-beside DIR and renamed into place; a non-empty DIR is replaced only with `--overwrite`.
+beside DIR and renamed into place. DIR is locked meanwhile as a run locks its output_dir; an earlier export there is
+replaced only with `--overwrite`, and a run's directory (live or finished) or any other files never (`lock_out`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 
 import torch
@@ -55,7 +58,8 @@ def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False, overw
     """Write the export; returns what was written and how to load it, one line each.
 
     Everything is written into a staging directory beside `out` and renamed into place when complete, so `out` never
-    holds a mix of two exports; a non-empty `out` is replaced only with `overwrite`."""
+    holds a mix of two exports; `out` is locked meanwhile, and an earlier export there is replaced only with
+    `overwrite`, a run's directory (live or finished) never (`lock_out`)."""
     if not os.path.isdir(checkpoint):
         raise ConfigError(f"{checkpoint}: no such checkpoint directory")
     verified: set = set()
@@ -67,9 +71,6 @@ def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False, overw
         where = f"inside the checkpoint {inside}" if inside else f"a directory that holds {checkpoint}"
         raise ConfigError(f"--out {out} is {where}: the export would write into (or replace) the checkpoint it "
                           "reads; choose a directory outside it")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise ConfigError(f"--out {out} is not empty: an export into it would mix its files with the new ones; pass "
-                          "--overwrite to replace it, or choose another directory")
     model = manifest.get("model")
     if not isinstance(model, dict):
         raise ConfigError(f"{checkpoint} has no model record in its manifest (written by an older curvzo_ds): "
@@ -83,7 +84,10 @@ def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False, overw
         raise ConfigError(f"--merge-lora: {checkpoint} is a full fine-tuning checkpoint (no LoRA adapter to "
                           "merge); export it without --merge-lora")
     staging = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(os.path.abspath(out))}.tmp")
+    created = not os.path.isdir(out)
+    lock, published = None, False
     try:
+        lock = lock_out(out, overwrite)
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
         try:
@@ -94,13 +98,92 @@ def export_checkpoint(checkpoint: str, out: str, merge_lora: bool = False, overw
             for root, _, files in os.walk(staging):  # safetensors files are created 0600 whatever the umask
                 for name in files:
                     honour_umask(os.path.join(root, name))
-            publish_dir(staging, out)
+            publish_dir(staging, out)  # the locked directory (and its lock file) goes, the new one comes
+            published = True
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as e:  # the checkpoint was read already: a write that failed
         raise ConfigError(f"--out {out} cannot be written ({e.strerror or e}): fix its permissions, free space, or "
                           "choose another directory") from None
+    finally:
+        if lock is not None:
+            lock.release()
+        if created and not published:  # a refused or failed export leaves no --out behind
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
     return lines
+
+
+# What an export writes, and from_pretrained reads: `--overwrite` replaces a directory of these names only.
+EXPORT_FILES = frozenset(("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                          "adapter_model.safetensors", "adapter_config.json", "added_tokens.json", *TOKENIZER_FILES))
+EXPORT_DIRS = ("base", "adapter")  # a demo model's base beside its adapter; --merge-lora's adapter
+
+
+def lock_out(out: str, overwrite: bool):
+    """Make --out and take its lock (train/outputs.RunLock, as a run does its output_dir) for the export, so that no
+    run starts there meanwhile; then refuse, in one line naming what is there, a directory the export must not
+    replace: one a live run holds, one that holds a run (live or finished: config.json, metrics.jsonl,
+    checkpoints), one that holds anything an export does not write, and, without `overwrite`, an earlier export.
+    `--overwrite` replaces an earlier export only. Returns the lock (None where the file system has none)."""
+    from curvzo_ds.train.outputs import RunLock, held_run_files
+
+    os.makedirs(out, exist_ok=True)
+    lock = RunLock.take(out, refusal=lambda holder, pid: (
+        f"--out {out} is in use by a live run ({holder}): an export never writes into a run's directory; choose "
+        "another --out"))
+    try:
+        held = [n for n in held_run_files(out) if n != "config.json" or _is_run_config(os.path.join(out, n))]
+        odd = _not_an_export(out)
+        shown = lambda names: ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")  # noqa: E731
+        if held:
+            raise ConfigError(f"--out {out} holds a run ({shown(held)}): an export never replaces a run's files, "
+                              "live or finished (--overwrite replaces an earlier export only); choose another --out, "
+                              f"such as {os.path.join(out, 'export')}")
+        if odd:
+            raise ConfigError(f"--out {out} holds files that no export writes ({shown(odd)}): --overwrite replaces "
+                              "an earlier export only; choose another --out")
+        if not overwrite and any(n != RunLock.NAME for n in os.listdir(out)):
+            raise ConfigError(f"--out {out} is not empty: it holds an earlier export, and an export into it would mix "
+                              "its files with the new ones; pass --overwrite to replace it, or choose another "
+                              "directory")
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock
+
+
+def _not_an_export(directory: str, prefix: str = "") -> list[str]:
+    """The entries of `directory` that no export writes (EXPORT_FILES, model-NNNNN-of-NNNNN.safetensors, base/ and
+    adapter/ of the same), a link among them, or a config.json that is a run's; sorted, a directory with a /."""
+    from curvzo_ds.train.outputs import RunLock
+
+    odd = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name == RunLock.NAME and not prefix:
+            continue
+        if os.path.islink(path):
+            odd.append(prefix + name)
+        elif os.path.isdir(path):
+            odd += _not_an_export(path, f"{prefix}{name}/") if name in EXPORT_DIRS and not prefix else \
+                [f"{prefix}{name}/"]
+        elif not (name in EXPORT_FILES or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name)) or \
+                (name == "config.json" and _is_run_config(path)):
+            odd.append(prefix + name)
+    return odd
+
+
+def _is_run_config(path: str) -> bool:
+    """Whether config.json is anything but a Hugging Face model config (a run's output_dir/config.json holds the
+    run's keys, output_dir among them; a model's names its model_type)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return True
+    return not isinstance(config, dict) or "model_type" not in config or "output_dir" in config
 
 
 def _export_full(checkpoint: str, model: dict, staging: str, out: str, verified: set) -> list[str]:
@@ -167,6 +250,8 @@ def _export_adapter(checkpoint: str, model: dict, staging: str, out: str, merge_
     else:  # peft's Auto classes need the task type in the adapter config
         lines = [f"wrote the LoRA adapter to {out_adapter} (base model {base_ref}): PeftModel.from_pretrained("
                  f"AutoModelForCausalLM.from_pretrained({base_ref!r}), {out_adapter!r})"]
+    if base_ref is not None and cfg is not None and cfg.quantization != "none":
+        lines = [_quantised_hint(cfg, out_adapter, base_ref, base_dir)]
     if merge_lora:
         if cfg is not None and cfg.quantization != "none":
             log.warning("--merge-lora: the adapter was trained against the %s-quantised base; it is merged into the "
@@ -189,6 +274,19 @@ def _export_adapter(checkpoint: str, model: dict, staging: str, out: str, merge_
         _copy(checkpoint, staging, TOKENIZER_FILES)
         lines.insert(0, f"wrote the merged model to {out}: AutoModelForCausalLM.from_pretrained({out!r})")
     return lines
+
+
+def _quantised_hint(cfg: TrainConfig, out_adapter: str, base_ref: str, base_dir: str | None) -> str:
+    """The load line of an adapter trained on a quantised base: the base loaded quantised as the run loaded it
+    (models.quantization_kwargs), for peft's Auto classes and a plain from_pretrained load it in full precision,
+    whose outputs differ from those the adapter was trained with."""
+    from curvzo_ds.models import DTYPES, quantization_kwargs
+
+    bnb = ", ".join(f"{k}={v!r}" for k, v in quantization_kwargs(cfg.quantization, DTYPES[cfg.dtype]).items())
+    return (f"wrote the LoRA adapter to {out_adapter} (base model {base_ref!r}, trained on the base quantised to "
+            f"{cfg.quantization}: load the base quantised as the run did, not in full precision): "
+            f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base_dir or base_ref!r}, "
+            f"quantization_config=BitsAndBytesConfig({bnb})), {out_adapter!r})")
 
 
 def _base_model(recorded: str | None, cfg: TrainConfig | None, staging: str, out: str, adapter_dir: str):
@@ -251,7 +349,8 @@ def register(sub) -> None:
     p.add_argument("--merge-lora", action="store_true",
                    help="LoRA runs: write the merged model to --out itself and the adapter to --out/adapter")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace a non-empty --out (the new export is renamed into place when complete)")
+                   help="replace an earlier export in --out (the new one is renamed into place when complete); a "
+                        "directory that holds a run, or other files, is never replaced")
     p.set_defaults(handler=handle)
 
 

@@ -74,7 +74,7 @@ def plan(num_directions: int = 1, gpus_per_node: int | None = None, **kwargs) ->
     """`curvzo-ds plan`: the layout the run takes (`zero_stage: auto`, layout/choice.py's `plan_layouts`, unless
     --shard-group-size names one), its per-rank table, the other layouts that fit (`layout_lines`), then its verdict
     (the last line says `fits` or `does not fit`); return the plan of that layout."""
-    from curvzo_ds.layout.choice import Layout, plan_layouts
+    from curvzo_ds.layout.choice import Layout, check_directions, plan_layouts
     from curvzo_ds.layout.memory import parse_memory, plan_memory  # transformers comes with it: imported here
 
     if num_directions < 1 or (gpus_per_node is not None and gpus_per_node < 1):
@@ -90,6 +90,11 @@ def plan(num_directions: int = 1, gpus_per_node: int | None = None, **kwargs) ->
     else:
         result = plan_memory(**kwargs)
         group = kwargs["shard_group_size"]
+        try:  # the rule train applies (layout/choice.py), before any rank starts: the same words
+            check_directions(world, group, num_directions)
+        except ConfigError as e:
+            raise ConfigError(f"refused: {e}: train refuses this layout; use --num-directions a multiple of "
+                              f"{world // group}, or another --shard-group-size") from None
         chosen = Layout(3, group, world // group, f"shard_group_size={group} (--shard-group-size)", result.total)
         fits = []
     result = plan_memory(**kwargs)

@@ -14,11 +14,13 @@ def field_names(cls=TrainConfig) -> list[str]:
     return [f.name for f in key_fields(cls)]
 
 
-def set_sources(cfg, sources: dict[str, str]):
-    """Record where each explicitly given key of `cfg` came from ("--set", "--config FILE") in its `sources` field.
-    The DeepSpeed mapping reads it: a key given there and set to another value by the DeepSpeed config is refused
-    (docs/deepspeed.md). It goes into no config.json (`to_dict`)."""
+def set_sources(cfg, sources: dict[str, str], files: list[str] | tuple = ()):
+    """Record where each explicitly given key of `cfg` came from ("--set", "--config FILE") in its `sources` field,
+    and the --config files in the order they were merged (`config_files`, which the run logs). The DeepSpeed mapping
+    reads the sources: a key given there and set to another value by the DeepSpeed config is refused
+    (docs/deepspeed.md). Neither goes into config.json (`to_dict`)."""
     cfg.sources = dict(sources)
+    cfg.config_files = tuple(files)
     return cfg
 
 

@@ -17,20 +17,35 @@ from curvzo_ds.config.schema import TrainConfig, key_fields
 from curvzo_ds.errors import ConfigError
 
 
-def read_values(config_file: str | None, sets: list[str], deepspeed: str | None) -> dict:
-    """The keys given by --config, --set and --deepspeed, coerced to their types (not yet validated together)."""
+def config_files(config_file: str | list[str] | None) -> list[str]:
+    """The --config files in the order given (the option may be repeated; a later file wins)."""
+    return [config_file] if isinstance(config_file, str) else list(config_file or [])
+
+
+def read_config_files(config_file: str | list[str] | None) -> tuple[dict, dict[str, str]]:
+    """The keys of every --config file merged in order, a later file winning over an earlier one, and the file
+    each key came from (the last that sets it)."""
+    values: dict = {}
+    origin: dict[str, str] = {}
+    for path in config_files(config_file):
+        if os.path.isdir(path):
+            raise ConfigError(f"--config {path}: is a directory; name the YAML file inside it")
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {path}: no such file")
+        loaded = read_yaml(path)
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: must be a mapping of key: value")
+        values.update(loaded)
+        origin.update({k: path for k in loaded})
+    return values, origin
+
+
+def read_values(config_file: str | list[str] | None, sets: list[str], deepspeed: str | None) -> dict:
+    """The keys given by --config (each file in order), --set and --deepspeed, coerced to their types (not yet
+    validated together)."""
     import yaml
 
-    values: dict = {}
-    if config_file:
-        if os.path.isdir(config_file):
-            raise ConfigError(f"--config {config_file}: is a directory; name the YAML file inside it")
-        if not os.path.isfile(config_file):
-            raise ConfigError(f"--config {config_file}: no such file")
-        loaded = read_yaml(config_file)
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"--config {config_file}: must be a mapping of key: value")
-        values.update(loaded)
+    values, _ = read_config_files(config_file)
     for item in sets:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: use KEY=VALUE, for example --set learning_rate=1e-6")
@@ -41,14 +56,43 @@ def read_values(config_file: str | None, sets: list[str], deepspeed: str | None)
             values[key.strip()] = raw
     if deepspeed:
         values["deepspeed"] = deepspeed
-    for key in ("model", "tokenizer", "task", "data_dir", "deepspeed"):
-        path = values.get(key)
-        must_exist = key == "deepspeed" or (key == "data_dir" and path not in (None, "hub", "samples"))
-        if must_exist and path is not None and not os.path.exists(str(path)):
-            raise ConfigError(f"{key}={path}: no such file or directory")
-    if values.get("deepspeed"):  # recorded in run_config.json: absolute, so `eval --resume` works from any directory
-        values["deepspeed"] = os.path.abspath(str(values["deepspeed"]))
+    for key in PATH_KEYS:
+        if values.get(key) is not None:
+            values[key] = checked_path(key, values[key])
     return {k: coerce(TrainConfig, k, v) for k, v in values.items()}
+
+
+# The keys that may name a path, with the names that are not paths and the kind of path each needs.
+PATH_KEYS = ("model", "tokenizer", "task", "data_dir", "deepspeed")
+
+
+def checked_path(key: str, value):
+    """A path-valued key's value: refused in one line where it names the wrong kind of path (a file where a directory
+    is needed, or the reverse) or, where it must exist, nothing; made absolute where it names a path that exists, so
+    that run_config.json records it absolute and `eval --resume` and `train --resume` work from any directory. A
+    built-in name (task=sst2, model=demo, data_dir=samples) or a hub id stays as it is."""
+    from curvzo_ds.config.presets import DEMO_MODELS
+    from curvzo_ds.tasks.task import TASK_NAMES
+
+    if not isinstance(value, str) or not value:
+        return value  # coerce and the validation refuse a value of another type
+    names = {"model": DEMO_MODELS, "task": TASK_NAMES, "data_dir": ("hub", "samples")}.get(key, ())
+    if value in names:
+        return value
+    path = os.path.expanduser(value)
+    if not os.path.exists(path):
+        if key in ("deepspeed", "data_dir"):
+            raise ConfigError(f"{key}={value}: no such file or directory")
+        return value  # a hub id, or a missing directory that the model, tokenizer or task loader refuses
+    if key == "deepspeed" and os.path.isdir(path):
+        raise ConfigError(f"deepspeed={value} is a directory: name the DeepSpeed JSON file")
+    if key != "deepspeed" and not os.path.isdir(path):
+        need = {"model": "the model's directory (the one holding config.json) or a hub id",
+                "tokenizer": "the tokenizer's directory (the one holding tokenizer_config.json) or a hub id",
+                "task": "a task directory (the one holding task.json) or a built-in task",
+                "data_dir": "a directory holding train.jsonl (or .csv) files, or a datasets save_to_disk directory"}
+        raise ConfigError(f"{key}={value} is a file, not a directory: give {need[key]}")
+    return os.path.abspath(path)
 
 
 def read_yaml(path: str):
@@ -77,17 +121,20 @@ def read_yaml(path: str):
         raise ConfigError(f"--config {path}{where}: not valid YAML ({reason})") from None
 
 
-def key_sources(config_file: str | None, sets: list[str], values: dict) -> dict[str, str]:
-    """Where each explicitly given key came from: "--set" (a later --set wins over the file) or "--config FILE"."""
+def key_sources(config_file: str | list[str] | None, sets: list[str], values: dict) -> dict[str, str]:
+    """Where each explicitly given key came from: "--set" (a later --set wins over the files) or "--config FILE"
+    (the last file that sets it)."""
     given = {item.split("=", 1)[0].strip() for item in sets if "=" in item}
-    return {k: "--set" if k in given else f"--config {config_file}" for k in values if k != "deepspeed"}
+    _, origin = read_config_files(config_file)  # a few small files, read again
+    return {k: "--set" if k in given else f"--config {origin[k]}" for k in values if k != "deepspeed"}
 
 
-def load_config(config_file: str | None, sets: list[str], deepspeed: str | None) -> TrainConfig:
-    """The validated run configuration of --config, --set and --deepspeed, each key's source recorded."""
+def load_config(config_file: str | list[str] | None, sets: list[str], deepspeed: str | None) -> TrainConfig:
+    """The validated run configuration of --config (each file in order), --set and --deepspeed, each key's source
+    recorded."""
     values = read_values(config_file, sets, deepspeed)
     cfg = build(TrainConfig, values)
-    set_sources(cfg, key_sources(config_file, sets, values))
+    set_sources(cfg, key_sources(config_file, sets, values), config_files(config_file))
     return resolve(cfg)  # presets and the one validation, before any process group (exit 2, one line); frozen
 
 
@@ -197,8 +244,20 @@ BEFORE_THE_KEY = {"rate_correction": "none"}
 def differences(saved: dict[str, Any], values: dict[str, Any], keys) -> list[str]:
     """"key: saved -> new" for each of `keys` whose value in `values` differs from the checkpoint's `saved`. A key
     that `saved` lacks (one added to curvzo_ds after the checkpoint was written) counts as its default, or as what
-    runs did before it existed (BEFORE_THE_KEY)."""
+    runs did before it existed (BEFORE_THE_KEY). A path-valued key that names the same file or directory is the
+    same (a run written before paths were recorded absolute holds a relative one)."""
     defaults = {f.name: f.default for f in key_fields(TrainConfig) if f.default is not dataclasses.MISSING}
     defaults.update(BEFORE_THE_KEY)
     old = {k: saved.get(k, defaults.get(k)) for k in keys}
-    return [f"{k}: {old[k]!r} -> {values[k]!r}" for k in keys if k in values and values[k] != old[k]]
+    return [f"{k}: {old[k]!r} -> {values[k]!r}" for k in keys if k in values and not _same(k, old[k], values[k])]
+
+
+def _same(key: str, old, new) -> bool:
+    if old == new:
+        return True
+    if key not in PATH_KEYS or not isinstance(old, str) or not isinstance(new, str):
+        return False
+    try:
+        return os.path.samefile(os.path.expanduser(old), os.path.expanduser(new))
+    except OSError:
+        return False

@@ -22,6 +22,7 @@ from curvzo_ds.algo.sampling import Method
 from curvzo_ds.config.ds_policy import REFUSAL_BY_KEY
 from curvzo_ds.config.report_to import resolve_report_to
 from curvzo_ds.errors import ConfigError
+from curvzo_ds.tasks.task import TASK_NAMES
 
 
 class Granularity(str, enum.Enum):
@@ -268,7 +269,8 @@ class TrainConfig(ZOConfig):
     tokenizer: str | None = key(None, "defaults to the model's")
     trust_remote_code: bool = key(False, "run the Python code that a hub model or tokenizer ships (transformers' "
                                          "name); off: only the classes in transformers are used")
-    task: str = key("demo", "built-in task name or a task directory")
+    task: str = key("demo", f"a built-in task ({', '.join(TASK_NAMES)}) or a task directory (task.json and "
+                            "train.jsonl; docs/contracts.md)")
     data_dir: str | None = key(None, "unset: the hub dataset of a built-in task; samples: its bundled examples; "
                                      "DIR: local train/validation JSONL or CSV, or a datasets save_to_disk dir")
     output_dir: str = key("runs/demo", "where metrics.jsonl, summary.json and checkpoint-<step>/ go")
@@ -330,6 +332,8 @@ class TrainConfig(ZOConfig):
     # a key given there that the DeepSpeed config sets otherwise (docs/deepspeed.md). A field, so that
     # dataclasses.replace keeps it; no part of equality, of to_dict (run_config.json, config.json) or of the key list.
     sources: dict = field(default_factory=dict, compare=False, repr=False, metadata={"internal": True})
+    # Not a key either: the --config files, merged in this order (a later one wins); the run's log names them.
+    config_files: tuple = field(default=(), compare=False, repr=False, metadata={"internal": True})
 
     def _check(self) -> None:
         super()._check()

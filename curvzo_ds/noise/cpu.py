@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from curvzo_ds.environment import cache_dir, noise_kernel
 from curvzo_ds.noise import rows as row_abi
 from curvzo_ds.noise.rows import ElementMode
 
@@ -57,8 +58,7 @@ def build(flags: list[str] | None = None) -> str:
         source = f.read()
     tag = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
-    cache = os.environ.get("CURVZO_DS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "curvzo_ds")
-    directory = os.path.join(cache, "kernels")
+    directory = os.path.join(cache_dir(), "kernels")
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"philox-{tag}.so")
     if not os.path.exists(path):
@@ -93,7 +93,7 @@ def available() -> bool:
     """True when the kernel is built and loaded (once per process); False, with one warning, when it cannot be."""
     global _lib, _failed
     if _lib is None and _failed is None:
-        if os.environ.get("CURVZO_DS_NOISE_KERNEL", "auto") == "torch":
+        if noise_kernel() == "torch":
             _failed = "CURVZO_DS_NOISE_KERNEL=torch"
         else:
             try:

@@ -22,12 +22,12 @@ with another kernel build fails at once.
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
 
 import numpy as np
 import torch
 
+from curvzo_ds.environment import noise_kernel
 from curvzo_ds.noise import cpu as cpu_kernel
 from curvzo_ds.noise import reference
 from curvzo_ds.noise.rows import MODES, ElementMode
@@ -152,7 +152,7 @@ def backend(device: torch.device, dtype: torch.dtype) -> str:
     CPU for the dtypes it has (float32, bfloat16, float16, float64), the Triton kernel on CUDA for float32,
     bfloat16 and float16 when Triton imports; the torch reference for the rest. This is the rule the Perturber
     followed; NoiseSource's own rule had no CURVZO_DS_NOISE_KERNEL=triton case."""
-    if os.environ.get("CURVZO_DS_NOISE_KERNEL", "auto") == "triton" and dtype in TRITON_DTYPES:
+    if noise_kernel() == "triton" and dtype in TRITON_DTYPES:
         return "triton"
     if device.type == "cpu" and dtype in MODES and cpu_kernel.available():
         return "c"

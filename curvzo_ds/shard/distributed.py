@@ -22,6 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from curvzo_ds.environment import check_accelerator, check_master_addr
 from curvzo_ds.errors import ConfigError, RanksDisagree
 from curvzo_ds.shard.comm import Comm
 from curvzo_ds.startup import environment_ninja_first, extensions_dir, stdout_to_log
@@ -141,6 +142,8 @@ def check_launcher_env(env) -> None:
     port = env.get("MASTER_PORT")
     if port is not None and not (port.strip().isdecimal() and 1 <= int(port) <= 65535):
         raise ConfigError(f"the launcher's environment: MASTER_PORT={port!r} is not a port (1-65535)")
+    check_master_addr(env)
+    check_accelerator()
 
 
 def _unlink_shm_buffer() -> None:

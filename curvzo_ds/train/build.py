@@ -100,6 +100,11 @@ def build(cfg: TrainConfig) -> Job:
     cfg = resolve(cfg)  # the presets, once (a config the CLI resolved has them), and the one validation
     rank, _, _ = init_distributed(cfg.ddp_timeout)
     setup_logging(rank, cfg.log_level)
+    if len(cfg.config_files) > 1:
+        log.info("config: %s merged in this order (a key in a later file wins; --set over all)",
+                 ", ".join(cfg.config_files))
+    elif cfg.config_files:
+        log.info("config: %s", cfg.config_files[0])
     threads = pin_threads(cfg.threads)
     user_ds = load_ds_config(cfg.deepspeed) if cfg.deepspeed else accelerate_ds_config()  # read once, not edited
     layout = choose_layout(cfg, user_ds)  # layout/: zero_stage and shard_group_size, "auto" decided

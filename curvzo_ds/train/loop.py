@@ -48,6 +48,7 @@ def train_loop(job: Job, manager: CheckpointManager, record: RunLog, clock: Cloc
     cfg, engine, evaluator, comm = job.cfg, job.engine, job.evaluator, job.topology.job
     fault = Fault(job.rank)  # tests only (CURVZO_DS_FAULT); does nothing otherwise
     flat = FlatLossWatch(cfg.flat_loss_steps)
+    horizon = HorizonWatch(cfg.max_steps, job.rank)
     while engine.step_count < cfg.max_steps:
         # a stop request since the last pass: a signal (the handler only sets a flag), or a launcher that is gone
         stop.poll()
@@ -64,6 +65,7 @@ def train_loop(job: Job, manager: CheckpointManager, record: RunLog, clock: Cloc
         # record the step; warn once if the loss never moves; a diverging run rolls back (or stops)
         record.step(r, clock.seconds())
         flat.observe(r)
+        horizon.observe(step)
         reason = watch.observe_step(step, r.loss if r.skipped is None else None)
         if reason:
             recover(job, manager, record, clock, watch, reason, step)
@@ -120,6 +122,35 @@ class FlatLossWatch:
                         "does not reach the loss. Likely causes: zo_eps below the weights' dtype spacing (raise "
                         "zo_eps or use fp32_master_weights=true), label words that the tokenizer maps to the same "
                         "tokens, or the trained parameters (LoRA targets) not on the loss's path", r.loss, self.run)
+
+
+class HorizonWatch:
+    """Warns once, on rank 0, when max_steps at the measured pace of this run's steps (steps 2 to 1 + PROBE: the first
+    carries one-time set-up) would take more than `WARN_DAYS`: an absurd horizon (max_steps=1e8) is legal, but its
+    time is said, in days, while there is time to stop it. The run goes on."""
+
+    PROBE, WARN_DAYS = 3, 7.0
+
+    def __init__(self, max_steps: int, rank: int):
+        self.max_steps, self.rank, self.start, self.seen, self.done = max_steps, rank, None, 0, rank != 0
+
+    def observe(self, step: int, now: float | None = None) -> None:
+        if self.done:
+            return
+        now = time.monotonic() if now is None else now
+        self.seen += 1
+        if self.seen == 1:
+            self.start = now  # after the first step of this run
+            return
+        if self.seen <= self.PROBE:
+            return
+        self.done = True
+        per_step = (now - self.start) / (self.seen - 1)
+        days = per_step * (self.max_steps - step) / 86400
+        if days > self.WARN_DAYS:
+            log.warning("max_steps=%d: at %.3g s per step (this run's steps so far) the %d steps left take about %.0f "
+                        "days; if that is not meant, stop the run (Ctrl-C saves a checkpoint) and set max_steps to the "
+                        "steps you mean to train", self.max_steps, per_step, self.max_steps - step, days)
 
 
 def final_evaluations(job: Job, manager: CheckpointManager, record: RunLog) -> tuple:

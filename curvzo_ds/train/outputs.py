@@ -123,9 +123,10 @@ class RunLock:
         self.fd, self.path = fd, path
 
     @classmethod
-    def take(cls, directory: str) -> RunLock | None:
-        """The lock of `directory`, or a ConfigError naming the live run that holds it. None (with a warning) where
-        the file system has no locks (some network and FUSE file systems)."""
+    def take(cls, directory: str, refusal=None) -> RunLock | None:
+        """The lock of `directory`, or a ConfigError naming the live run that holds it (`refusal(holder, pid)`, the
+        line of a command other than train). None (with a warning) where the file system has no locks (some network
+        and FUSE file systems)."""
         import fcntl
 
         path = os.path.join(directory, cls.NAME)
@@ -136,6 +137,8 @@ class RunLock:
             except BlockingIOError:
                 holder, pid = _holder(_read_fd(fd))
                 os.close(fd)
+                if refusal is not None:
+                    raise ConfigError(refusal(holder, pid)) from None
                 raise ConfigError(f"output_dir={directory} is in use by a live run ({holder}): a second run, resume "
                                   "or overwrite_output_dir there would mix or lose its files; wait for it to end, or "
                                   f"stop it (kill -INT {pid} saves a checkpoint) and then --resume, or choose another "
@@ -165,8 +168,9 @@ class RunLock:
     def release(self) -> None:
         if self.fd is None:
             return
-        with contextlib.suppress(OSError):
-            os.remove(self.path)  # while still held: a run that opens it now locks a removed file and tries again
+        with contextlib.suppress(OSError):  # while still held: a run that opens it now locks a removed file and
+            if os.path.samestat(os.fstat(self.fd), os.stat(self.path)):  # tries again; and only our own file (an
+                os.remove(self.path)  # export's directory is renamed away with it, and a new run may lock a new one)
         os.close(self.fd)
         self.fd = None
 

@@ -1,14 +1,15 @@
 """Pre-emption and fault injection for the training loop (docs/reliability.md).
 
-`StopRequest`: SIGTERM, SIGINT and SIGUSR1 (SLURM's `--signal`, a scheduler's pre-emption, Ctrl-C) set a
-flag on the rank that receives them; the handler does nothing else (no logging, no I/O, no lock), and the loop
-announces the request at its next pass. The loop hands the flag to `ZOEngine.step`, which sums it over the ranks
-inside the step's own all-reduce: at the next step boundary every rank knows that one of them was asked to stop,
-saves the same checkpoint, and the process exits with EXIT_PREEMPTED. However many signals arrive together (a
-terminal's Ctrl-C and a launcher's relay of it), a rank makes one stop request of them; a SIGINT or SIGTERM that
-arrives `STOP_NOW_AFTER` seconds or more after the first stops at once (KeyboardInterrupt, exit 130), SIGUSR1
-never does. A rank started by a launcher also stops at the next step boundary, with a checkpoint, when that
-launcher is gone (its parent process changed): no rank outlives its launcher.
+`StopRequest`: SIGTERM, SIGINT and SIGUSR1 (SLURM's `--signal`, a scheduler's pre-emption, Ctrl-C) set a flag on the
+rank that receives them; the handler does nothing else (no logging, no lock) but acknowledge the first signal at
+once in one line (one os.write to stderr, rank 0), and the loop logs the request at its next pass. The loop hands
+the flag to `ZOEngine.step`, which sums it over the ranks inside the step's own all-reduce: at the next step
+boundary every rank knows that one of them was asked to stop, saves the same checkpoint, and the process exits with
+EXIT_PREEMPTED. However many signals arrive together (a terminal's Ctrl-C and a launcher's relay of it), a rank
+makes one stop request of them; a SIGINT or SIGTERM that arrives `STOP_NOW_AFTER` seconds or more after the first
+stops at once (KeyboardInterrupt, exit 130), SIGUSR1 never does. A rank started by a launcher also stops at the next
+step boundary, with a checkpoint, when that launcher is gone (its parent process changed): no rank outlives its
+launcher.
 
 `Fault`: CURVZO_DS_FAULT="kind@step[:rank]" makes one rank misbehave at a step, so that the tests can show
 the run's reaction with real processes: `nan` (that rank's losses are NaN), `hang` (it sleeps in the loop,
@@ -69,15 +70,31 @@ class StopRequest:
         return "on a signal (received by another rank)"
 
     def _handle(self, signum, frame) -> None:
-        # A flag and a time only: the handler may run between any two bytecodes of the main thread, in the middle of
-        # a log write or under a lock that it would then wait for.
+        # A flag, a time and one os.write: the handler may run between any two bytecodes of the main thread, in the
+        # middle of a log write or under a lock that it would then wait for.
         now = time.monotonic()
         if signum == signal.SIGINT:
             self.interrupted = True
         if self.first is None:
             self.first, self.first_at = signum, now
+            self._acknowledge(signum)
         elif signum != signal.SIGUSR1 and now - self.first_at >= STOP_NOW_AFTER:
             raise KeyboardInterrupt  # asked again, well after the first: stop now (cli.entry: one line, exit 130)
+
+    def _acknowledge(self, signum: int) -> None:
+        """The first signal's one line, at once (a step can take minutes): one os.write to stderr, the handler's only
+        output (no logging: its lock may be held by the code the handler interrupted). Rank 0 only (every rank of a
+        launched job gets the signal), or a rank that is alone."""
+        if os.environ.get("RANK", "0") != "0":
+            return
+        name = signal.Signals(signum).name
+        again = ("" if signum == signal.SIGUSR1 else
+                 f" (another SIGINT or SIGTERM {STOP_NOW_AFTER:g} s or more after this one stops at once, saving "
+                 "nothing)")
+        line = (f"curvzo-ds: {name} received: the run stops at the end of the step in progress, after saving a "
+                f"checkpoint{again}\n")
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode())
 
     def poll(self) -> None:
         """At a step boundary (the loop's): notice a launcher that is gone, and announce a new request once."""

@@ -1,0 +1,102 @@
+"""The environment variables curvzo_ds reads itself, each checked where it is read: a value it cannot use is a
+one-line ConfigError naming the variable and what it takes (docs/reliability.md). The launchers' own variables
+(RANK, WORLD_SIZE, MASTER_PORT, ...) are shard/distributed.check_launcher_env's, which also resolves MASTER_ADDR
+here (`check_master_addr`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+from curvzo_ds.errors import ConfigError
+
+NOISE_KERNELS = ("auto", "torch", "triton")
+
+
+def noise_kernel() -> str:
+    """CURVZO_DS_NOISE_KERNEL: auto (the default), torch (the reference, no C kernel) or triton."""
+    value = os.environ.get("CURVZO_DS_NOISE_KERNEL", "auto") or "auto"
+    if value not in NOISE_KERNELS:
+        raise ConfigError(f"the environment: CURVZO_DS_NOISE_KERNEL={value!r} is not one of "
+                          f"{', '.join(NOISE_KERNELS)}: unset it for auto")
+    return value
+
+
+def directory(name: str, default: str | None = None) -> str | None:
+    """A variable that names a directory (made when missing): refused when it names a file."""
+    value = os.environ.get(name) or default
+    if value and os.path.exists(value) and not os.path.isdir(value):
+        raise ConfigError(f"the environment: {name}={value} is a file, not a directory: point it at a directory (it is "
+                          "made if missing), or unset it")
+    return value
+
+
+def cache_dir() -> str:
+    """CURVZO_DS_CACHE, or ~/.cache/curvzo_ds: the compiled kernels and ops."""
+    return directory("CURVZO_DS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "curvzo_ds")
+
+
+def check_accelerator() -> None:
+    """DS_ACCELERATOR, which DeepSpeed reads as it is imported (and this package, to pick the CPU's communication
+    op): one of DeepSpeed's accelerators, where DeepSpeed's own refusal is a traceback from the import. Checked
+    before DeepSpeed is imported: its list is read from its source (importing it would fail)."""
+    value = os.environ.get("DS_ACCELERATOR")
+    if value is None:
+        return
+    supported = deepspeed_accelerators()
+    if supported and value not in supported:
+        raise ConfigError(f"the environment: DS_ACCELERATOR={value!r} is not one of DeepSpeed's accelerators "
+                          f"({', '.join(supported)}): unset it to let DeepSpeed choose")
+
+
+def deepspeed_accelerators() -> list[str]:
+    """DeepSpeed's SUPPORTED_ACCELERATOR_LIST, read from its source without importing it ([] if not found)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.origin:
+        return []
+    path = os.path.join(os.path.dirname(spec.origin), "accelerator", "real_accelerator.py")
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SUPPORTED_ACCELERATOR_LIST"
+                                                 for t in node.targets):
+            try:
+                return list(ast.literal_eval(node.value))
+            except ValueError:
+                return []
+    return []
+
+
+def check_master_addr(env, wait: float = 10.0) -> None:
+    """MASTER_ADDR, where set, resolves to an address within `wait` seconds: an unresolvable host left every rank
+    waiting for the rendezvous (past 120 s under torchrun) instead of failing. One line naming MASTER_ADDR and
+    MASTER_PORT."""
+    host = env.get("MASTER_ADDR")
+    if not host:
+        return
+    found: list = []
+
+    def resolve() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, None))
+        except (OSError, UnicodeError) as e:
+            found.append(e)
+
+    worker = threading.Thread(target=resolve, daemon=True)
+    worker.start()
+    worker.join(wait)
+    port = env.get("MASTER_PORT", "29500")
+    if not found:
+        raise ConfigError(f"the environment: MASTER_ADDR={host} (MASTER_PORT={port}) did not resolve within {wait:g} "
+                          "s: set MASTER_ADDR to the host name or address of the node of rank 0")
+    if isinstance(found[0], Exception):
+        reason = getattr(found[0], "strerror", None) or found[0]
+        raise ConfigError(f"the environment: MASTER_ADDR={host} (MASTER_PORT={port}) cannot be resolved ({reason}): "
+                          "set MASTER_ADDR to the host name or address of the node of rank 0")
