@@ -326,6 +326,25 @@ BATCHED = [
     ("plan-num-directions-zero", ["plan", "--world-size", "1", "--num-directions", "0"], "use integers >= 1", {}),
     ("plan-quantization-8bit-offload", ["plan", "--world-size", "1", "--quantization", "8bit", "--offload", "cpu"],
      "plan it with --shard-group-size 1 and no --offload", {}),
+    # issue 57's rate and issue 59's divergence keys
+    ("auto-rate-unnormalised", ["train", "--set", "learning_rate=auto"],
+     "learning_rate=auto needs a normalised step", {}),
+    ("auto-rate-no-horizon", ["train", "--set", "learning_rate=auto", "--set", "step_normalization=running_rms",
+                              "--set", "max_steps=0"], "learning_rate=auto needs max_steps > 0", {}),
+    ("auto-rate-misspelt", ["train", "--set", "learning_rate=automatic"], "learning_rate='automatic' is invalid", {}),
+    ("plateau-without-evaluations", ["train", "--set", "lr_scheduler_type=plateau", "--set", "eval_steps=0"],
+     "lr_scheduler_type=plateau needs evaluations during the run", {}),
+    ("plateau-factor-one", ["train", "--set", "plateau_factor=1"], "plateau_factor=1.0 is invalid", {}),
+    ("plateau-patience-zero", ["train", "--set", "plateau_patience=0"], "plateau_patience=0 is invalid", {}),
+    ("scheduler-unknown", ["train", "--set", "lr_scheduler_type=cosine"], "constant, linear, plateau", {}),
+    ("running-rms-with-rloo", ["train", "--set", "step_normalization=running_rms", "--set", "difference=rloo",
+                               "--set", "num_directions=4"], "step_normalization=running_rms needs "
+     "difference=central", {}),
+    ("loss-std-with-central", ["train", "--set", "step_normalization=loss_std"],
+     "step_normalization=loss_std needs difference=rloo", {}),
+    ("auto-walk-fraction-zero", ["train", "--set", "auto_walk_fraction=0"], "auto_walk_fraction=0.0 is invalid", {}),
+    ("on-divergence-unknown", ["train", "--set", "on_divergence=ignore"], "on_divergence='ignore' is invalid", {}),
+    ("max-rollbacks-negative", ["train", "--set", "max_rollbacks=-1"], "max_rollbacks=-1 is invalid", {}),
 ]
 
 
