@@ -81,18 +81,35 @@ def leave_one_out(losses: list[tuple[float, ...]], eps: float) -> Estimate:
 class DifferenceSpec(NamedTuple):
     """One estimator: `offsets`, where each forward of a direction evaluates, in units of eps along z_k (the
     engine's forwards per direction); `min_directions`; `estimate(losses, eps)`, losses being one tuple per
-    direction with one loss per offset."""
+    direction with one loss per offset. The one source of a step's forwards: the engine walks `offsets`, the step's
+    all-reduce carries `points` losses per direction (shard/comm.py's StepPacket), and the planner, the bench and
+    the experiments count `forwards(q)`."""
 
     offsets: tuple[int, ...]
     min_directions: int
     estimate: Callable[[list[tuple[float, ...]], float], Estimate]
     normalizable: bool  # step_normalization=loss_std applies (several losses of one kind per step)
 
+    @property
+    def points(self) -> int:
+        """Evaluation points (forwards) per direction."""
+        return len(self.offsets)
+
+    def forwards(self, num_directions: int) -> int:
+        """Forwards of one step of `num_directions` directions (each forward a pass over the whole model)."""
+        return self.points * num_directions
+
 
 DIFFERENCE_SPECS: dict[Difference, DifferenceSpec] = {
     Difference.CENTRAL: DifferenceSpec((1, -1), 1, central, normalizable=False),
     Difference.RLOO: DifferenceSpec((1,), 2, leave_one_out, normalizable=True),
 }
+
+
+def forwards_per_step(difference: str | Difference, num_directions: int) -> int:
+    """Forwards of one step with the `difference` estimator and `num_directions` directions: 2 q for central, q
+    for rloo (DIFFERENCE_SPECS, the one source)."""
+    return DIFFERENCE_SPECS[Difference(difference)].forwards(num_directions)
 
 
 class FiniteDifference:

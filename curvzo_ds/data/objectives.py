@@ -5,6 +5,8 @@
 The step's loss is then minus the metric on the step's batch. Neither is differentiable: the ZO step needs none.
 """
 
+import enum
+
 import torch
 
 from curvzo_ds.data.generation import generate_answers, stops_at_newline
@@ -12,18 +14,27 @@ from curvzo_ds.data.losses import classification_loss, inner_module, lm_loss, pr
 from curvzo_ds.data.metrics import f1
 from curvzo_ds.tasks import Task
 
-OBJECTIVES = ("loss", "accuracy", "f1")
+
+class Objective(str, enum.Enum):
+    """The `objective` key: what a step minimizes."""
+
+    LOSS = "loss"  # the task's training loss (cross-entropy)
+    ACCURACY = "accuracy"  # classification: minus the batch's accuracy
+    F1 = "f1"  # generation: minus the batch's mean token F1
+
+
+OBJECTIVES = tuple(o.value for o in Objective)
 
 
 def check_objective(task: Task, objective: str) -> None:
     """A ValueError in one line where `objective` does not fit the task (the CLI's build turns it into exit 2)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r} is invalid: it must be one of {', '.join(OBJECTIVES)}")
-    if objective == "accuracy" and not task.is_classification:
+    if objective == Objective.ACCURACY and not task.is_classification:
         raise ValueError(f"objective=accuracy needs a classification task (one whose candidates the model chooses "
                          f"from); task {task.name} is a {task.kind} task, scored by f1 and exact_match: use "
                          "objective=f1 or objective=loss")
-    if objective == "f1" and task.is_classification:
+    if objective == Objective.F1 and task.is_classification:
         raise ValueError(f"objective=f1 needs a generation task (squad, drop, or a completion or chat task "
                          f"directory); task {task.name} is a classification task: use objective=accuracy or "
                          "objective=loss")
@@ -35,9 +46,9 @@ def loss_fn_for(task: Task, train_as_classification: bool = True, objective: str
     objective="accuracy" `accuracy_loss`, with objective="f1" an `F1Loss` (which generates: it needs the
     tokenizer, max_new_tokens, and micro_batch_size, the number of generate() calls each of its calls makes)."""
     check_objective(task, objective)
-    if objective == "accuracy":
+    if objective == Objective.ACCURACY:
         return accuracy_loss
-    if objective == "f1":
+    if objective == Objective.F1:
         if tokenizer is None:
             raise ValueError("objective=f1 generates answers in every forward: loss_fn_for needs the tokenizer")
         return F1Loss(tokenizer, max_new_tokens, micro_batch_size, stop_at_newline=stops_at_newline(task))
@@ -69,7 +80,7 @@ class F1Loss:
     every call of this loss makes `micro_batch_size` of them, a shorter micro-batch (or a rank's zero-weight forward,
     shard/forwards.py) padded with its first prompt, so that ranks make as many."""
 
-    objective = "f1"
+    objective = Objective.F1.value
 
     def __init__(self, tokenizer, max_new_tokens: int, micro_batch_size: int, stop_at_newline: bool = True):
         self.tokenizer, self.max_new_tokens, self.micro_batch_size = tokenizer, max_new_tokens, micro_batch_size

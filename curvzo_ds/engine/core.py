@@ -148,7 +148,7 @@ class ZOEngine(EngineState):
         info.update(stop=red.stop, loss_spread=est.loss_spread, loss_std=est.loss_std,
                     **(self.visibility.report(red.moved, plan.mask) if red.moved is not None else {}))
         if not est.finite:
-            return self._skip_non_finite(plan, est, info, at)
+            return self._skip_non_finite(plan, est, red.losses, info, at)
         self._update(plan, est, lr, at)
         self._end_step(plan, est.score_deltas, red.block_sq)  # the scores
         return StepResult(plan.step + 1, est.loss, est.loss_plus, est.loss_minus, est.delta, **info)
@@ -216,18 +216,20 @@ class ZOEngine(EngineState):
     def _reduce(self, evals, batch, moved=None, stop_requested=None) -> Reduced:
         """The step's one all-reduce over every rank (all replica groups): reduce_step (forwards.py)."""
         return reduce_step(self.topology.job, evals, slot_count(batch, self.comm.world_size),
-                           directions=self.cfg.num_directions, evaluations=len(self.estimator.offsets),
+                           directions=self.cfg.num_directions, evaluations=self.estimator.spec.points,
                            sums=self.num_blocks if self.sampler.scored else 0, blocks=self.num_blocks, moved=moved,
                            stop_requested=stop_requested, device=self.device)
 
-    def _skip_non_finite(self, plan: StepPlan, red: Estimate, info: dict[str, Any], at: Point) -> StepResult:
-        """Move the weights back from the last point `at`, count the skip, stop at max_consecutive_skips."""
+    def _skip_non_finite(self, plan: StepPlan, red: Estimate, losses: list[tuple[float, ...]], info: dict[str, Any],
+                         at: Point) -> StepResult:
+        """Move the weights back from the last point `at`, count the skip, stop at max_consecutive_skips. The
+        warning names every direction's losses, one per evaluation point (offsets in units of eps)."""
         self.perturber.move(at, None)
         self._end_step(plan, None, None)
         self.skips_in_row += 1
         self.skipped_total += 1
-        log.warning("step %d: non-finite loss (L+=%s, L-=%s); weights restored, step skipped (%d in a row)",
-                    plan.step + 1, red.loss_plus, red.loss_minus, self.skips_in_row)
+        log.warning("step %d: non-finite loss (%s); weights restored, step skipped (%d in a row)",
+                    plan.step + 1, describe_losses(self.estimator.offsets, losses), self.skips_in_row)
         if self.skips_in_row >= self.cfg.max_consecutive_skips:
             raise NonFiniteLossError(
                 f"{self.skips_in_row} consecutive steps had a non-finite loss (last at step {plan.step + 1}); "
@@ -266,6 +268,14 @@ class ZOEngine(EngineState):
             local = self._forwards(batch)
         return reduce_step(self.comm, [(0, None, [local])], slot_count(batch, self.comm.world_size),
                            directions=1, evaluations=1, device=self.device).losses[0][0]
+
+
+def describe_losses(offsets: tuple[int, ...], losses: list[tuple[float, ...]]) -> str:
+    """Each direction's losses at its points: "L(+1)=0.69, L(-1)=nan" (central), "L_0(+1)=..., L_1(+1)=..." (q
+    directions)."""
+    several = len(losses) > 1
+    return ", ".join(f"L{f'_{d}' if several else ''}({o:+d})={value:.6g}"
+                     for d, row in enumerate(losses) for o, value in zip(offsets, row))
 
 
 def _finite_or_none(x: float) -> float | None:
