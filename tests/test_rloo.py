@@ -246,7 +246,7 @@ def test_a_step_has_the_forwards_its_spec_names():
     assert [forwards_per_step("rloo", q) for q in (2, 8)] == [2, 8]
     for difference, q in (("central", 2), ("rloo", 3)):
         calls = []
-        engine = ZOEngine(Quadratic(), lambda m, b: (calls.append(1), quad_loss(m, b))[1],
+        engine = ZOEngine(Quadratic(), lambda m, b, calls=calls: (calls.append(1), quad_loss(m, b))[1],
                           ZOConfig(method="mezo", difference=difference, num_directions=q))
         engine.step(None)
         assert len(calls) == forwards_per_step(difference, q)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from curvzo_ds.algo.differences import forwards_per_step
 from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.engine import StepTimer, ZOEngine
@@ -43,10 +44,9 @@ METHODS = {
 }
 
 
-def forwards_per_step(cfg: dict) -> int:
-    """Forwards of one step: one per direction with rloo, two per direction with the central difference."""
-    q = cfg.get("num_directions", 1)
-    return q if cfg.get("difference") == "rloo" else 2 * q
+def arm_forwards(cfg: dict) -> int:
+    """Forwards of one step of an arm's config (algo.differences.forwards_per_step, the one count)."""
+    return forwards_per_step(cfg.get("difference", "central"), cfg.get("num_directions", 1))
 ZO_COMMON = dict(learning_rate=1e-7, zo_eps=1e-3, seed=0)
 SECTIONS = ("forwards", "perturb_stats", "perturb", "update", "reduce")
 
@@ -192,7 +192,7 @@ def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str) -> d
         # The time outside the forwards, per forward, as a ratio to MeZO's (issue 46): what a method's passes over
         # the weights, reduction and bookkeeping cost per forward it buys.
         other = {name: _median([step - sec.get("forwards", 0.0) for step, sec in zip(rows[name], sections[name])])
-                 / forwards_per_step(METHODS[name]) for name in METHODS}
+                 / arm_forwards(METHODS[name]) for name in METHODS}
         for name in METHODS:
             split = {k: _median([s.get(k, 0.0) for s in sections[name]]) for k in SECTIONS}
             entry["methods"][name] = {
@@ -200,8 +200,8 @@ def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str) -> d
                 "other_seconds_per_forward": other[name],
                 "other_per_forward_over_mezo": other[name] / other["mezo"],
                 "step_seconds": _median(rows[name]),
-                "forwards_per_step": forwards_per_step(METHODS[name]),
-                "seconds_per_forward": _median(rows[name]) / forwards_per_step(METHODS[name]),
+                "forwards_per_step": arm_forwards(METHODS[name]),
+                "seconds_per_forward": _median(rows[name]) / arm_forwards(METHODS[name]),
                 "ratio_to_two_forwards": _median([a / b for a, b in zip(rows[name], two)]),
                 "seconds": with_other(_median(rows[name]), {
                     "forwards": split["forwards"], "noise_and_update": split["perturb"] * 2 + split["update"],
