@@ -127,8 +127,9 @@ class ZOConfig:
     fp32_master_weights: Any = key("auto", "fp32 copy of the owned slice of bf16/fp16 weights: auto (1-D tensors "
                                            "only: norms and biases, which bf16 cannot perturb by eps), true (all), "
                                            "false (none)")
-    num_directions: int = key(1, "q: SPSA directions per step, their updates averaged (each costs two forwards; "
-                                 "spread over the replica groups when shard_group_size < world size)")
+    num_directions: int = key(1, "q: SPSA directions per step, their updates averaged (each costs two forwards "
+                                 "with difference=central, one with rloo; spread over the replica groups when "
+                                 "shard_group_size < world size)")
     difference: str = key("central", "the finite difference: central (L(w + eps z) - L(w - eps z), two forwards per "
                                      "direction) or rloo (one forward L(w + eps z_k) per direction, the mean of the "
                                      "other directions' losses as baseline; needs num_directions >= 2; "

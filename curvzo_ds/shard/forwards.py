@@ -25,7 +25,7 @@ from curvzo_ds.shard.comm import Comm, StepPacket
 
 @contextlib.contextmanager
 def eval_mode(module: torch.nn.Module):
-    """The body runs with `module` in eval mode (dropout would give the two forwards of a step different masks);
+    """The body runs with `module` in eval mode (dropout would give the forwards of a step different masks);
     the mode it had is put back afterwards, also on an error."""
     was_training = module.training
     module.eval()

@@ -47,8 +47,9 @@ def train_loop(job: Job, manager: CheckpointManager, record: RunLog, clock: Cloc
     while engine.step_count < cfg.max_steps:
         # a stop request since the last pass: a signal (the handler only sets a flag), or a launcher that is gone
         stop.poll()
-        # the update: +eps z, forwards, -2 eps z, forwards, one all-reduce (the step's one host sync, which also
-        # carries every rank's stop flag), the update
+        # the step: for each direction, a move to each of the estimator's points and its forwards (central: +eps z,
+        # -eps z; rloo: +eps z_k), one all-reduce (the step's one host sync, which also carries every rank's stop
+        # flag), then the update from the last point
         batch = job.batch(engine.step_count)
         with fault.around_step(engine, engine.step_count + 1):
             r = engine.step(batch, stop_requested=stop.requested)
