@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from curvzo_ds.algo.differences import Estimate, FiniteDifference
-from curvzo_ds.algo.sampling import CurvZOSampler, StepPlan
+from curvzo_ds.algo.sampling import METHOD_SPECS, CurvZOSampler, Method, StepPlan
 from curvzo_ds.config.resolve import engine_config
 from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.config.sections import section
@@ -89,13 +89,13 @@ class ZOEngine(EngineState):
             check_ranks_agree(self.topology.job, {
                 "config": dataclasses.asdict(cfg), "blocks": [(b.name, b.size) for b in self.blocks],
                 "noise": self.noise.describe(), "kernel": self.noise.reference_digest(self.device)})
-        corrected = " x min pi per step (rate_correction=max_weight)" if cfg.rate_correction == "max_weight" else ""
+        corrected = ("" if METHOD_SPECS[Method(cfg.method)].every_block else
+                     " x min pi per step (rate_correction=max_weight)" if cfg.rate_correction == "max_weight" else "")
+        normalized = (f", step_normalization {cfg.step_normalization}" if cfg.step_normalization != "none" else "")
         log.info("ZOEngine: method %s, difference %s, num_directions %d%s, learning_rate %g%s (%s), zo_eps %g, "
                  "weight_decay %g; %d blocks, %d trainable parameters; noise %s", cfg.method, cfg.difference,
-                 cfg.num_directions, f", step_normalization {cfg.step_normalization}"
-                 if cfg.step_normalization != "none" else "", cfg.learning_rate, corrected if cfg.method != "mezo"
-                 else "", cfg.lr_scheduler_type, cfg.zo_eps, cfg.weight_decay, self.num_blocks, self.num_params,
-                 self.noise.ident)
+                 cfg.num_directions, normalized, cfg.learning_rate, corrected, cfg.lr_scheduler_type, cfg.zo_eps,
+                 cfg.weight_decay, self.num_blocks, self.num_params, self.noise.ident)
 
     @property
     def num_blocks(self) -> int:
