@@ -42,7 +42,9 @@ def test_a_two_group_run_resumes_on_one_rank(one_rank_q2, tmp_path):
 
 @pytest.mark.slow
 def test_bad_group_layouts_are_one_line(tmp_path):
-    """One process: shard_group_size must divide the world; q must be a multiple of the number of groups."""
+    """One process: shard_group_size must divide the world, and must be a positive integer; num_directions too. (q
+    must also be a multiple of the number of replica groups, which needs 2 ranks or more: tests/test_zero3.py's
+    test_replica_groups_that_do_not_divide_the_directions_are_refused, in its worker launches.)"""
 
     for sets, words in ((["shard_group_size=2"], "must divide the world size 1"),
                         (["shard_group_size=0"], "shard_group_size=0 is invalid"),
