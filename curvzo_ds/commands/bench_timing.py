@@ -33,6 +33,10 @@ from curvzo_ds.sysinfo import rss_bytes
 SUITE_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
                    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024,
                    tie_word_embeddings=False)
+# `curvzo-ds bench --tiny` (the test suite's size): the same code paths on a Llama of about 0.1M parameters.
+TINY_MODEL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False)
+MODELS = {"suite": SUITE_MODEL, "tiny": TINY_MODEL}
 # The methods timed: MeZO (every block), CurvZO at a fixed budget of 0.3 G, adaptive CurvZO (burnt in first), and
 # MeZO's directions with the leave-one-out difference, q = 4 and q = 8 (q one-sided forwards a step).
 METHODS = {
@@ -57,9 +61,10 @@ def with_other(step: float, sections: dict) -> dict:
     return {**sections, "other": step - sum(sections.values())}
 
 
-def suite_model(device="cpu", dtype=torch.float32):
+def suite_model(device="cpu", dtype=torch.float32, size: str = "suite"):
+    """The benchmark's Llama (`MODELS[size]`), seeded."""
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**SUITE_MODEL)).to(device=device, dtype=dtype).eval()
+    return LlamaForCausalLM(LlamaConfig(**MODELS[size])).to(device=device, dtype=dtype).eval()
 
 
 def token_loss(model, input_ids: torch.Tensor):
@@ -140,17 +145,17 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str) -> dict:
+def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str, size: str = "suite") -> dict:
     """One process, the plain module: per sequence length, forwards alone and every method's step with its
     sections, the MeZO-style reference, and peak memory against inference. Rounds interleave all of them."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
     memory = PeakMemory(device)
-    model = suite_model(device)
+    model = suite_model(device, size=size)
     engines = {name: ZOEngine(model, token_loss, ZOConfig(**ZO_COMMON, **cfg)) for name, cfg in METHODS.items()}
     out = {}
     for seq in seq_lens:
         gen = torch.Generator().manual_seed(seq)
-        ids = torch.randint(0, SUITE_MODEL["vocab_size"], (batch, seq), generator=gen).to(device)
+        ids = torch.randint(0, MODELS[size]["vocab_size"], (batch, seq), generator=gen).to(device)
         rows: dict[str, list] = {"two_forwards": [], "reference": [], **{m: [] for m in METHODS}}
         sections = {m: [] for m in METHODS}
         budgets = {m: [] for m in METHODS}
@@ -305,7 +310,7 @@ def noise_threads(numel: int = 1 << 26, tensors: int = 16, rounds: int = 3, thre
     return out
 
 
-def rank_figures(seq: int, steps: int, batch: int, micro: int) -> dict:
+def rank_figures(seq: int, steps: int, batch: int, micro: int, size: str = "suite") -> dict:
     """One rank of a ZeRO-3 job (run under torchrun): owned bytes, step time, bytes all-reduced per step, and
     peak memory of ZO steps against inference-only forwards under the same config."""
     import deepspeed
@@ -313,12 +318,12 @@ def rank_figures(seq: int, steps: int, batch: int, micro: int) -> dict:
     rank, world, _ = init_distributed()
     torch.set_num_threads(1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = suite_model("cpu")
+    model = suite_model("cpu", size=size)
     ds_engine, *_ = deepspeed.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": micro, "train_batch_size": micro * world, "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 3}})
     gen = torch.Generator().manual_seed(seq)
-    ids = torch.randint(0, SUITE_MODEL["vocab_size"], (batch, seq), generator=gen).to(ds_engine.device)
+    ids = torch.randint(0, MODELS[size]["vocab_size"], (batch, seq), generator=gen).to(ds_engine.device)
     batches = MicroBatches([ids[i:i + micro] for i in range(0, batch, micro)])
     sync = torch.cuda.synchronize if device == "cuda" else None
     memory = PeakMemory(device)
@@ -366,17 +371,19 @@ def machine() -> dict:
 
 
 def _worker(argv: list[str]) -> None:
-    kind, out = argv[0], argv[1]
+    """`python -m curvzo_ds.commands.bench_timing timing|ranks OUT ... SIZE` (bench.run_suite starts it)."""
+    kind, out, size = argv[0], argv[1], argv[-1]
     if kind == "timing":
         torch.set_num_threads(1)
         seq_lens, rounds, batch = [int(x) for x in argv[2].split(",")], int(argv[3]), int(argv[4])
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        result = {"seq_lens": time_methods(seq_lens, rounds, batch, device), "python_overhead": python_overhead(),
-                  "noise": noise_speed(rounds=rounds, device=device), "noise_threads": noise_threads(rounds=rounds),
-                  "parameters": sum(p.numel() for p in suite_model("meta").parameters())}
+        result = {"seq_lens": time_methods(seq_lens, rounds, batch, device, size),
+                  "python_overhead": python_overhead(), "noise": noise_speed(rounds=rounds, device=device),
+                  "noise_threads": noise_threads(rounds=rounds),
+                  "parameters": sum(p.numel() for p in suite_model("meta", size=size).parameters())}
         write_json_atomic(out, result)
     elif kind == "ranks":
-        result = rank_figures(int(argv[2]), int(argv[3]), int(argv[4]), micro=4)
+        result = rank_figures(int(argv[2]), int(argv[3]), int(argv[4]), micro=4, size=size)
         if dist.get_rank() == 0:
             write_json_atomic(out, result)
         dist.barrier()
