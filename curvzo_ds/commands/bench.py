@@ -35,7 +35,8 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (forwards and steps interleaved)")
     p.add_argument("--world-sizes", default="1,2,3", help="ZeRO-3 world sizes for the per-rank table")
     p.add_argument("--tiny", action="store_true",
-                   help="the suite on a Llama of about 0.1M parameters (every code path and figure; the test's size)")
+                   help="the suite on a Llama of about 0.1M parameters and smaller noise buffers (every code path and "
+                        "figure; the tests' size)")
     p.add_argument("--run", action="store_true", help="instead: time `--steps` steps of the run configured by --set")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --run: a config key")
     p.add_argument("--steps", type=int, default=20, help="with --run or --drift: steps to take")

@@ -37,6 +37,7 @@ SUITE_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num
 TINY_MODEL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False)
 MODELS = {"suite": SUITE_MODEL, "tiny": TINY_MODEL}
+NOISE_SIZES = {"suite": (1 << 24, 1 << 26), "tiny": (1 << 20, 1 << 22)}  # noise_speed's and noise_threads' numel
 # The methods timed: MeZO (every block), CurvZO at a fixed budget of 0.3 G, adaptive CurvZO (burnt in first), and
 # MeZO's directions with the leave-one-out difference, q = 4 and q = 8 (q one-sided forwards a step).
 METHODS = {
@@ -377,9 +378,11 @@ def _worker(argv: list[str]) -> None:
         torch.set_num_threads(1)
         seq_lens, rounds, batch = [int(x) for x in argv[2].split(",")], int(argv[3]), int(argv[4])
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        speed_numel, threads_numel = NOISE_SIZES[size]
         result = {"seq_lens": time_methods(seq_lens, rounds, batch, device, size),
-                  "python_overhead": python_overhead(), "noise": noise_speed(rounds=rounds, device=device),
-                  "noise_threads": noise_threads(rounds=rounds),
+                  "python_overhead": python_overhead(),
+                  "noise": noise_speed(speed_numel, rounds=rounds, device=device),
+                  "noise_threads": noise_threads(threads_numel, rounds=rounds),
                   "parameters": sum(p.numel() for p in suite_model("meta", size=size).parameters())}
         write_json_atomic(out, result)
     elif kind == "ranks":
