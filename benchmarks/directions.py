@@ -39,8 +39,10 @@ BIG = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden
 
 
 def forwards(cfg: dict) -> int:
-    q = cfg.get("num_directions", 1)
-    return q if cfg.get("difference") == "rloo" else 2 * q
+    """Forwards of one step of an arm (the package's one count, DIFFERENCE_SPECS)."""
+    from curvzo_ds.algo.differences import forwards_per_step
+
+    return forwards_per_step(cfg.get("difference", "central"), cfg.get("num_directions", 1))
 
 
 def git_commit() -> str:

@@ -81,7 +81,8 @@ def build_model(model_cfg, seed: int, ds_config: dict, group=None, mpu=None):
         with ds_compat.zero_init_group(group if keep_alive is not None else None, mpu):
             model = AutoModelForCausalLM.from_pretrained(model_cfg.model, dtype=dtype,
                                                          trust_remote_code=model_cfg.trust_remote_code, **where)
-        whole = [n for n, p in model.named_parameters() if not hasattr(p, "ds_id")] if keep_alive is not None else []
+        whole = ([n for n, p in model.named_parameters() if not ds_compat.zero_init_partitioned(p)]
+                 if keep_alive is not None else [])
         if whole:  # zero.Init did not take: every rank would hold the full model
             raise RuntimeError(f"{model_cfg.model} loaded without zero.Init partitioning ({len(whole)} tensors whole, "
                                f"e.g. {whole[0]}); is the transformers/deepspeed pair supported?")

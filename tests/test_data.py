@@ -7,6 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from curvzo_ds.config.schema import TrainConfig
+from curvzo_ds.config.sections import section
 from curvzo_ds.data import (
     accuracy,
     classification_eval,
@@ -150,7 +152,7 @@ def test_lm_loss_hand_computed():
     assert count.item() == 2
     assert loss_sum.item() == pytest.approx(-(math.log(0.4) + math.log(0.2)), rel=1e-6)
     assert loss_fn_for(get_task("sst2")) is classification_loss
-    assert loss_fn_for(get_task("sst2"), train_as_classification=False) is lm_loss
+    assert loss_fn_for(get_task("sst2"), data_keys(train_as_classification=False)) is lm_loss
     assert loss_fn_for(get_task("squad")) is lm_loss
 
 
@@ -346,23 +348,28 @@ def test_a_chat_task_needs_a_chat_template_and_the_templates_refusal_names_the_l
 
 # ---- objective: the metric itself as the step's loss (issue 48 §3) ----
 
+def data_keys(**keys):
+    """The config's data section with `keys` set, as `curvzo-ds train` hands it to loss_fn_for."""
+    return section(TrainConfig(**keys), "data")
+
+
 def test_loss_fn_for_each_objective_and_the_refusals():
     from curvzo_ds.data import F1Loss, accuracy_loss
 
     tok = load_tokenizer("llama")
-    assert loss_fn_for(get_task("sst2"), objective="accuracy") is accuracy_loss
-    f1_loss = loss_fn_for(get_task("squad"), objective="f1", tokenizer=tok, max_new_tokens=4, micro_batch_size=3)
+    assert loss_fn_for(get_task("sst2"), data_keys(objective="accuracy")) is accuracy_loss
+    f1_loss = loss_fn_for(get_task("squad"), data_keys(objective="f1", max_new_tokens=4, micro_batch_size=3), tok)
     assert isinstance(f1_loss, F1Loss) and (f1_loss.micro_batch_size, f1_loss.stop_at_newline) == (3, True)
-    assert not loss_fn_for(example_task("chat"), objective="f1", tokenizer=tok).stop_at_newline  # ends at EOS
+    assert not loss_fn_for(example_task("chat"), data_keys(objective="f1"), tok).stop_at_newline  # ends at EOS
     assert loss_fn_for(example_task("completion")) is lm_loss
     with pytest.raises(ValueError, match="objective=accuracy needs a classification task .* task squad is a "
                                          "generation task"):
-        loss_fn_for(get_task("squad"), objective="accuracy")
+        loss_fn_for(get_task("squad"), data_keys(objective="accuracy"))
     with pytest.raises(ValueError, match="objective=f1 needs a generation task .* task sst2 is a classification"):
-        loss_fn_for(get_task("sst2"), objective="f1", tokenizer=tok)
+        loss_fn_for(get_task("sst2"), data_keys(objective="f1"), tok)
     with pytest.raises(ValueError, match="objective=f1 generates answers in every forward: loss_fn_for needs the "
                                          "tokenizer"):
-        loss_fn_for(get_task("squad"), objective="f1")
+        loss_fn_for(get_task("squad"), data_keys(objective="f1"))
 
 
 def test_accuracy_objective_hand_computed():
@@ -388,7 +395,7 @@ def test_f1_objective_is_minus_the_f1_of_the_greedy_answers(kind):
     calls = []
     real = model.generate
     model.generate = lambda **kw: calls.append(kw["input_ids"].shape) or real(**kw)
-    loss = loss_fn_for(task, objective="f1", tokenizer=tokenizer, max_new_tokens=4, micro_batch_size=4)
+    loss = loss_fn_for(task, data_keys(objective="f1", max_new_tokens=4, micro_batch_size=4), tokenizer)
     loss_sum, count = loss(model, batch)
     assert (loss_sum, count) == (pytest.approx(expected), 3.0) and -2 < expected <= -1
     assert len(calls) == 4  # micro_batch_size generate() calls, the short micro-batch padded: ranks stay in step

@@ -32,7 +32,7 @@ PARAM_ATTRIBUTES = {
     "ds_process_group": torch.distributed.ProcessGroup,
     "ds_persist": bool,
     "ds_status": None,  # a ZeroParamStatus (checked below)
-    "ds_id": int,  # models.py: present only on a parameter zero.Init partitioned
+    "ds_id": int,  # zero_init_partitioned: present only on a parameter zero.Init partitioned
     "all_gather": Callable,  # gather_persistent: p.all_gather(param_list=[...])
     "partition": Callable,  # forget_backward: p.partition(param_list=[...], has_been_updated=False)
     "ds_active_sub_modules": set,  # forget_backward: the modules that still hold a gathered parameter
@@ -78,6 +78,27 @@ def test_the_tables_name_every_private_attribute_ds_compat_reads():
     assert read <= set(PARAM_ATTRIBUTES), f"add {sorted(read - set(PARAM_ATTRIBUTES))} to PARAM_ATTRIBUTES"
     read = set(re.findall(r"engine\.(_[a-z_]+)", source))
     assert read <= set(ENGINE_ATTRIBUTES), f"add {sorted(read - set(ENGINE_ATTRIBUTES))} to ENGINE_ATTRIBUTES"
+
+
+def test_no_other_module_reads_a_deepspeed_parameter_attribute():
+    """The tables above cover what ds_compat.py reads; that is all the package reads: no other module reads a ds_*
+    attribute (p.ds_tensor, hasattr(p, "ds_id"), getattr(p, "ds_numel", ...)), so a DeepSpeed release that renames
+    one fails here and not in a run."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "curvzo_ds").rglob("*.py")):
+        if path.name == "ds_compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Attribute):
+                names.append(node.attr)
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("hasattr", "getattr", "setattr"):
+                names += [a.value for a in node.args[1:2] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in names
+                      if name.startswith("ds_") and name != "ds_compat"]
+    assert not found, f"read these through curvzo_ds/shard/ds_compat.py: {found}"
 
 
 def test_module_level_names():

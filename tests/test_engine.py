@@ -2,6 +2,7 @@
 
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -262,12 +263,31 @@ def test_non_finite_loss_restores_weights_and_stops_after_a_streak(caplog):
     with caplog.at_level(logging.WARNING, logger="curvzo_ds"):
         r = engine.step((x, y))
     assert r.skipped == "non_finite_loss" and engine.skipped_total == 1
-    assert "step 2: non-finite loss (L+=nan, L-=nan); weights restored, step skipped (1 in a row)" in caplog.text
+    assert "step 2: non-finite loss (L(+1)=nan, L(-1)=nan); weights restored, step skipped (1 in a row)" in caplog.text
     for a, p in zip(before, net.parameters()):
         assert torch.allclose(a, p.detach(), atol=1e-6, rtol=0)
     engine.step((x, y))
     with pytest.raises(NonFiniteLossError, match="3 consecutive"):
         engine.step((x, y))
+
+
+def test_the_non_finite_loss_warning_names_each_rloo_direction_loss(caplog):
+    """Under rloo a direction has one loss and there is no L+ or L-: the warning prints the q losses."""
+    torch.manual_seed(0)
+    net = TinyNet()
+    x, y = toy_task(32)
+    calls = {"n": 0}
+
+    def second_direction_nan(model, batch):
+        calls["n"] += 1
+        loss, count = ce_loss(model, batch)
+        return (loss * math.nan if calls["n"] == 2 else loss), count
+
+    engine = ZOEngine(net, second_direction_nan, ZOConfig(method="mezo", learning_rate=1e-2, zo_eps=1e-3,
+                                                          difference="rloo", num_directions=2))
+    with caplog.at_level(logging.WARNING, logger="curvzo_ds"):
+        assert engine.step((x, y)).skipped == "non_finite_loss"
+    assert re.search(r"step 1: non-finite loss \(L_0\(\+1\)=[0-9.]+, L_1\(\+1\)=nan\)", caplog.text), caplog.text
 
 
 FRACTION = "a fraction of the number of blocks G in (0, 1]"

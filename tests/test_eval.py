@@ -14,12 +14,14 @@ import pytest
 
 from curvzo_ds.data.stream import round_robin_slots
 from curvzo_ds.tasks.task import EXAMPLES
+from tests.f1_task import own_answers_task
 from tests.helpers import ROOT, run_worker
 
 WORKER = ROOT / "tests" / "multirank" / "eval_worker.py"
 # The bundled completion and chat examples (the chat one with docs/tasks.md's template on the demo tokenizer), and
-# objective=f1 on SQuAD's samples: each a `curvzo-ds train` at 1 and 2 ranks in the launches below. Three micro-
-# batches a step: at 2 ranks one rank runs a zero-weight forward (f1: greedy generation padded to as many calls).
+# objective=f1 on a task where F1 moves (tests/f1_task.py): each a `curvzo-ds train` at 1 and 2 ranks in the launches
+# below. Three micro-batches a step: at 2 ranks one rank runs a zero-weight forward (f1: greedy generation padded to
+# as many calls).
 OWN_COMMON = ["--set", "max_steps=4", "--set", "eval_steps=4", "--set", "save_steps=4", "--set", "global_batch_size=6",
               "--set", "micro_batch_size=2", "--set", "max_new_tokens=8", "--set", "disable_tqdm=true",
               "--set", "report_to=none", "--set", "log_level=warning",
@@ -29,8 +31,8 @@ OWN_COMMON = ["--set", "max_steps=4", "--set", "eval_steps=4", "--set", "save_st
 def own_runs(tmp: pathlib.Path) -> dict[str, list[str]]:
     return {"completion": [*OWN_COMMON, "--set", f"task={EXAMPLES['completion']}"],
             "chat": [*OWN_COMMON, "--set", f"task={EXAMPLES['chat']}", "--set", f"tokenizer={tmp / 'chat-tokenizer'}"],
-            "squad_f1": [*OWN_COMMON, "--set", "task=squad", "--set", "data_dir=samples", "--set", "num_train=9",
-                         "--set", "num_dev=2", "--set", "objective=f1"]}
+            "f1": [*OWN_COMMON, "--set", f"task={tmp / 'own-answers'}", "--set", "objective=f1",
+                   "--set", "zo_eps=3e-4", "--set", "learning_rate=1e-5"]}
 
 
 def docs_chat_template() -> str:
@@ -48,6 +50,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
     shutil.copytree(ROOT / "curvzo_ds" / "assets" / "tokenizer-llama", tmp / "chat-tokenizer")
     (tmp / "chat-tokenizer" / "chat_template.jinja").write_text(docs_chat_template())
+    own_answers_task(tmp / "own-answers", max_new_tokens=8)  # OWN_COMMON's max_new_tokens, the default seed
     (tmp / "own-data.json").write_text(json.dumps({"directory": str(tmp), "runs": own_runs(tmp)}))
     return {w: launch(w, tmp) for w in (1, 2, 3)}
 
@@ -133,7 +136,7 @@ def test_rank_0_prepares_data_first(runs):
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 def test_own_generation_data_trains_alike_at_1_and_2_ranks(runs):
-    for name in ("completion", "chat", "squad_f1"):
+    for name in ("completion", "chat", "f1"):
         one, two = runs[1]["own_data"][name], runs[2]["own_data"][name]
         assert one["code"] == two["code"] == 0, name
         assert (one["summary"]["world_size"], two["summary"]["world_size"]) == (1, 2)
@@ -141,12 +144,15 @@ def test_own_generation_data_trains_alike_at_1_and_2_ranks(runs):
         assert one["summary"]["test"] == two["summary"]["test"] and {"loss", "f1", "exact_match"} <= set(
             one["summary"]["test"]), name
     # objective=f1: a step's losses are minus the mean F1 of the batch's greedy answers, an evaluation's loss minus
-    # its f1
-    rows = [json.loads(line) for line in (pathlib.Path(runs[1]["own_data"]["squad_f1"]["dir"]) / "metrics.jsonl")
-            .read_text().splitlines()]
-    steps = [r for r in rows if "split" not in r]
-    assert len(steps) == 4 and all(-1 <= r[k] <= 0 for r in steps for k in ("loss_plus", "loss_minus"))
-    assert all(r["loss"] == pytest.approx(-r["f1"]) for r in rows if "split" in r)
+    # its f1; F1 moves: some step's two sides differ, so its projected gradient is not 0 and the two world sizes'
+    # equal digests compare weights that moved
+    for world in (1, 2):
+        rows = [json.loads(line) for line in (pathlib.Path(runs[world]["own_data"]["f1"]["dir"]) / "metrics.jsonl")
+                .read_text().splitlines()]
+        steps = [r for r in rows if "split" not in r]
+        assert len(steps) == 4 and all(-1 <= r[k] <= 0 for r in steps for k in ("loss_plus", "loss_minus"))
+        assert any(r["loss_plus"] != r["loss_minus"] and r["projected_grad"] != 0 for r in steps), steps
+        assert all(r["loss"] == pytest.approx(-r["f1"]) for r in rows if "split" in r)
 
 
 @pytest.mark.multirank

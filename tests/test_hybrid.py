@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.helpers import CLI, COMMON, ENV, check_contract, cli, run_checked, run_cli, train
+from tests.helpers import CLI, COMMON, ENV, check_contract, checkpoints, cli, run_checked, run_cli, train
 
 Q2 = ["--set", "num_directions=2"]
 
@@ -21,28 +21,27 @@ def one_rank_q2(tmp_path_factory) -> dict:
 
 @pytest.mark.multirank
 def test_two_directions_match_at_one_rank_one_group_and_two_groups(one_rank_q2, tmp_path):
+    """The same digest at 1 rank, 2 ranks in one group and 4 ranks in 2 groups; and shard_group_size may change on
+    resume (RESUME_MAY_CHANGE): the 4-rank job's last checkpoint before its end, written by group 0, continues on one
+    process (in a directory of its own) to the same digest."""
     one_group = train("torchrun", 2, tmp_path / "two", *Q2)
     two_groups = train("torchrun", 4, tmp_path / "four", *Q2, "--set", "shard_group_size=2")
     assert one_group["world_size"] == 2 and two_groups["world_size"] == 4
     assert one_rank_q2["params_digest"] == one_group["params_digest"] == two_groups["params_digest"]
+    out, step = tmp_path / "resumed", max(s for s in checkpoints(tmp_path / "four") if s < two_groups["steps"])
+    checkpoint = tmp_path / "four" / f"checkpoint-{step}"
+    run_checked(CLI + COMMON + Q2 + ["--set", f"output_dir={out}", "--resume", str(checkpoint)], ENV)
+    assert json.loads((out / "summary.json").read_text())["params_digest"] == one_rank_q2["params_digest"]
     # The directions differ from one direction per step (the update is their average).
     plain = train("python", 1, tmp_path / "q1")
     assert plain["params_digest"] != one_rank_q2["params_digest"]
 
 
-@pytest.mark.multirank
-def test_a_two_group_run_resumes_on_one_rank(one_rank_q2, tmp_path):
-    """shard_group_size may change on resume (RESUME_MAY_CHANGE): a checkpoint written by group 0 of a 4-rank
-    job continues on one process to the same digest."""
-    out = tmp_path / "run"
-    train("torchrun", 4, out, *Q2, "--set", "shard_group_size=2", "--set", "max_steps=6")
-    run_checked(CLI + COMMON + Q2 + ["--set", f"output_dir={out}", "--resume"], ENV)
-    assert json.loads((out / "summary.json").read_text())["params_digest"] == one_rank_q2["params_digest"]
-
-
 @pytest.mark.slow
 def test_bad_group_layouts_are_one_line(tmp_path):
-    """One process: shard_group_size must divide the world; q must be a multiple of the number of groups."""
+    """One process: shard_group_size must divide the world, and must be a positive integer; num_directions too. (q
+    must also be a multiple of the number of replica groups, which needs 2 ranks or more: tests/test_zero3.py's
+    test_replica_groups_that_do_not_divide_the_directions_are_refused, in its worker launches.)"""
 
     for sets, words in ((["shard_group_size=2"], "must divide the world size 1"),
                         (["shard_group_size=0"], "shard_group_size=0 is invalid"),
@@ -111,12 +110,11 @@ def test_the_default_layout_is_stage_0_with_the_zero3_digest(one_rank_q2, tmp_pa
     summary = json.loads((out / "summary.json").read_text())
     assert summary["layout"]["zero_stage"] == 3 and summary["layout"]["shard_group_size"] == 3, summary["layout"]
     assert summary["params_digest"] == one_rank_q2["params_digest"]
-    # A checkpoint written under ZeRO-3 (3 ranks) resumes under the default layout (stage 0, 2 ranks).
+    # A checkpoint written under ZeRO-3 (3 ranks, before the last step) resumes under the default layout (stage 0, 2
+    # ranks).
+    checkpoint = out / f"checkpoint-{max(s for s in checkpoints(out) if s < summary['steps'])}"
     out = tmp_path / "resume"
-    proc = cli("train", *DEFAULT, *Q2, "--set", "zero_stage=3", "--set", "max_steps=6", "--set", f"output_dir={out}",
-               env=ENV, nproc=3)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    proc = cli("train", *DEFAULT, *Q2, "--set", f"output_dir={out}", "--resume", env=ENV, nproc=2)
+    proc = cli("train", *DEFAULT, *Q2, "--set", f"output_dir={out}", "--resume", str(checkpoint), env=ENV, nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["layout"]["zero_stage"] == 0 and summary["params_digest"] == one_rank_q2["params_digest"]

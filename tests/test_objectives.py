@@ -19,20 +19,27 @@ def steps(job, n: int) -> list:
     return [job.engine.step(job.batch(t)) for t in range(n)]
 
 
-def test_f1_objective_trains_on_the_squad_samples():
-    """objective=f1 on the bundled SQuAD samples: each step's L+ and L- are minus the mean F1 of the batch's greedy
-    answers (in [-1, 0]), and an evaluation's loss is minus its f1."""
+def test_f1_objective_moves_and_trains(tmp_path):
+    """objective=f1 on a task where F1 moves (tests/f1_task.py: the gold answers are the first word of the demo
+    model's own greedy answers): at the initial weights the dev F1 is between 0 and 1; each step's L+ and L- are
+    minus the mean F1 of the batch's greedy answers (in [-1, 0]), a step whose two sides differ gives a non-zero
+    projected gradient and moves the dev F1, and an evaluation's loss is minus its f1."""
     from curvzo_ds.train.build import build_plain
+    from tests.f1_task import own_answers_task
 
-    cfg = TrainConfig(task="squad", data_dir="samples", objective="f1", num_train=9, num_dev=2, global_batch_size=6,
-                      micro_batch_size=2, max_new_tokens=6, max_steps=3, method="mezo", learning_rate=1e-3,
-                      zo_eps=3e-2, report_to="none", disable_tqdm=True)
+    cfg = TrainConfig(task=str(own_answers_task(tmp_path / "own-answers")), objective="f1", global_batch_size=6,
+                      micro_batch_size=2, max_new_tokens=8, max_steps=3, method="mezo", learning_rate=1e-5,
+                      zo_eps=3e-4, report_to="none", disable_tqdm=True)
     job = build_plain(cfg)
     assert isinstance(job.loss, F1Loss) and job.loss.micro_batch_size == 2
+    before = job.evaluate("dev")
+    assert set(before) == {"loss", "f1", "exact_match"} and before["loss"] == pytest.approx(-before["f1"])
+    assert 0 < before["f1"] < 1
     results = steps(job, 3)
     assert all(-1 <= r.loss_plus <= 0 and -1 <= r.loss_minus <= 0 for r in results)
-    dev = job.evaluate("dev")
-    assert set(dev) == {"loss", "f1", "exact_match"} and dev["loss"] == pytest.approx(-dev["f1"])
+    moved = [r for r in results if r.loss_plus != r.loss_minus]
+    assert moved and all(r.projected_grad != 0 for r in moved), [(r.loss_plus, r.loss_minus) for r in results]
+    assert job.evaluate("dev")["f1"] != before["f1"]
 
 
 def test_accuracy_objective_trains_on_the_demo():

@@ -128,6 +128,26 @@ def test_plan_recommends_the_layout_auto_takes(capsys):
     assert layout[0].startswith("layout: zero_stage=3 shard_group_size=4 replicas=4"), out
 
 
+def test_plan_counts_the_all_gathers_of_the_runs_difference(capsys):
+    """--difference rloo: one forward per direction, so a ZeRO-3 layout all-gathers half of central's parameter
+    bytes per step (DIFFERENCE_SPECS); central is the default; rloo with one direction is refused (exit 2)."""
+    args = ("--model", "llama2-13b", "--world-size", "8", "--batch", "16", "--num-directions", "4")
+
+    def gathered(out):
+        return {line.split("shard_group_size=")[1].split()[0]: float(line.split("GiB per rank, ")[1].split()[0])
+                for line in out.splitlines() if line.startswith("  also fits: zero_stage=3")}
+
+    central, rloo = (gathered(run_plan(capsys, *args, *extra)[1]) for extra in ((), ("--difference", "rloo")))
+    assert central == gathered(run_plan(capsys, *args, "--difference", "central")[1])
+    assert central.keys() == rloo.keys() and len(central) == 3
+    full = plan_memory("llama2-13b", 8, shard_group_size=8)
+    assert central["8"] == pytest.approx(2 * 4 * full.params * 2 / GiB, abs=0.01)  # 2 forwards x 4 directions, bf16
+    for k in central:
+        assert rloo[k] == pytest.approx(central[k] / 2, abs=0.01)
+    code, _, err = run_plan(capsys, "--model", "demo", "--world-size", "2", "--difference", "rloo")
+    assert code == 2 and "--difference rloo needs --num-directions 2 or more" in err
+
+
 def test_a_step_of_several_directions_counts_its_copy_of_the_bf16_weights_only(capsys):
     """--num-directions q > 1: bf16 weights without an fp32 copy are copied once per step (shard/perturb.py), fp32
     weights and fp32-copied tensors not at all; at q = 1 nothing. The copy is the shard of those tensors."""

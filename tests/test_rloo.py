@@ -17,12 +17,15 @@ import pytest
 import torch
 
 from curvzo_ds import ZOConfig, ZOEngine
-from curvzo_ds.algo.differences import SIGMA_FLOOR, FiniteDifference
+from curvzo_ds.algo import differences
+from curvzo_ds.algo.differences import SIGMA_FLOOR, FiniteDifference, forwards_per_step
 from curvzo_ds.algo.sampling import CurvZOSampler
 from curvzo_ds.checkpoint.format import load_checkpoint
 from curvzo_ds.checkpoint.manager import save_checkpoint
 from curvzo_ds.config.sections import section
 from curvzo_ds.errors import ConfigError
+from curvzo_ds.shard.comm import Comm
+from curvzo_ds.shard.forwards import reduce_step
 from tests.toys import Quadratic, quad_loss
 
 
@@ -99,7 +102,7 @@ def forwards_to_target(q, lr, hess, w0, target, rng, max_steps):
         if not math.isfinite(loss) or loss > 1e6:
             return None
         if loss <= target:
-            return step * len(estimator.offsets) * q
+            return step * estimator.spec.forwards(q)
     return None
 
 
@@ -237,6 +240,54 @@ def test_rloo_lowers_the_loss_and_a_zero_rate_changes_the_weights_only_by_the_mo
     assert engine.loss(None) < 0.5 * first
 
 
+def test_a_step_has_the_forwards_its_spec_names():
+    """DIFFERENCE_SPECS is the one count of a step's forwards: central 2 q, rloo q, and the engine runs as many."""
+    assert [forwards_per_step("central", q) for q in (1, 4)] == [2, 8]
+    assert [forwards_per_step("rloo", q) for q in (2, 8)] == [2, 8]
+    for difference, q in (("central", 2), ("rloo", 3)):
+        calls = []
+        engine = ZOEngine(Quadratic(), lambda m, b, calls=calls: (calls.append(1), quad_loss(m, b))[1],
+                          ZOConfig(method="mezo", difference=difference, num_directions=q))
+        engine.step(None)
+        assert len(calls) == forwards_per_step(difference, q)
+
+
+def test_a_spec_with_three_points_per_direction_reduces_each_loss(monkeypatch):
+    """The step's all-reduce carries as many losses per direction as the spec has points: a spec evaluating at
+    +eps, w and -eps (q = 2) gets three distinct losses per direction in its order, L(w + eps z_k) and
+    L(w - eps z_k) those of the central spec, the middle one L(w); a direction packed with fewer rows than the
+    spec's points is refused."""
+    seen = []
+
+    def record(losses, eps):
+        seen.append(losses)
+        return differences.central([(lp, lm) for lp, _, lm in losses], eps)
+
+    def run(spec):
+        monkeypatch.setitem(differences.DIFFERENCE_SPECS, differences.Difference.CENTRAL, spec)
+        model = Quadratic()
+        engine = ZOEngine(model, quad_loss, ZOConfig(method="mezo", learning_rate=1e-2, zo_eps=1e-2,
+                                                     num_directions=2))
+        start = engine.loss(None)
+        reduced = capture_losses(engine)
+        engine.step(None)
+        return start, reduced[0], [p.detach().clone() for p in model.parameters()]
+
+    central = differences.DIFFERENCE_SPECS[differences.Difference.CENTRAL]
+    _, two, w_two = run(central)
+    start, three, w_three = run(central._replace(offsets=(1, 0, -1), estimate=record))
+    assert seen == [three] and [len(x) for x in three] == [3, 3]
+    for (lp, lm), (lp3, mid, lm3) in zip(two, three):
+        assert lp3 == pytest.approx(lp, rel=1e-12) and lm3 == pytest.approx(lm, rel=1e-12)
+        assert mid == pytest.approx(start, rel=1e-12)
+        assert len({lp3, mid, lm3}) == 3
+    for a, b in zip(w_two, w_three):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    row = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match="direction 0: 2 evaluations, the estimator has 3 points"):
+        reduce_step(Comm(None), [(0, None, [[(0, row)], [(0, row)]])], 1, directions=1, evaluations=3)
+
+
 @pytest.mark.parametrize("q", [0, 1])
 def test_rloo_with_one_direction_is_refused_in_one_line(q):
     """(e) rloo needs a second direction for its baseline; the message names the fix."""
@@ -326,6 +377,22 @@ def test_loss_std_floor_gives_a_finite_step_on_equal_losses():
     assert r.skipped is None and r.loss_std == 0.0 and r.projected_grad == 0.0
     for p, w in zip(model.parameters(), w0):
         torch.testing.assert_close(p.detach(), w, rtol=0, atol=1e-15)
+
+
+def test_loss_std_floor_bounds_the_step_when_the_losses_barely_differ():
+    """Unequal losses whose spread is below the floor: after a step with sigma about 1.3, losses 1e-9 apart have
+    sigma about 1e-9, far below SIGMA_FLOOR times the running mean (about 1.3e-3). The coefficients are
+    (L_k - b_k) / floor, about 1e-6, not (L_k - b_k) / sigma, of order 1 (which is what an unfloored step gives)."""
+    est = FiniteDifference("rloo", "loss_std", 1e-3)
+    est.estimate([(1.0,), (2.0,), (3.0,), (4.0,)])
+    floor = SIGMA_FLOOR * est.sigma_mean
+    losses = [2.0, 2.0 + 1e-9, 2.0 + 3e-9, 2.0 + 4e-9]
+    step = est.estimate([(x,) for x in losses])
+    assert 0 < step.loss_std < 1e-5 * floor
+    q, total = len(losses), sum(losses)
+    expected = [(x - (total - x) / (q - 1)) / floor for x in losses]
+    assert step.deltas == pytest.approx(expected, rel=1e-6)
+    assert max(abs(x) for x in step.deltas) < 1e-5
 
 
 def test_loss_std_resume_is_exact(tmp_path):

@@ -65,6 +65,8 @@ SCENARIOS = [
     {"name": "running_rms_curvzo", "steps": 10, "n_micro": 2,
      "zo": {**ZO, "method": "curvzo", "num_directions": 2, "step_normalization": "running_rms"}},
     {"name": "disagree", "steps": 0, "n_micro": 1, "disagree": "seed", "min_world": 2, "zo": ZO},
+    # choose_layout's directions rule at 2 and 3 ranks, shard groups of one rank (no training)
+    {"name": "directions_layouts", "directions_layouts": [1, 2, 3, 6], "min_world": 2},
 ]
 
 
@@ -145,13 +147,14 @@ def test_one_collective_of_g_plus_3k_values_per_step(runs, name):
 @pytest.mark.multirank
 @pytest.mark.parametrize("name,q", [("rloo", 3), ("rloo_mezo", 2)])
 def test_rloo_sends_one_collective_per_step_and_reports_its_spread(runs, name, q):
-    """difference=rloo: the step's one all-reduce carries q x G block sums (CurvZO) and 3 values per direction and
-    micro-batch; each line has the spread of the q losses, no L+ or L-, and a positive projected_grad (the RMS)."""
+    """difference=rloo: the step's one all-reduce carries q x G block sums (CurvZO) and 2 values per direction and
+    micro-batch (its one loss and the count: the spec's one point); each line has the spread of the q losses, no L+
+    or L-, and a positive projected_grad (the RMS)."""
     for w in (1, 2, 3):
         res = runs[w][name]
         n_micro = 3 if name == "rloo" else 4
         steps = [r for r in res["traj"] if r.get("skipped") != "empty_mask"]
-        per_step = (q * res["num_blocks"] if name == "rloo" else 0) + 3 * q * n_micro
+        per_step = (q * res["num_blocks"] if name == "rloo" else 0) + 2 * q * n_micro
         assert res["engine_all_reduce"]["all_reduce"] == len(steps) > 0
         assert res["engine_all_reduce"]["all_reduce_elements"] == per_step * len(steps)
         for r in steps:
@@ -176,6 +179,21 @@ def test_disagreeing_rank_is_detected_at_start(runs):
         msg = runs[w]["disagree"]["error"]
         assert msg and "seed" in msg and "disagrees with rank 0" in msg
         assert all(e == msg for e in runs[w]["disagree"]["errors"])  # every rank stops, with the same line
+
+
+@pytest.mark.multirank
+def test_replica_groups_that_do_not_divide_the_directions_are_refused(runs):
+    """check_directions (layout/choice.py) at 2 and 3 ranks in shard groups of one rank (W replica groups): q must be a
+    multiple of W, or the run is refused in one line that names the numbers; a multiple gets W replicas."""
+    for w in (2, 3):
+        for q, got in runs[w]["directions_layouts"].items():
+            if int(q) % w == 0:
+                assert got == {"replicas": w}, (w, q, got)
+                continue
+            msg = got.get("refused", "")
+            assert "\n" not in msg and msg.startswith(f"num_directions={q} must be a multiple of the number of "
+                                                      f"replica groups ({w} = world size {w} / shard_group_size 1)"), \
+                (w, q, got)
 
 
 @pytest.fixture(scope="module")

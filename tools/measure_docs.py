@@ -2,6 +2,8 @@
 
     python tools/measure_docs.py          # run both commands, rewrite the block between the markers
     python tools/measure_docs.py --check  # run them and exit 1 if the block differs (tests/test_docs_figures.py)
+    python tools/measure_docs.py --check --keep DIR  # and keep both runs' output_dirs (DIR/one, DIR/demo) and
+                                                     # their stderr (DIR/one.stderr, DIR/demo.stderr)
 
 The commands, exactly as the doc shows them:
 1. `curvzo-ds train --set method=curvzo --set learning_rate=3e-4 --set num_dev=100 --set num_eval=100
@@ -41,6 +43,7 @@ def run(cmd: list[str], out: pathlib.Path) -> dict:
            "MASTER_PORT": str(free_port())}
     proc = subprocess.run(cmd + ["--set", f"output_dir={out}"], cwd=str(ROOT), env=env, capture_output=True,
                           text=True, timeout=1800)
+    (out.parent / f"{out.name}.stderr").write_text(proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -105,9 +108,12 @@ def dated(one: dict, demo: dict) -> str:
 
 
 def main() -> int:
+    keep = sys.argv[sys.argv.index("--keep") + 1] if "--keep" in sys.argv else None
     with tempfile.TemporaryDirectory() as tmp:
-        one = run([sys.executable, "-m", "curvzo_ds.cli", "train", *ONE_PROCESS], pathlib.Path(tmp) / "one")
-        demo = run(["bash", str(ROOT / "launch" / "demo.sh")], pathlib.Path(tmp) / "demo")
+        where = pathlib.Path(keep or tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        one = run([sys.executable, "-m", "curvzo_ds.cli", "train", *ONE_PROCESS], where / "one")
+        demo = run(["bash", str(ROOT / "launch" / "demo.sh")], where / "demo")
     digest = one["summary"]["params_digest"]
     if demo["summary"]["params_digest"] != digest:
         raise SystemExit(f"the 1-process run and demo.sh end with different weights ({digest} against "

@@ -71,13 +71,19 @@ def central(losses: list[tuple[float, ...]], eps: float) -> Estimate:
     return Estimate(deltas, deltas, 0.5 * (plus + minus), sum(deltas) / q, loss_plus=plus, loss_minus=minus)
 
 
+def baseline_residuals(values: list[float]) -> list[float]:
+    """L_k - b_k for each of the q losses, b_k = mean_{j != k} L_j (the leave-one-out baseline)."""
+    q, total = len(values), sum(values)
+    return [v - (total - v) / (q - 1) for v in values]
+
+
 def leave_one_out(losses: list[tuple[float, ...]], eps: float) -> Estimate:
     """Delta_k = (L_k - b_k) / eps with b_k = mean_{j != k} L_j; the scores read sqrt((q - 1) / q) Delta_k, whose
     square has the central Delta^2's mean, ||g_M||^2 (docs/algorithm.md); `delta` (projected_grad) is the root mean
     square of the Delta_k (their mean is 0 identically)."""
     values = [lk for (lk,) in losses]
     q, total = len(values), sum(values)
-    deltas = [(v - (total - v) / (q - 1)) / eps for v in values]
+    deltas = [r / eps for r in baseline_residuals(values)]
     return Estimate(deltas, [math.sqrt((q - 1) / q) * x for x in deltas], total / q,
                     math.sqrt(sum(x * x for x in deltas) / q), loss_spread=max(values) - min(values))
 
@@ -85,12 +91,23 @@ def leave_one_out(losses: list[tuple[float, ...]], eps: float) -> Estimate:
 class DifferenceSpec(NamedTuple):
     """One estimator: `offsets`, where each forward of a direction evaluates, in units of eps along z_k (the
     engine's forwards per direction); `min_directions`; `estimate(losses, eps)`, losses being one tuple per
-    direction with one loss per offset."""
+    direction with one loss per offset. The one source of a step's forwards: the engine walks `offsets`, the step's
+    all-reduce carries `points` losses per direction (shard/comm.py's StepPacket), and the planner, the bench and
+    the experiments count `forwards(q)`."""
 
     offsets: tuple[int, ...]
     min_directions: int
     estimate: Callable[[list[tuple[float, ...]], float], Estimate]
     normalizations: tuple[StepNormalization, ...]  # the step_normalization values it serves besides none
+
+    @property
+    def points(self) -> int:
+        """Evaluation points (forwards) per direction."""
+        return len(self.offsets)
+
+    def forwards(self, num_directions: int) -> int:
+        """Forwards of one step of `num_directions` directions (each forward a pass over the whole model)."""
+        return self.points * num_directions
 
 
 DIFFERENCE_SPECS: dict[Difference, DifferenceSpec] = {
@@ -99,6 +116,12 @@ DIFFERENCE_SPECS: dict[Difference, DifferenceSpec] = {
     # loss_std: the spread of the q one-sided losses of the step itself
     Difference.RLOO: DifferenceSpec((1,), 2, leave_one_out, normalizations=(StepNormalization.LOSS_STD,)),
 }
+
+
+def forwards_per_step(difference: str | Difference, num_directions: int) -> int:
+    """Forwards of one step with the `difference` estimator and `num_directions` directions: 2 q for central, q
+    for rloo (DIFFERENCE_SPECS, the one source)."""
+    return DIFFERENCE_SPECS[Difference(difference)].forwards(num_directions)
 
 
 class FiniteDifference:
@@ -144,9 +167,8 @@ class FiniteDifference:
         sigma = math.sqrt(sum((v - mean) ** 2 for v in values) / (q - 1))
         floor = SIGMA_FLOOR * self.sigma_mean if self.sigma_mean is not None else 0.0
         scale = max(sigma, floor)
-        total = sum(values)
         # a step whose losses are all equal (scale 0, no running mean yet) moves nothing
-        deltas = [(v - (total - v) / (q - 1)) / scale if scale > 0 else 0.0 for v in values]
+        deltas = [r / scale if scale > 0 else 0.0 for r in baseline_residuals(values)]
         if math.isfinite(sigma):
             self.sigma_mean = sigma if self.sigma_mean is None else (
                 (1 - SIGMA_RATE) * self.sigma_mean + SIGMA_RATE * sigma)

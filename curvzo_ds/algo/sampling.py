@@ -259,6 +259,11 @@ class MethodSpec(NamedTuple):
     scored: bool  # measures the block scores at all (MeZO never reads them)
     follows_scores: bool  # pi follows the scores: a score warm-up first, and budget_floor=0 can make pi = 0 absorbing
 
+    @property
+    def every_block(self) -> bool:
+        """pi = 1 for every block at every step: nothing to log as pi (pi.jsonl), no min pi to correct the rate by."""
+        return self.pi is _all_ones
+
 
 METHOD_SPECS: dict[Method, MethodSpec] = {
     Method.CURVZO: MethodSpec(_adaptive_budget, _score_pi, scored=True, follows_scores=True),

@@ -34,6 +34,9 @@ def register(sub) -> None:
     p.add_argument("--seq-lens", default="64,256,1024", help="tokens per sequence, comma-separated")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (forwards and steps interleaved)")
     p.add_argument("--world-sizes", default="1,2,3", help="ZeRO-3 world sizes for the per-rank table")
+    p.add_argument("--tiny", action="store_true",
+                   help="the suite on a Llama of about 0.1M parameters and smaller noise buffers (every code path and "
+                        "figure; the tests' size)")
     p.add_argument("--run", action="store_true", help="instead: time `--steps` steps of the run configured by --set")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --run: a config key")
     p.add_argument("--steps", type=int, default=20, help="with --run or --drift: steps to take")
@@ -48,7 +51,8 @@ def handle(args) -> None:
     elif args.run:
         run_bench(load_config(None, args.set, None), args.steps)
     else:
-        run_suite(args.out, _ints(args.seq_lens, "--seq-lens"), args.rounds, _ints(args.world_sizes, "--world-sizes"))
+        run_suite(args.out, _ints(args.seq_lens, "--seq-lens"), args.rounds, _ints(args.world_sizes, "--world-sizes"),
+                  size="tiny" if args.tiny else "suite")
 
 
 def _ints(text: str, option: str) -> list[int]:
@@ -149,17 +153,18 @@ def drift(steps: int, dtype: str = "bfloat16", seed: int = 0) -> list[dict]:
 
 
 def run_suite(out: str | None, seq_lens: list[int], rounds: int, world_sizes: list[int], batch: int = 16,
-              rank_seq: int = 64, rank_steps: int = 3) -> dict:
-    """The whole suite, each part in a fresh process (one thread per rank): prints a table, writes `out`."""
-    from curvzo_ds.commands.bench_timing import SUITE_MODEL, machine
+              rank_seq: int = 64, rank_steps: int = 3, size: str = "suite") -> dict:
+    """The whole suite, each part in a fresh process (one thread per rank): prints a table, writes `out`. `size`:
+    the model, bench_timing.MODELS' "suite" (28M) or "tiny"."""
+    from curvzo_ds.commands.bench_timing import MODELS, machine
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    report = {"machine": machine(), "model": {**SUITE_MODEL, "parameters": None}, "batch": batch,
+    report = {"machine": machine(), "model": {**MODELS[size], "parameters": None}, "batch": batch,
               "rounds": rounds, "seq_lens": {}, "python_overhead": None, "world_sizes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         part = os.path.join(tmp, "timing.json")
         subprocess.run([sys.executable, "-m", WORKER, "timing", part, ",".join(map(str, seq_lens)),
-                        str(rounds), str(batch)], env=env, check=True)
+                        str(rounds), str(batch), size], env=env, check=True)
         timing = json.loads(open(part).read())
         report["seq_lens"], report["python_overhead"] = timing["seq_lens"], timing["python_overhead"]
         report["noise"], report["noise_threads"] = timing["noise"], timing["noise_threads"]
@@ -169,7 +174,7 @@ def run_suite(out: str | None, seq_lens: list[int], rounds: int, world_sizes: li
             port = str(20000 + os.getpid() % 20000 + world)
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                             "--master_port", port, "-m", WORKER, "ranks", part, str(rank_seq),
-                            str(rank_steps), str(batch)], env={**env, "DS_ACCELERATOR": env.get(
+                            str(rank_steps), str(batch), size], env={**env, "DS_ACCELERATOR": env.get(
                                 "DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")}, check=True)
             report["world_sizes"][str(world)] = json.loads(open(part).read())
     print(format_report(report))

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from curvzo_ds.algo.differences import forwards_per_step
 from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.engine import StepTimer, ZOEngine
@@ -32,6 +33,11 @@ from curvzo_ds.sysinfo import rss_bytes
 SUITE_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
                    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024,
                    tie_word_embeddings=False)
+# `curvzo-ds bench --tiny` (the test suite's size): the same code paths on a Llama of about 0.1M parameters.
+TINY_MODEL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False)
+MODELS = {"suite": SUITE_MODEL, "tiny": TINY_MODEL}
+NOISE_SIZES = {"suite": (1 << 24, 1 << 26), "tiny": (1 << 20, 1 << 22)}  # noise_speed's and noise_threads' numel
 # The methods timed: MeZO (every block), CurvZO at a fixed budget of 0.3 G, adaptive CurvZO (burnt in first), and
 # MeZO's directions with the leave-one-out difference, q = 4 and q = 8 (q one-sided forwards a step).
 METHODS = {
@@ -43,10 +49,9 @@ METHODS = {
 }
 
 
-def forwards_per_step(cfg: dict) -> int:
-    """Forwards of one step: one per direction with rloo, two per direction with the central difference."""
-    q = cfg.get("num_directions", 1)
-    return q if cfg.get("difference") == "rloo" else 2 * q
+def arm_forwards(cfg: dict) -> int:
+    """Forwards of one step of an arm's config (algo.differences.forwards_per_step, the one count)."""
+    return forwards_per_step(cfg.get("difference", "central"), cfg.get("num_directions", 1))
 ZO_COMMON = dict(learning_rate=1e-7, zo_eps=1e-3, seed=0)
 SECTIONS = ("forwards", "perturb_stats", "perturb", "update", "reduce")
 
@@ -57,9 +62,10 @@ def with_other(step: float, sections: dict) -> dict:
     return {**sections, "other": step - sum(sections.values())}
 
 
-def suite_model(device="cpu", dtype=torch.float32):
+def suite_model(device="cpu", dtype=torch.float32, size: str = "suite"):
+    """The benchmark's Llama (`MODELS[size]`), seeded."""
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**SUITE_MODEL)).to(device=device, dtype=dtype).eval()
+    return LlamaForCausalLM(LlamaConfig(**MODELS[size])).to(device=device, dtype=dtype).eval()
 
 
 def token_loss(model, input_ids: torch.Tensor):
@@ -140,17 +146,17 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str) -> dict:
+def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str, size: str = "suite") -> dict:
     """One process, the plain module: per sequence length, forwards alone and every method's step with its
     sections, the MeZO-style reference, and peak memory against inference. Rounds interleave all of them."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
     memory = PeakMemory(device)
-    model = suite_model(device)
+    model = suite_model(device, size=size)
     engines = {name: ZOEngine(model, token_loss, ZOConfig(**ZO_COMMON, **cfg)) for name, cfg in METHODS.items()}
     out = {}
     for seq in seq_lens:
         gen = torch.Generator().manual_seed(seq)
-        ids = torch.randint(0, SUITE_MODEL["vocab_size"], (batch, seq), generator=gen).to(device)
+        ids = torch.randint(0, MODELS[size]["vocab_size"], (batch, seq), generator=gen).to(device)
         rows: dict[str, list] = {"two_forwards": [], "reference": [], **{m: [] for m in METHODS}}
         sections = {m: [] for m in METHODS}
         budgets = {m: [] for m in METHODS}
@@ -192,7 +198,7 @@ def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str) -> d
         # The time outside the forwards, per forward, as a ratio to MeZO's (issue 46): what a method's passes over
         # the weights, reduction and bookkeeping cost per forward it buys.
         other = {name: _median([step - sec.get("forwards", 0.0) for step, sec in zip(rows[name], sections[name])])
-                 / forwards_per_step(METHODS[name]) for name in METHODS}
+                 / arm_forwards(METHODS[name]) for name in METHODS}
         for name in METHODS:
             split = {k: _median([s.get(k, 0.0) for s in sections[name]]) for k in SECTIONS}
             entry["methods"][name] = {
@@ -200,8 +206,8 @@ def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str) -> d
                 "other_seconds_per_forward": other[name],
                 "other_per_forward_over_mezo": other[name] / other["mezo"],
                 "step_seconds": _median(rows[name]),
-                "forwards_per_step": forwards_per_step(METHODS[name]),
-                "seconds_per_forward": _median(rows[name]) / forwards_per_step(METHODS[name]),
+                "forwards_per_step": arm_forwards(METHODS[name]),
+                "seconds_per_forward": _median(rows[name]) / arm_forwards(METHODS[name]),
                 "ratio_to_two_forwards": _median([a / b for a, b in zip(rows[name], two)]),
                 "seconds": with_other(_median(rows[name]), {
                     "forwards": split["forwards"], "noise_and_update": split["perturb"] * 2 + split["update"],
@@ -305,7 +311,7 @@ def noise_threads(numel: int = 1 << 26, tensors: int = 16, rounds: int = 3, thre
     return out
 
 
-def rank_figures(seq: int, steps: int, batch: int, micro: int) -> dict:
+def rank_figures(seq: int, steps: int, batch: int, micro: int, size: str = "suite") -> dict:
     """One rank of a ZeRO-3 job (run under torchrun): owned bytes, step time, bytes all-reduced per step, and
     peak memory of ZO steps against inference-only forwards under the same config."""
     import deepspeed
@@ -313,12 +319,12 @@ def rank_figures(seq: int, steps: int, batch: int, micro: int) -> dict:
     rank, world, _ = init_distributed()
     torch.set_num_threads(1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = suite_model("cpu")
+    model = suite_model("cpu", size=size)
     ds_engine, *_ = deepspeed.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": micro, "train_batch_size": micro * world, "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 3}})
     gen = torch.Generator().manual_seed(seq)
-    ids = torch.randint(0, SUITE_MODEL["vocab_size"], (batch, seq), generator=gen).to(ds_engine.device)
+    ids = torch.randint(0, MODELS[size]["vocab_size"], (batch, seq), generator=gen).to(ds_engine.device)
     batches = MicroBatches([ids[i:i + micro] for i in range(0, batch, micro)])
     sync = torch.cuda.synchronize if device == "cuda" else None
     memory = PeakMemory(device)
@@ -366,17 +372,21 @@ def machine() -> dict:
 
 
 def _worker(argv: list[str]) -> None:
-    kind, out = argv[0], argv[1]
+    """`python -m curvzo_ds.commands.bench_timing timing|ranks OUT ... SIZE` (bench.run_suite starts it)."""
+    kind, out, size = argv[0], argv[1], argv[-1]
     if kind == "timing":
         torch.set_num_threads(1)
         seq_lens, rounds, batch = [int(x) for x in argv[2].split(",")], int(argv[3]), int(argv[4])
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        result = {"seq_lens": time_methods(seq_lens, rounds, batch, device), "python_overhead": python_overhead(),
-                  "noise": noise_speed(rounds=rounds, device=device), "noise_threads": noise_threads(rounds=rounds),
-                  "parameters": sum(p.numel() for p in suite_model("meta").parameters())}
+        speed_numel, threads_numel = NOISE_SIZES[size]
+        result = {"seq_lens": time_methods(seq_lens, rounds, batch, device, size),
+                  "python_overhead": python_overhead(),
+                  "noise": noise_speed(speed_numel, rounds=rounds, device=device),
+                  "noise_threads": noise_threads(threads_numel, rounds=rounds),
+                  "parameters": sum(p.numel() for p in suite_model("meta", size=size).parameters())}
         write_json_atomic(out, result)
     elif kind == "ranks":
-        result = rank_figures(int(argv[2]), int(argv[3]), int(argv[4]), micro=4)
+        result = rank_figures(int(argv[2]), int(argv[3]), int(argv[4]), micro=4, size=size)
         if dist.get_rank() == 0:
             write_json_atomic(out, result)
         dist.barrier()

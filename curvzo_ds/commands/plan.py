@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from curvzo_ds.algo.differences import DIFFERENCE_SPECS, Difference
 from curvzo_ds.errors import EXIT_FAILED, EXIT_OK, ConfigError
+
+DIFFERENCES = [d.value for d in Difference]
 
 if TYPE_CHECKING:
     from curvzo_ds.layout.choice import Layout
@@ -42,6 +45,9 @@ def register(sub) -> None:
     p.add_argument("--label-positions", type=int, default=1, help="logit positions per sequence (the loss's)")
     p.add_argument("--num-directions", type=int, default=1,
                    help="directions per step (num_directions): ZeRO-3 replica groups each need their own")
+    p.add_argument("--difference", default="central", choices=DIFFERENCES,
+                   help="the run's difference: its forwards per direction (central two, rloo one) set the "
+                        "all-gather traffic per step")
     p.add_argument("--quantization", default="none",
                    help="none, 8bit or 4bit: plan a LoRA run on a base quantised by bitsandbytes (the run's "
                         "quantization; stage 0)")
@@ -64,28 +70,35 @@ def handle(args) -> int:
                   dtype=args.dtype, offload=args.offload, batch=args.batch, seq_len=args.seq_len,
                   gpu_memory=args.gpu_memory, fp32_master=args.fp32_master_weights, deepspeed=args.deepspeed,
                   device=args.device, label_positions=args.label_positions, trust_remote_code=args.trust_remote_code,
-                  num_directions=args.num_directions, gpus_per_node=args.gpus_per_node, quantization=args.quantization,
+                  num_directions=args.num_directions, difference=args.difference, gpus_per_node=args.gpus_per_node,
+                  quantization=args.quantization,
                   lora_r=args.lora_r if args.lora or args.quantization != "none" else 0,
                   lora_target_modules=tuple(m.strip() for m in args.lora_target_modules.split(",") if m.strip()))
     return EXIT_OK if result.fits else EXIT_FAILED
 
 
-def plan(num_directions: int = 1, gpus_per_node: int | None = None, **kwargs) -> Plan:
+def plan(num_directions: int = 1, gpus_per_node: int | None = None, difference: str = "central", **kwargs) -> Plan:
     """`curvzo-ds plan`: the layout the run takes (`zero_stage: auto`, layout/choice.py's `plan_layouts`, unless
-    --shard-group-size names one), its per-rank table, the other layouts that fit (`layout_lines`), then its verdict
-    (the last line says `fits` or `does not fit`); return the plan of that layout."""
+    --shard-group-size names one), its per-rank table, the other layouts that fit (`layout_lines`, their all-gather
+    traffic counted with `difference`'s forwards), then its verdict (the last line says `fits` or `does not fit`);
+    return the plan of that layout."""
     from curvzo_ds.layout.choice import Layout, check_directions, plan_layouts
     from curvzo_ds.layout.memory import parse_memory, plan_memory  # transformers comes with it: imported here
 
     if num_directions < 1 or (gpus_per_node is not None and gpus_per_node < 1):
         raise ConfigError(f"--num-directions {num_directions} / --gpus-per-node {gpus_per_node}: use integers >= 1")
+    fewest = DIFFERENCE_SPECS[Difference(difference)].min_directions
+    if num_directions < fewest:
+        raise ConfigError(f"--difference {difference} needs --num-directions {fewest} or more (its baseline is the "
+                          f"other directions' losses), not {num_directions}")
     kwargs["num_directions"] = num_directions
     world, memory = kwargs["world_size"], kwargs.get("gpu_memory", "80GiB")
     memory = parse_memory(memory) if isinstance(memory, str) else int(memory)
     if kwargs.get("shard_group_size") is None:  # the layout auto takes, planned; the others as alternatives
         rest = {k: v for k, v in kwargs.items() if k not in ("world_size", "shard_group_size", "gpu_memory",
                                                              "num_directions")}
-        chosen, fits = plan_layouts(world, memory, gpus_per_node or min(world, 8), num_directions, **rest)
+        chosen, fits = plan_layouts(world, memory, gpus_per_node or min(world, 8), num_directions, difference,
+                                    **rest)
         kwargs["shard_group_size"] = 1 if chosen.zero_stage == 0 else chosen.shard_group_size
     else:
         result = plan_memory(**kwargs)

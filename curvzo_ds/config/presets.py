@@ -7,8 +7,7 @@ import dataclasses
 from typing import Any
 
 from curvzo_ds.config.schema import TrainConfig
-
-DEMO_MODELS = ("demo", "demo-opt")
+from curvzo_ds.tasks.tokenizer import DEMO_MODELS  # the demo models' names (and their tokenizers' kinds)
 
 
 def preset_values(cfg: TrainConfig) -> dict[str, Any]:

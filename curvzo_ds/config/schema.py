@@ -20,7 +20,9 @@ from curvzo_ds.algo.estimators import ESTIMATORS
 from curvzo_ds.algo.rate import AUTO, Schedule
 from curvzo_ds.algo.sampling import Method
 from curvzo_ds.config.ds_policy import REFUSAL_BY_KEY
+from curvzo_ds.config.quantization import NEEDS_LORA, NEEDS_STAGE_0, QUANTIZATIONS, VALUES_TEXT, quantization_lacks
 from curvzo_ds.config.report_to import resolve_report_to
+from curvzo_ds.data.objectives import OBJECTIVES
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.tasks.task import TASK_NAMES
 
@@ -34,7 +36,7 @@ class Granularity(str, enum.Enum):
 
 
 # The valid values of the mode keys, from their one definition each (sampling.Method, estimators.ESTIMATORS,
-# Granularity above, differences.Difference and StepNormalization).
+# Granularity above, differences.Difference and StepNormalization, objectives.Objective, quantization.Quantization).
 METHODS = tuple(m.value for m in Method)
 SCORE_ESTIMATORS = tuple(ESTIMATORS)
 GRANULARITIES = tuple(g.value for g in Granularity)
@@ -42,7 +44,6 @@ DIFFERENCES = tuple(d.value for d in Difference)
 NORMALIZATIONS = tuple(n.value for n in StepNormalization)
 SCHEDULES = tuple(s.value for s in Schedule)
 DIVERGENCE_ACTIONS = ("rollback", "stop")  # the `on_divergence` key (train/divergence.py)
-QUANTIZATIONS = ("none", "8bit", "4bit")  # the `quantization` key: bitsandbytes' LLM.int8 and nf4 (models.py)
 
 
 def key(default: Any, doc: str):
@@ -138,8 +139,9 @@ class ZOConfig:
     fp32_master_weights: Any = key("auto", "fp32 copy of the owned slice of bf16/fp16 weights: auto (1-D tensors "
                                            "only: norms and biases, which bf16 cannot perturb by eps), true (all), "
                                            "false (none)")
-    num_directions: int = key(1, "q: SPSA directions per step, their updates averaged (each costs two forwards; "
-                                 "spread over the replica groups when shard_group_size < world size)")
+    num_directions: int = key(1, "q: SPSA directions per step, their updates averaged (each costs two forwards "
+                                 "with difference=central, one with rloo; spread over the replica groups when "
+                                 "shard_group_size < world size)")
     difference: str = key("central", "the finite difference: central (L(w + eps z) - L(w - eps z), two forwards per "
                                      "direction) or rloo (one forward L(w + eps z_k) per direction, the mean of the "
                                      "other directions' losses as baseline; needs num_directions >= 2; "
@@ -355,7 +357,7 @@ class TrainConfig(ZOConfig):
         if self.threads is not None:
             need(_posint(self.threads), "threads", "an integer >= 1 or null")
         need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "float32, bfloat16 or float16")
-        need(self.objective in ("loss", "accuracy", "f1"), "objective", "loss, accuracy or f1")
+        need(self.objective in OBJECTIVES, "objective", f"{', '.join(OBJECTIVES[:-1])} or {OBJECTIVES[-1]}")
         stage_refusal = REFUSAL_BY_KEY["zero_optimization.stage"]
         if stage_refusal.refuses(self.zero_stage):
             raise ConfigError(f"zero_stage={self.zero_stage} is not supported: {stage_refusal.reason}; "
@@ -383,15 +385,16 @@ class TrainConfig(ZOConfig):
         if self.lora_target_modules is not None:
             need(isinstance(self.lora_target_modules, list | str), "lora_target_modules",
                  "a list of module names or a comma-separated string")
-        need(self.quantization in QUANTIZATIONS, "quantization", "none, 8bit or 4bit")
-        if self.quantization != "none" and not self.lora:
-            raise ConfigError(f"quantization={self.quantization} needs lora=true: the quantised base is frozen and "
-                              "only LoRA adapters train; set lora=true, or quantization=none")
-        if self.quantization != "none" and (self.zero_stage == 3 or self.offload_param == "cpu"):
+        need(self.quantization in QUANTIZATIONS, "quantization", VALUES_TEXT)
+        lacks = quantization_lacks(self.quantization, lora=self.lora, zero3=self.zero_stage == 3,
+                                   offload=self.offload_param == "cpu")
+        if lacks == "lora":
+            raise ConfigError(f"quantization={self.quantization} needs lora=true: {NEEDS_LORA}; set lora=true, or "
+                              "quantization=none")
+        if lacks == "stage 0":
             given = "zero_stage=3" if self.zero_stage == 3 else "offload_param=cpu"
-            raise ConfigError(f"quantization={self.quantization} needs zero_stage=0 (a bitsandbytes base is whole on "
-                              f"every rank; ZeRO-3 cannot partition or offload it), not {given}: set zero_stage=auto "
-                              "and offload_param=none, or quantization=none")
+            raise ConfigError(f"quantization={self.quantization} needs zero_stage=0 ({NEEDS_STAGE_0}), not {given}: "
+                              "set zero_stage=auto and offload_param=none, or quantization=none")
 
 
 def _need(cfg, ok: bool, key: str, rng: str) -> None:

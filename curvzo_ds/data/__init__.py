@@ -20,7 +20,7 @@ from curvzo_ds.data.losses import (
     predict_classification,
 )
 from curvzo_ds.data.metrics import accuracy, exact_match, f1, normalize_answer
-from curvzo_ds.data.objectives import OBJECTIVES, F1Loss, accuracy_loss, check_objective, loss_fn_for
+from curvzo_ds.data.objectives import OBJECTIVES, F1Loss, Objective, accuracy_loss, check_objective, loss_fn_for
 from curvzo_ds.data.stream import (
     MicroBatches,
     chunks,
@@ -34,6 +34,6 @@ __all__ = [
     "encode", "collate", "to_device", "loss_fn_for", "classification_loss", "lm_loss", "candidate_scores",
     "predict_classification", "classification_eval", "mean_loss", "generate_answers", "accuracy", "f1", "exact_match",
     "normalize_answer", "newline_ids", "MicroBatches", "split_batch", "step_indices", "chunks", "micro_batch_indices",
-    "round_robin_slots", "inner_module", "check_tokenizer", "stops_at_newline", "OBJECTIVES", "F1Loss",
+    "round_robin_slots", "inner_module", "check_tokenizer", "stops_at_newline", "OBJECTIVES", "Objective", "F1Loss",
     "accuracy_loss", "check_objective",
 ]

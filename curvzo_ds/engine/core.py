@@ -15,7 +15,7 @@ import torch
 
 from curvzo_ds.algo.differences import Estimate, FiniteDifference
 from curvzo_ds.algo.rate import Rate, auto_rate
-from curvzo_ds.algo.sampling import CurvZOSampler, StepPlan
+from curvzo_ds.algo.sampling import METHOD_SPECS, CurvZOSampler, Method, StepPlan
 from curvzo_ds.config.resolve import engine_config
 from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.config.sections import section
@@ -96,13 +96,13 @@ class ZOEngine(EngineState):
             check_ranks_agree(self.topology.job, {
                 "config": dataclasses.asdict(cfg), "blocks": [(b.name, b.size) for b in self.blocks],
                 "noise": self.noise.describe(), "kernel": self.noise.reference_digest(self.device)})
-        corrected = " x min pi per step (rate_correction=max_weight)" if cfg.rate_correction == "max_weight" else ""
+        corrected = ("" if METHOD_SPECS[Method(cfg.method)].every_block else
+                     " x min pi per step (rate_correction=max_weight)" if cfg.rate_correction == "max_weight" else "")
+        normalized = (f", step_normalization {cfg.step_normalization}" if cfg.step_normalization != "none" else "")
         log.info("ZOEngine: method %s, difference %s, num_directions %d%s, learning_rate %s%s (%s), zo_eps %g, "
                  "weight_decay %g; %d blocks, %d trainable parameters; noise %s", cfg.method, cfg.difference,
-                 cfg.num_directions, f", step_normalization {cfg.step_normalization}"
-                 if cfg.step_normalization != "none" else "", cfg.learning_rate, corrected if cfg.method != "mezo"
-                 else "", cfg.lr_scheduler_type, cfg.zo_eps, cfg.weight_decay, self.num_blocks, self.num_params,
-                 self.noise.ident)
+                 cfg.num_directions, normalized, cfg.learning_rate, corrected, cfg.lr_scheduler_type, cfg.zo_eps,
+                 cfg.weight_decay, self.num_blocks, self.num_params, self.noise.ident)
 
     @property
     def num_blocks(self) -> int:
@@ -162,7 +162,7 @@ class ZOEngine(EngineState):
         info.update(stop=red.stop, loss_spread=est.loss_spread, loss_std=est.loss_std,
                     **(self.visibility.report(red.moved, plan.mask) if red.moved is not None else {}))
         if not est.finite:
-            return self._skip_non_finite(plan, est, info, at)
+            return self._skip_non_finite(plan, est, red.losses, info, at)
         self._update(plan, est, lr, at)
         self._end_step(plan, est.score_deltas, red.block_sq)  # the scores
         return StepResult(plan.step + 1, est.loss, est.loss_plus, est.loss_minus, est.delta, **info)
@@ -241,18 +241,20 @@ class ZOEngine(EngineState):
     def _reduce(self, evals, batch, moved=None, stop_requested=None) -> Reduced:
         """The step's one all-reduce over every rank (all replica groups): reduce_step (forwards.py)."""
         return reduce_step(self.topology.job, evals, slot_count(batch, self.comm.world_size),
-                           directions=self.cfg.num_directions, evaluations=len(self.estimator.offsets),
+                           directions=self.cfg.num_directions, evaluations=self.estimator.spec.points,
                            sums=self.num_blocks if self.sampler.scored else 0, blocks=self.num_blocks, moved=moved,
                            stop_requested=stop_requested, device=self.device)
 
-    def _skip_non_finite(self, plan: StepPlan, red: Estimate, info: dict[str, Any], at: Point) -> StepResult:
-        """Move the weights back from the last point `at`, count the skip, stop at max_consecutive_skips."""
+    def _skip_non_finite(self, plan: StepPlan, red: Estimate, losses: list[tuple[float, ...]], info: dict[str, Any],
+                         at: Point) -> StepResult:
+        """Move the weights back from the last point `at`, count the skip, stop at max_consecutive_skips. The
+        warning names every direction's losses, one per evaluation point (offsets in units of eps)."""
         self.perturber.move(at, None)
         self._end_step(plan, None, None)
         self.skips_in_row += 1
         self.skipped_total += 1
-        log.warning("step %d: non-finite loss (L+=%s, L-=%s); weights restored, step skipped (%d in a row)",
-                    plan.step + 1, red.loss_plus, red.loss_minus, self.skips_in_row)
+        log.warning("step %d: non-finite loss (%s); weights restored, step skipped (%d in a row)",
+                    plan.step + 1, describe_losses(self.estimator.offsets, losses), self.skips_in_row)
         if self.skips_in_row >= self.cfg.max_consecutive_skips:
             raise NonFiniteLossError(
                 f"{self.skips_in_row} consecutive steps had a non-finite loss (last at step {plan.step + 1}); "
@@ -291,6 +293,14 @@ class ZOEngine(EngineState):
             local = self._forwards(batch)
         return reduce_step(self.comm, [(0, None, [local])], slot_count(batch, self.comm.world_size),
                            directions=1, evaluations=1, device=self.device).losses[0][0]
+
+
+def describe_losses(offsets: tuple[int, ...], losses: list[tuple[float, ...]]) -> str:
+    """Each direction's losses at its points: "L(+1)=0.69, L(-1)=nan" (central), "L_0(+1)=..., L_1(+1)=..." (q
+    directions)."""
+    several = len(losses) > 1
+    return ", ".join(f"L{f'_{d}' if several else ''}({o:+d})={value:.6g}"
+                     for d, row in enumerate(losses) for o, value in zip(offsets, row))
 
 
 def _finite_or_none(x: float) -> float | None:

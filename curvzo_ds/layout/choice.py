@@ -12,11 +12,13 @@ import os
 
 import torch
 
+from curvzo_ds.algo.differences import forwards_per_step
 from curvzo_ds.config.ds_config import resolve_ds_config
 from curvzo_ds.config.ds_policy import MAPPED_FIELDS
 from curvzo_ds.config.fields import sources_of
+from curvzo_ds.config.quantization import NEEDS_STAGE_0, is_quantized, quantization_lacks
 from curvzo_ds.errors import ConfigError
-from curvzo_ds.layout.memory import WIDTH, GiB, plan_memory
+from curvzo_ds.layout.memory import WIDTH, GiB, Plan, plan_memory
 from curvzo_ds.shard.comm import Comm
 
 log = logging.getLogger("curvzo_ds")
@@ -29,7 +31,7 @@ class Layout:
     """Where a job's weights live (docs/scaling.md): stage 0, every rank a whole copy with the micro-batches dealt
     over all ranks (`shard_group_size` 1, `replicas` W); or ZeRO-3 in shard groups of K ranks, each group a whole
     copy that evaluates its own directions (`replicas` W / K). `per_rank`: the planned bytes per rank (0: unknown);
-    `gathered`: parameter bytes each rank all-gathers per step (two forwards per direction; 0 at stage 0)."""
+    `gathered`: parameter bytes each rank all-gathers per step (`gathered_per_step`; 0 at stage 0)."""
 
     zero_stage: int
     shard_group_size: int
@@ -61,14 +63,15 @@ def group_candidates(world_size: int, local_world_size: int | None = None) -> li
 
 
 def plan_layouts(world_size: int, memory: int, local_world_size: int | None = None, num_directions: int = 1,
-                 **kwargs) -> tuple[Layout, list[Layout]]:
+                 difference: str = "central", **kwargs) -> tuple[Layout, list[Layout]]:
     """(the layout `zero_stage: auto` takes, every layout that fits, cheapest first), from `plan_memory` at
     `memory` bytes per rank less MARGIN. The rule: stage 0 when the whole model, its activations at the run's
     micro-batch, the ZO state and the row table fit one device (`plan_memory` at shard group 1); else ZeRO-3 in
     the smallest shard group K (a divisor of the world size; inside a node first) whose plan fits and whose W / K
     replica groups divide num_directions (each group evaluates its own directions); else, when nothing fits,
-    ZeRO-3 over the whole job (today's layout; `curvzo-ds plan` says by how much it does not fit). A quantised
-    base (`quantization` in kwargs) is planned at stage 0 only, fitting or not."""
+    ZeRO-3 over the whole job (`curvzo-ds plan` says by how much it does not fit). A quantised base (`quantization`
+    in kwargs) is planned at stage 0 only, fitting or not. A ZeRO-3 layout's all-gather traffic counts the forwards
+    of `difference`'s estimator (`gathered_per_step`)."""
     budget = int(memory * (1 - MARGIN))
     kwargs["num_directions"] = num_directions
     whole = plan_memory(world_size=world_size, shard_group_size=1, gpu_memory=memory, **kwargs)
@@ -78,7 +81,7 @@ def plan_layouts(world_size: int, memory: int, local_world_size: int | None = No
         fits.append(Layout(0, 1, world_size, f"the whole model fits one device: {gib(whole.total)} planned of "
                            f"{gib(memory)} less a {MARGIN:.0%} margin", whole.total, 0))
     quantization = kwargs.get("quantization", "none")
-    if quantization != "none":  # a bitsandbytes base is whole on every rank: stage 0 only
+    if is_quantized(quantization):  # a bitsandbytes base is whole on every rank: stage 0 only
         verdict = (f"fits one device: {gib(whole.total)} planned of" if fits else
                    f"({gib(whole.total)} planned) does not fit one device of")
         return Layout(0, 1, world_size, f"quantization={quantization} takes stage 0, and the whole model {verdict} "
@@ -88,8 +91,7 @@ def plan_layouts(world_size: int, memory: int, local_world_size: int | None = No
             continue  # a shard group of one is stage 0's memory with ZeRO-3's hooks
         p = plan_memory(world_size=world_size, shard_group_size=k, gpu_memory=memory, **kwargs)
         if p.total <= budget:
-            # every parameter gathered once per forward, two forwards per direction, (q / R) directions per group
-            per_step = 2 * p.params * WIDTH[p.dtype] * max(num_directions // (world_size // k), 1)
+            per_step = gathered_per_step(p, difference, max(num_directions // (world_size // k), 1))
             why = ("" if whole.total <= budget else f"the whole model ({gib(whole.total)} planned) does not fit one "
                    f"device of {gib(memory)} less a {MARGIN:.0%} margin; ")
             fits.append(Layout(3, k, world_size // k, f"{why}the smallest shard group that fits is {k} ranks, "
@@ -107,7 +109,14 @@ def plan_layouts(world_size: int, memory: int, local_world_size: int | None = No
     full = plan_memory(world_size=world_size, shard_group_size=world_size, gpu_memory=memory, **kwargs)
     return Layout(3, world_size, 1, f"nothing fits {gib(memory)} per rank less a {MARGIN:.0%} margin (ZeRO-3 over "
                   f"all {world_size} ranks needs {gib(full.total)}): ZeRO-3 over the whole job", full.total,
-                  2 * full.params * WIDTH[full.dtype] * num_directions), fits
+                  gathered_per_step(full, difference, num_directions)), fits
+
+
+def gathered_per_step(plan: Plan, difference: str, directions_per_group: int) -> int:
+    """Parameter bytes one rank all-gathers per step under ZeRO-3: every parameter once per forward, and the
+    forwards of `directions_per_group` directions with the `difference` estimator (DIFFERENCE_SPECS: two per
+    direction for central, one for rloo)."""
+    return plan.params * WIDTH[plan.dtype] * forwards_per_step(difference, directions_per_group)
 
 
 def directions_fit(num_directions: int, replicas: int) -> bool:
@@ -128,72 +137,36 @@ def check_directions(world_size: int, group: int | None, num_directions: int) ->
 
 def choose_layout(cfg, user_ds: dict | None, job: Comm | None = None) -> Layout:
     """The run's layout, from its resolved config `cfg` (presets filled) and its DeepSpeed config: `zero_stage` and
-    `shard_group_size` decided where they are "auto". The DeepSpeed config's
-    stage, dtype and offload are read through the config's own mapping (config.ds_config.resolve_ds_config, which
-    also refuses a conflict with an explicit key), never beside it. An explicit stage (--set, the YAML, `user_ds`'s
-    zero_optimization.stage: the DeepSpeed file or the Accelerate config) and an explicit shard_group_size are
-    kept. `auto` (docs/scaling.md; `plan_layouts` states the rule) plans with the memory model of `curvzo-ds plan`
-    at the run's micro-batch, max_length and num_directions, fed the smallest device memory of the job's ranks: a
-    GPU's free memory, or on CPU the host's memory divided by the ranks on the node. The choice and its reason are
-    logged in one line; the directions rule is checked (`check_directions`). A quantised run (`quantization`) takes
-    stage 0, unplanned: ZeRO-3 or a parameter offload with it is refused in one line. Collective (every rank calls
-    it)."""
+    `shard_group_size` decided where they are "auto". The DeepSpeed config's stage, dtype and offload are read
+    through the config's own mapping (config.ds_config.resolve_ds_config, which also refuses a conflict with an
+    explicit key), never beside it. The stage is the first of `stage_rules` that decides it; `auto` (docs/scaling.md;
+    `plan_layouts` states the rule) plans with the memory model of `curvzo-ds plan` at the run's micro-batch,
+    max_length, num_directions and difference, fed the smallest device memory of the job's ranks: a GPU's free
+    memory, or on CPU the host's memory divided by the ranks on the node. The choice and its reason are logged in
+    one line; the directions rule is checked (`check_directions`). A quantised run takes stage 0, unplanned:
+    ZeRO-3 or a parameter offload with it is refused in one line. Collective (every rank calls it)."""
     job = job or Comm(None)
     world = job.world_size
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     where = f"--deepspeed {cfg.deepspeed}" if cfg.deepspeed else "the Accelerate config"
     _, mapped, _ = resolve_ds_config(user_ds, world, None, explicit=sources_of(cfg), where=where,
                                      **{k: getattr(cfg, k) for k in MAPPED_FIELDS})
-    group, stage, reason = cfg.shard_group_size, mapped["zero_stage"], None
+    stage, reason = next(((st, why) for decides, st, why in stage_rules(cfg, mapped, where) if decides),
+                         ("auto", None))
     quantization = getattr(cfg, "quantization", "none")
-    if cfg.zero_stage != "auto":
-        reason = f"zero_stage={stage} ({sources_of(cfg).get('zero_stage', 'set')})"
-    elif stage != "auto":
-        reason = f"zero_optimization.stage={stage} in {where}"
-    elif quantization != "none":
-        stage, reason = 0, f"quantization={quantization} (a bitsandbytes base is whole on every rank)"
-    elif mapped["offload_param"] == "cpu":
-        stage, reason = 3, "offload_param=cpu (parameter offload is ZeRO-3's)"
-    elif group != "auto":
-        stage, reason = 3, f"shard_group_size={group} ({sources_of(cfg).get('shard_group_size', 'set')})"
-    if quantization != "none" and (stage == 3 or mapped["offload_param"] == "cpu"):
+    if quantization_lacks(quantization, lora=True, zero3=stage == 3, offload=mapped["offload_param"] == "cpu"):
         given = reason if stage == 3 else f"zero_optimization.offload_param.device=cpu in {where}"
-        raise ConfigError(f"quantization={quantization} needs zero_stage=0 (a bitsandbytes base is whole on every "
-                          f"rank; ZeRO-3 cannot partition or offload it), not {given}: set zero_optimization.stage "
-                          f"to 0 and remove offload_param in {where}, or set quantization=none")
-    q = cfg.num_directions
+        raise ConfigError(f"quantization={quantization} needs zero_stage=0 ({NEEDS_STAGE_0}), not {given}: set "
+                          f"zero_optimization.stage to 0 and remove offload_param in {where}, or set "
+                          "quantization=none")
+    group, q = cfg.shard_group_size, cfg.num_directions
     if stage == 3 and group == "auto" and q == 1:  # one replica group: the whole job, no plan
         layout = Layout(3, world, 1, f"{reason}; shard_group_size auto: num_directions=1 needs one replica group, "
                                      f"the whole job ({world} rank{'s' * (world != 1)})")
     elif stage == "auto" or (stage == 3 and group == "auto"):
-        memory, kind = device_memory(job)  # collective: outside the try, so that every rank reaches it
-        try:
-            chosen, _ = plan_layouts(world, memory, local, q, model=cfg.model, dtype=mapped["dtype"],
-                                     offload=mapped["offload_param"], deepspeed=user_ds, batch=cfg.micro_batch_size,
-                                     seq_len=cfg.max_length, device=kind,
-                                     trust_remote_code=bool(getattr(cfg, "trust_remote_code", False)))
-        except Exception as e:  # noqa: BLE001  a model the planner cannot read: ZeRO-3 over the job, on every rank
-            chosen = Layout(3, world, 1, f"the memory model could not plan model {cfg.model} ({first_line(e)}): "
-                                         "ZeRO-3 over the whole job")
-        if stage == "auto":
-            layout = chosen
-        elif chosen.zero_stage == 3:
-            layout = dataclasses.replace(chosen, reason=f"{reason}; shard_group_size auto: {chosen.reason}")
-        else:  # the whole model fits, but the stage is 3: the smallest group is then the whole job when q = 1
-            group = next((k for k in group_candidates(world, local) if k > 1 and directions_fit(q, world // k)),
-                         world)
-            why = (f"the smallest group of more than one rank whose {world // group} replica groups divide "
-                   f"num_directions={q}" if group < world else f"the whole job ({world} ranks)")
-            layout = Layout(3, group, world // group, f"{reason}; shard_group_size auto: {why}")
-    elif stage == 0:
-        k = world if group in ("auto", None) else group
-        layout = Layout(0, 1 if k == world else k, world if k == world else world // k, reason)
+        layout = _planned_layout(cfg, user_ds, job, mapped, stage, reason, local)
     else:
-        k = world if group in (None, "auto") else group
-        if k < 1 or k > world or world % k:
-            raise ConfigError(f"shard_group_size={k} must divide the world size {world}: set it to the ranks of "
-                              "one node, or leave it unset (the world size)")
-        layout = Layout(3, k, world // k, reason)
+        layout = _given_layout(stage, group, world, reason)
     if layout.zero_stage == 0:
         layout = dataclasses.replace(layout, group=None if group in ("auto", None) else group)
     else:
@@ -203,6 +176,59 @@ def choose_layout(cfg, user_ds: dict | None, job: Comm | None = None) -> Layout:
     if job.rank == 0:
         log.info("layout: %s: %s", layout.describe(), layout.reason)
     return layout
+
+
+def stage_rules(cfg, mapped: dict, where: str) -> list[tuple[bool, int | str, str]]:
+    """The rules that decide the stage before any plan, in order, as (applies, stage, reason): the first that
+    applies wins; none: `auto`. An explicit stage (--set, the YAML, then the DeepSpeed file's or the Accelerate
+    config's zero_optimization.stage) is kept; a quantised base takes stage 0; a parameter offload or an explicit
+    shard_group_size takes ZeRO-3."""
+    stage, group = mapped["zero_stage"], cfg.shard_group_size
+    quantization = getattr(cfg, "quantization", "none")
+    return [
+        (cfg.zero_stage != "auto", stage, f"zero_stage={stage} ({sources_of(cfg).get('zero_stage', 'set')})"),
+        (stage != "auto", stage, f"zero_optimization.stage={stage} in {where}"),
+        (is_quantized(quantization), 0, f"quantization={quantization} (a bitsandbytes base is whole on every rank)"),
+        (mapped["offload_param"] == "cpu", 3, "offload_param=cpu (parameter offload is ZeRO-3's)"),
+        (group != "auto", 3, f"shard_group_size={group} ({sources_of(cfg).get('shard_group_size', 'set')})"),
+    ]
+
+
+def _planned_layout(cfg, user_ds: dict | None, job: Comm, mapped: dict, stage: int | str, reason: str | None,
+                    local: int) -> Layout:
+    """`zero_stage: auto`, or stage 3 with `shard_group_size: auto` (and several directions): the plan's choice
+    (`plan_layouts`) at the smallest device memory of the job's ranks. Collective."""
+    world, q = job.world_size, cfg.num_directions
+    memory, kind = device_memory(job)  # collective: outside the try, so that every rank reaches it
+    try:
+        chosen, _ = plan_layouts(world, memory, local, q, difference=getattr(cfg, "difference", "central"),
+                                 model=cfg.model, dtype=mapped["dtype"], offload=mapped["offload_param"],
+                                 deepspeed=user_ds, batch=cfg.micro_batch_size, seq_len=cfg.max_length, device=kind,
+                                 trust_remote_code=bool(getattr(cfg, "trust_remote_code", False)))
+    except Exception as e:  # noqa: BLE001  a model the planner cannot read: ZeRO-3 over the job, on every rank
+        chosen = Layout(3, world, 1, f"the memory model could not plan model {cfg.model} ({first_line(e)}): "
+                                     "ZeRO-3 over the whole job")
+    if stage == "auto":
+        return chosen
+    if chosen.zero_stage == 3:
+        return dataclasses.replace(chosen, reason=f"{reason}; shard_group_size auto: {chosen.reason}")
+    # the whole model fits, but the stage is 3: the smallest group whose replica groups divide the directions
+    group = next((k for k in group_candidates(world, local) if k > 1 and directions_fit(q, world // k)), world)
+    why = (f"the smallest group of more than one rank whose {world // group} replica groups divide "
+           f"num_directions={q}" if group < world else f"the whole job ({world} ranks)")
+    return Layout(3, group, world // group, f"{reason}; shard_group_size auto: {why}")
+
+
+def _given_layout(stage: int, group: int | str | None, world: int, reason: str) -> Layout:
+    """An explicit stage with an explicit (or no) shard group: stage 0 in groups of `group` ranks (the whole job by
+    default), or ZeRO-3 in shard groups of `group`, which must divide the world size."""
+    k = world if group in ("auto", None) else group
+    if stage == 0:
+        return Layout(0, 1 if k == world else k, world if k == world else world // k, reason)
+    if k < 1 or k > world or world % k:
+        raise ConfigError(f"shard_group_size={k} must divide the world size {world}: set it to the ranks of "
+                          "one node, or leave it unset (the world size)")
+    return Layout(3, k, world // k, reason)
 
 
 def device_memory(job: Comm) -> tuple[int, str]:
@@ -224,4 +250,4 @@ def first_line(error: Exception) -> str:
 
 
 __all__ = ["MARGIN", "Layout", "check_directions", "choose_layout", "device_memory", "directions_fit",
-           "group_candidates", "plan_layouts"]
+           "gathered_per_step", "group_candidates", "plan_layouts", "stage_rules"]

@@ -14,6 +14,7 @@ import re
 import torch
 
 from curvzo_ds.config.ds_config import load_ds_config, resolve_ds_config
+from curvzo_ds.config.quantization import QUANTIZATIONS, VALUES_TEXT, Quantization, is_quantized, quantization_lacks
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.layout.plan import TABLE_ROW, GiB, Plan
 from curvzo_ds.layout.prefetch import SMALL_BLOCK, gather_peak, shard_elements
@@ -26,8 +27,8 @@ WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Bytes per weight of a linear layer's weight that bitsandbytes quantises (models.quantization_config), with its
 # statistics: 4bit is nf4, two weights a byte, and one fp32 absmax per block of 64 weights (no double quantisation:
 # 0.5 + 4/64); 8bit is LLM.int8, a byte a weight and one fp32 scale per output row (`QUANT_ROW`).
-QUANT_WIDTH = {"4bit": 0.5 + 4 / 64, "8bit": 1.0}
-QUANT_ROW = {"4bit": 0, "8bit": 4}
+QUANT_WIDTH = {Quantization.NF4.value: 0.5 + 4 / 64, Quantization.INT8.value: 1.0}
+QUANT_ROW = {Quantization.NF4.value: 0, Quantization.INT8.value: 4}
 ADAPTER_WIDTH = 4  # peft keeps LoRA adapters in fp32 (autocast_adapter_dtype), and stage 0 leaves them so
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -116,6 +117,70 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
     (the base frozen, adapters of rank r on the linear layers named `lora_target_modules` trained); `quantization`
     (4bit, 8bit; it needs LoRA, and stage 0: one shard group of 1, no offload) holds the base's linear weights
     as bitsandbytes does (QUANT_WIDTH)."""
+    dtype, fp32_master, group, memory = _checked_arguments(
+        dtype=dtype, fp32_master=fp32_master, world_size=world_size, shard_group_size=shard_group_size, batch=batch,
+        seq_len=seq_len, label_positions=label_positions, num_directions=num_directions, offload=offload,
+        device=device, quantization=quantization, lora_r=lora_r, gpu_memory=gpu_memory)
+    conf, checkpoint, source = model_config(model, trust_remote_code)
+    zero, dtype, offload, dtype_from = _weights_dtype(conf, dtype, deepspeed, offload, world_size)
+    width = WIDTH[dtype]
+    net = meta_model(conf)
+    named = list(net.named_parameters())  # tied tensors once
+    numels = [p.numel() for _, p in named]
+    n = sum(numels)
+    persistent = persistent_tensors(numels, zero)
+    ids = {id(p): i for i, (_, p) in enumerate(named)}
+    calls = [[ids[id(p)] for p in m.parameters(recurse=False)] for m in net.modules()]  # each module's own tensors
+    largest_module = max((sum(numels[i] for i in m) for m in calls), default=0)
+
+    stored = width * sum(shard_elements(k, group) for k in numels)  # the base in the weights' dtype
+    # Offloaded parameters are fetched to the GPU module by module even at K = 1 (ZeRO-3's partitioned_param_
+    # coordinator copies from the host instead of all-gathering), and the persistent ones stay there whole.
+    fetched = group > 1 or offload == "cpu" and device == "gpu"
+    whole = width * sum(numels[i] for i in persistent) if fetched else 0
+    # the tensors a step perturbs: every one, or the LoRA adapters (in fp32); the base as held
+    trained, shard, quantized, dequant = (numels, stored, 0, 0) if not lora_r else _lora_base(
+        net, lora_r, tuple(lora_target_modules), model, quantization, numels, ids, width, stored)
+    masters, rule = _fp32_copies(named, numels, persistent, group, dtype, fp32_master, lora_r)
+    step_copy = _step_copy(named, numels, persistent, fetched, group, width, dtype, fp32_master, lora_r,
+                           num_directions)
+
+    gathered = allocator = 0
+    if fetched:
+        gathered, small = gather_peak(calls, numels, persistent, group, zero, width, gloo=device == "cpu")
+        allocator = small if device == "cpu" else 0
+    tied = 0
+    if source != "demo":
+        every = [p for _, p in net.named_parameters(remove_duplicate=False)]
+        tied = width * sum(shard_elements(numels[ids[id(p)]], group) for p in every) - stored
+    runtime = RUNTIME_CPU if device == "cpu" else 0
+
+    per_row = activation_bytes(conf, [nm for nm, _ in named], seq_len, width, label_positions)
+    if source == "demo" or checkpoint is None:  # a demo model is built whole on every rank, then partitioned
+        checkpoint = width * n
+    load = checkpoint + shard + (2 if group > 1 else 1) * width * largest_module + runtime
+
+    return Plan(
+        model=model, params=n, tensors=len(numels), world_size=world_size, group=group, dtype=dtype, offload=offload,
+        device=device, batch=batch, seq_len=seq_len, memory=memory, bucket=zero.prefetch_bucket_size,
+        live=zero.max_live_parameters, persistence=zero.param_persistence_threshold,
+        persistent_elements=sum(numels[i] for i in persistent), largest_module=largest_module, shard=shard,
+        persistent=whole, master=4 * sum(masters), master_rule=rule, gathered=gathered, allocator=allocator,
+        tied=tied, runtime=runtime, per_row=per_row,
+        table=TABLE_ROW * (len(trained) * (2 if fetched else 1) if lora_r else len(numels) + len(persistent)),
+        zo_state=16 * 8 * len(trained),
+        checkpoint=checkpoint, load=load,
+        adamw_states=_adamw_states(n, largest_module, world_size, offload, lora_r, shard, trained, group),
+        adamw_per_row=training_activation_bytes(conf, seq_len, width, label_positions), dtype_from=dtype_from,
+        directions=num_directions, step_copy=step_copy, quantization=quantization, quantized_elements=quantized,
+        lora_r=lora_r, adapters=ADAPTER_WIDTH * sum(shard_elements(k, group) for k in trained) if lora_r else 0,
+        dequant=dequant)
+
+
+def _checked_arguments(*, dtype, fp32_master, world_size, shard_group_size, batch, seq_len, label_positions,
+                       num_directions, offload, device, quantization, lora_r, gpu_memory):
+    """(dtype by its torch name or "auto", fp32_master as auto/True/False, the shard group, the memory in bytes)
+    from plan's arguments; a ConfigError in one line, naming the flag, for one it cannot plan."""
     dtype = DTYPE_NAMES.get(dtype, dtype)
     if dtype not in WIDTH and dtype != "auto":
         raise ConfigError(f"--dtype {dtype}: use auto, bf16, fp16 or fp32")
@@ -135,115 +200,95 @@ def plan_memory(model: str = "demo", world_size: int = 1, shard_group_size: int 
             raise ConfigError(f"{flag} {value}: use an integer >= 1")
     if offload not in ("none", "cpu") or device not in ("gpu", "cpu"):
         raise ConfigError(f"--offload {offload} / --device {device}: use none or cpu / gpu or cpu")
-    if quantization not in ("none", *QUANT_WIDTH):
-        raise ConfigError(f"--quantization {quantization}: use none, 8bit or 4bit")
-    if quantization != "none" and (lora_r < 1 or group > 1 or offload != "none"):
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"--quantization {quantization}: use {VALUES_TEXT}")
+    if quantization_lacks(quantization, lora=lora_r >= 1, zero3=group > 1, offload=offload != "none"):
         raise ConfigError(f"--quantization {quantization}: a bitsandbytes base is frozen under LoRA (--lora-r >= 1) "
                           f"and whole on every rank (stage 0): plan it with --shard-group-size 1 and no --offload, "
                           f"not --lora-r {lora_r} --shard-group-size {group} --offload {offload}")
     memory = parse_memory(gpu_memory) if isinstance(gpu_memory, str) else int(gpu_memory)
+    return dtype, fp32_master, group, memory
 
-    conf, checkpoint, source = model_config(model, trust_remote_code)
+
+def _weights_dtype(conf, dtype: str, deepspeed, offload: str, world_size: int):
+    """(ZeRO config, the weights' dtype, offload, where the dtype came from when --dtype did not name it): "auto"
+    is the model config's torch_dtype, else bf16; a DeepSpeed config's bf16/fp16 section wins."""
     dtype_from = ""
     if dtype == "auto":
         dtype = config_dtype(conf)
         dtype_from = "the model config's torch_dtype" if dtype else "--dtype auto: no torch_dtype in the model config"
         dtype = dtype or "bfloat16"
     asked = dtype
-    zero, dtype, offload = zero_settings(deepspeed, dtype, offload, world_size,
-                                         hidden_size_of(conf))
+    zero, dtype, offload = zero_settings(deepspeed, dtype, offload, world_size, hidden_size_of(conf))
     if dtype != asked:
         dtype_from = f"the deepspeed config {_name(deepspeed)}"
-    width = WIDTH[dtype]
-    net = meta_model(conf)
-    named = list(net.named_parameters())  # tied tensors once
-    numels = [p.numel() for _, p in named]
-    n = sum(numels)
+    return zero, dtype, offload, dtype_from
 
-    # DeepSpeed's persistence rule (parameter_offload.mark_persistent_parameters): small tensors, in order, up to
-    # stage3_model_persistence_threshold elements in all.
+
+def persistent_tensors(numels: list[int], zero) -> set[int]:
+    """DeepSpeed's persistence rule (parameter_offload.mark_persistent_parameters): small tensors, in order, up to
+    stage3_model_persistence_threshold elements in all."""
     persistent, kept = set(), 0
     for i, k in enumerate(numels):
         if k + kept <= zero.model_persistence_threshold and k <= zero.param_persistence_threshold:
             persistent.add(i)
             kept += k
-    ids = {id(p): i for i, (_, p) in enumerate(named)}
-    module_sizes = [[ids[id(p)] for p in m.parameters(recurse=False)] for m in net.modules()]
-    largest_module = max((sum(numels[i] for i in m) for m in module_sizes), default=0)
+    return persistent
 
-    shard = width * sum(shard_elements(k, group) for k in numels)
-    # Offloaded parameters are fetched to the GPU module by module even at K = 1 (ZeRO-3's partitioned_param_
-    # coordinator copies from the host instead of all-gathering), and the persistent ones stay there whole.
-    fetched = group > 1 or offload == "cpu" and device == "gpu"
-    whole = width * sum(numels[i] for i in persistent) if fetched else 0
 
-    trained = numels  # the tensors a step perturbs: every one, or the LoRA adapters (in fp32)
-    stored = shard  # the base in the weights' dtype (what loading ties away from)
-    dequant = quantized = 0
-    if lora_r:
-        trained, quantized_weights = lora_shapes(net, lora_r, tuple(lora_target_modules), model)
-        if quantization != "none":
-            quantized = sum(numels[ids[id(p)]] for p in quantized_weights)
-            rows = sum(p.shape[0] for p in quantized_weights)
-            shard += int(quantized * (QUANT_WIDTH[quantization] - width)) + QUANT_ROW[quantization] * rows
-            dequant = width * max((p.numel() for p in quantized_weights), default=0)
+def _lora_base(net, lora_r: int, targets: tuple[str, ...], model: str, quantization: str, numels: list[int], ids,
+               width: int, stored: int) -> tuple[list[int], int, int, int]:
+    """A LoRA run: (the adapters' elements, the base's bytes as held, its quantised elements, the bytes of the
+    largest weight dequantised for its matmul). A quantised base holds its linear weights as bitsandbytes does
+    (QUANT_WIDTH, QUANT_ROW)."""
+    trained, quantized_weights = lora_shapes(net, lora_r, targets, model)
+    if not is_quantized(quantization):
+        return trained, stored, 0, 0
+    quantized = sum(numels[ids[id(p)]] for p in quantized_weights)
+    rows = sum(p.shape[0] for p in quantized_weights)
+    shard = stored + int(quantized * (QUANT_WIDTH[quantization] - width)) + QUANT_ROW[quantization] * rows
+    return trained, shard, quantized, width * max((p.numel() for p in quantized_weights), default=0)
 
+
+def _fp32_copies(named, numels, persistent, group: int, dtype: str, fp32_master, lora_r: int):
+    """(elements of each fp32 copy, the rule in words): of each bf16/fp16 tensor that fp32_master keeps (every one,
+    or auto's 1-D ones), its shard, or all of it if persistent; none for float32 or LoRA (fp32 adapters)."""
     masters = []
-    if dtype != "float32" and fp32_master and not lora_r:  # LoRA adapters are fp32: no copy
+    if dtype != "float32" and fp32_master and not lora_r:
         masters = [k if i in persistent else shard_elements(k, group) for i, (k, (_, p)) in
                    enumerate(zip(numels, named)) if fp32_master is True or p.dim() == 1]
-    # A step of several directions writes the bf16/fp16 tensors it edits in place from a copy of them taken at its
-    # start (shard/perturb.py): the region of each tensor without an fp32 copy, in the weights' dtype.
-    step_copy = 0
-    if dtype != "float32" and num_directions > 1 and not lora_r:
-        kept = [fp32_master is True or (fp32_master == "auto" and p.dim() == 1) for _, p in named]
-        step_copy = width * sum(k if i in persistent and fetched else shard_elements(k, group)
-                                for i, k in enumerate(numels) if not kept[i])
     rule = {True: "every tensor", False: "none", "auto": "auto: 1-D tensors"}[fp32_master]
     if dtype == "float32" or lora_r:
         rule = "none: the LoRA adapters are fp32" if lora_r else "none: float32 is edited exactly"
+    return masters, rule
 
-    gathered = allocator = 0
-    if fetched:
-        calls = [[ids[id(p)] for p in m.parameters(recurse=False)] for m in net.modules()]
-        gathered, small = gather_peak(calls, numels, persistent, group, zero, width, gloo=device == "cpu")
-        allocator = small if device == "cpu" else 0
-    tied = 0
-    if source != "demo":
-        every = [p for _, p in net.named_parameters(remove_duplicate=False)]
-        tied = width * sum(shard_elements(numels[ids[id(p)]], group) for p in every) - stored
-    runtime = RUNTIME_CPU if device == "cpu" else 0
 
-    per_row = activation_bytes(conf, [nm for nm, _ in named], seq_len, width, label_positions)
-    if source == "demo" or checkpoint is None:  # a demo model is built whole on every rank, then partitioned
-        checkpoint = width * n
-    load = checkpoint + shard + (2 if group > 1 else 1) * width * largest_module + runtime
+def _step_copy(named, numels, persistent, fetched: bool, group: int, width: int, dtype: str, fp32_master,
+               lora_r: int, num_directions: int) -> int:
+    """A step of several directions writes the bf16/fp16 tensors it edits in place from a copy of them taken at its
+    start (shard/perturb.py): the region of each tensor without an fp32 copy, in the weights' dtype."""
+    if dtype == "float32" or num_directions == 1 or lora_r:
+        return 0
+    kept = [fp32_master is True or (fp32_master == "auto" and p.dim() == 1) for _, p in named]
+    return width * sum(k if i in persistent and fetched else shard_elements(k, group)
+                       for i, k in enumerate(numels) if not kept[i])
 
+
+def _adamw_states(n: int, largest_module: int, world_size: int, offload: str, lora_r: int, shard: int,
+                  trained: list[int], group: int) -> int:
+    """First-order AdamW's model states, for comparison: DeepSpeed's own estimate, the figure
+    estimate_zero3_model_states_mem_needs_all_live prints (that one counts parameters by data_ptr(), 0 for every
+    meta tensor): 18 bytes per parameter over the ranks + 4 x the largest layer; with offload_param cpu,
+    DeepSpeed's offload case (4 x the largest layer). LoRA: AdamW on the same adapters, the base as held, and fp32
+    weight, gradient and two moments per adapter."""
+    if lora_r:
+        return shard + 16 * sum(shard_elements(k, group) for k in trained)
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-    # DeepSpeed's own estimate, the figure estimate_zero3_model_states_mem_needs_all_live prints (that one counts
-    # parameters by data_ptr(), 0 for every meta tensor): 18 bytes per parameter over the ranks + 4 x the largest
-    # layer; with offload_param cpu, DeepSpeed's offload case (4 x the largest layer).
-    _, adamw_states, _ = estimate_zero3_model_states_mem_needs(
+    _, states, _ = estimate_zero3_model_states_mem_needs(
         n, largest_module, num_gpus_per_node=world_size, num_nodes=1, cpu_offload=offload == "cpu",
         cpu_offload_params=offload == "cpu", zero_init=True)
-    if lora_r:  # AdamW on the same adapters: the base as held, and fp32 weight, gradient and two moments per adapter
-        adamw_states = shard + 16 * sum(shard_elements(k, group) for k in trained)
-
-    return Plan(
-        model=model, params=n, tensors=len(numels), world_size=world_size, group=group, dtype=dtype, offload=offload,
-        device=device, batch=batch, seq_len=seq_len, memory=memory, bucket=zero.prefetch_bucket_size,
-        live=zero.max_live_parameters, persistence=zero.param_persistence_threshold,
-        persistent_elements=sum(numels[i] for i in persistent), largest_module=largest_module, shard=shard,
-        persistent=whole, master=4 * sum(masters), master_rule=rule, gathered=gathered, allocator=allocator,
-        tied=tied, runtime=runtime, per_row=per_row,
-        table=TABLE_ROW * (len(trained) * (2 if fetched else 1) if lora_r else len(numels) + len(persistent)),
-        zo_state=16 * 8 * len(trained),
-        checkpoint=checkpoint, load=load, adamw_states=adamw_states,
-        adamw_per_row=training_activation_bytes(conf, seq_len, width, label_positions), dtype_from=dtype_from,
-        directions=num_directions, step_copy=step_copy, quantization=quantization, quantized_elements=quantized,
-        lora_r=lora_r, adapters=ADAPTER_WIDTH * sum(shard_elements(k, group) for k in trained) if lora_r else 0,
-        dequant=dequant)
+    return states
 
 
 def lora_shapes(net, r: int, targets: tuple[str, ...], model: str) -> tuple[list[int], list]:

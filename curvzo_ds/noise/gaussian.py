@@ -150,8 +150,7 @@ def backend(device: torch.device, dtype: torch.dtype) -> str:
     CURVZO_DS_NOISE_KERNEL=triton runs the Triton kernel on any device for the dtypes it has (tests run it on CPU
     tensors under TRITON_INTERPRET=1); =torch turns the C kernel off (cpu.available). Otherwise: the C kernel on
     CPU for the dtypes it has (float32, bfloat16, float16, float64), the Triton kernel on CUDA for float32,
-    bfloat16 and float16 when Triton imports; the torch reference for the rest. This is the rule the Perturber
-    followed; NoiseSource's own rule had no CURVZO_DS_NOISE_KERNEL=triton case."""
+    bfloat16 and float16 when Triton imports; the torch reference for the rest."""
     if noise_kernel() == "triton" and dtype in TRITON_DTYPES:
         return "triton"
     if device.type == "cpu" and dtype in MODES and cpu_kernel.available():

@@ -102,20 +102,25 @@ def bits_float64(values: torch.Tensor) -> torch.Tensor:
 class StepPacket:
     """The one all-reduce of a step, int64, packed and unpacked here (docs/deepspeed.md):
 
-        [q x `sums` block sums | `moved` counts | q x slots x (L+ sum, L- sum, count) | stop flag]
+        [q x `sums` block sums | `moved` counts | q x slots x (`points` loss sums, count) | stop flag]
 
     The block sums (fixed-point sums of z^2 over each rank's owned elements, 0 for MeZO, which reads no scores)
-    and the counts of bf16/fp16 elements that +eps z moved (visibility steps only) add up over the ranks. Each
-    (L+, L-, count) of a direction and micro-batch slot is written, as float64 bit patterns, by the one rank that
-    evaluated it and is 0 elsewhere, so the integer sum returns it exactly. The stop flag (pre-emption) counts the
-    ranks that asked to stop.
+    and the counts of bf16/fp16 elements that +eps z moved (visibility steps only) add up over the ranks. The loss
+    sums of a direction and micro-batch slot (one per evaluation point of the direction: `points`, the estimator's
+    DifferenceSpec.points) and the slot's count are written, as float64 bit patterns, by the one rank that
+    evaluated them and are 0 elsewhere, so the integer sum returns them exactly. The stop flag (pre-emption) counts
+    the ranks that asked to stop.
     """
 
-    def __init__(self, directions: int, sums: int, slots: int, moved: int = 0, stop: bool = False, device=None):
-        self.directions, self.sums, self.slots = directions, sums, slots
+    def __init__(self, directions: int, sums: int, slots: int, moved: int = 0, stop: bool = False, device=None,
+                 points: int = 2):
+        if points < 1:
+            raise ValueError(f"a step's packet needs at least one evaluation point per direction, not {points}")
+        self.directions, self.sums, self.slots, self.points = directions, sums, slots, points
+        self.width = points + 1  # per slot: the loss sum at each point, then the count
         self.moved_at = directions * sums
         self.losses_at = self.moved_at + moved
-        self.flag_at = self.losses_at + 3 * directions * slots
+        self.flag_at = self.losses_at + self.width * directions * slots
         self.has_stop = stop
         self.values = torch.zeros(self.flag_at + stop, dtype=torch.int64, device=device)
 
@@ -125,10 +130,14 @@ class StepPacket:
     def put_moved(self, counts: torch.Tensor) -> None:
         self.values[self.moved_at: self.losses_at] = counts
 
-    def put_losses(self, direction: int, slot: int, plus: torch.Tensor, minus: torch.Tensor) -> None:
-        """A slot's [loss_sum, count] float64 pairs at +eps and -eps (device tensors: no host read here)."""
-        at = self.losses_at + 3 * (direction * self.slots + slot)
-        self.values[at: at + 3] = float64_bits(torch.stack([plus[0], minus[0], plus[1]]))
+    def put_losses(self, direction: int, slot: int, rows: list[torch.Tensor]) -> None:
+        """A slot's [loss_sum, count] float64 pairs, one per evaluation point in the estimator's order (device
+        tensors: no host read here). The count is the slot's micro-batch's, the same at every point."""
+        if len(rows) != self.points:
+            raise ValueError(f"direction {direction}, slot {slot}: {len(rows)} evaluations for a packet of "
+                             f"{self.points} points per direction")
+        at = self.losses_at + self.width * (direction * self.slots + slot)
+        self.values[at: at + self.width] = float64_bits(torch.stack([*(row[0] for row in rows), rows[0][1]]))
 
     def put_stop(self, flag: bool) -> None:
         self.values[self.flag_at] = int(flag)
@@ -145,8 +154,9 @@ class StepPacket:
         return self.values[self.moved_at: self.losses_at].to(torch.float64) if self.losses_at > self.moved_at else None
 
     def losses(self) -> list[list[list[float]]]:
-        """Per direction, per slot: [L+ sum, L- sum, count]."""
-        return bits_float64(self.values[self.losses_at: self.flag_at]).view(self.directions, self.slots, 3).tolist()
+        """Per direction, per slot: [the loss sum at each point..., count]."""
+        return bits_float64(self.values[self.losses_at: self.flag_at]).view(
+            self.directions, self.slots, self.width).tolist()
 
     def stop(self) -> bool:
         return bool(self.values[self.flag_at]) if self.has_stop else False

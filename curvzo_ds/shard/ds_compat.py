@@ -30,6 +30,16 @@ def is_partitioned(p: torch.nn.Parameter) -> bool:
     return hasattr(p, "ds_tensor") and hasattr(p, "ds_numel")
 
 
+def zero_init_partitioned(p: torch.nn.Parameter) -> bool:
+    """True for a parameter that zero.Init (or deepspeed.initialize at stage 3) took over: it has a `ds_id`."""
+    return hasattr(p, "ds_id")
+
+
+def shard_address(p: torch.nn.Parameter) -> int:
+    """The address of this rank's shard storage (a partitioned parameter's `ds_tensor`)."""
+    return p.ds_tensor.data_ptr()
+
+
 def full_numel(p: torch.nn.Parameter) -> int:
     return int(p.ds_numel) if is_partitioned(p) else p.numel()
 

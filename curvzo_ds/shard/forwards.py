@@ -25,7 +25,7 @@ from curvzo_ds.shard.comm import Comm, StepPacket
 
 @contextlib.contextmanager
 def eval_mode(module: torch.nn.Module):
-    """The body runs with `module` in eval mode (dropout would give the two forwards of a step different masks);
+    """The body runs with `module` in eval mode (dropout would give the forwards of a step different masks);
     the mode it had is put back afterwards, also on an error."""
     was_training = module.training
     module.eval()
@@ -88,18 +88,22 @@ class Reduced:
 def reduce_step(comm: Comm, evals, slots: int, *, directions: int, evaluations: int, sums: int = 0, blocks: int = 0,
                 moved: torch.Tensor | None = None, stop_requested: bool | None = None, device=None) -> Reduced:
     """The one all-reduce over `comm` of a step's `evals`, [(direction, its `sums` block sums of z^2, [loss rows of
-    each of its `evaluations` (1 or 2) evaluations])], the rows as run_forwards returns them: for each
-    direction its block sums (`sums` = 0: none, as for MeZO, which reads no scores); with `moved`, the counts of
-    moved bf16/fp16 elements of the `blocks` blocks; two (loss, count) pairs per direction and slot (a direction
-    with one evaluation sends it twice); with `stop_requested`, the stop flag."""
+    each of its `evaluations` evaluations])], the rows as run_forwards returns them: for each direction its block
+    sums (`sums` = 0: none, as for MeZO, which reads no scores); with `moved`, the counts of moved bf16/fp16
+    elements of the `blocks` blocks; the `evaluations` loss sums and the count of each direction and slot (the
+    estimator's evaluation points, DifferenceSpec.points); with `stop_requested`, the stop flag. A direction whose
+    rows do not number `evaluations` is refused, never packed short."""
     packet = StepPacket(directions, sums, slots, moved=blocks if moved is not None else 0,
-                        stop=stop_requested is not None, device=device)
+                        stop=stop_requested is not None, device=device, points=evaluations)
     for d, block_fixed, rows in evals:
         if sums:
             packet.put_sums(d, block_fixed)
-        first, second = rows[0], rows[-1]
-        for (slot, lp), (_, lm) in zip(first, second):
-            packet.put_losses(d, slot, lp, lm)
+        if len(rows) != evaluations:
+            raise ValueError(f"direction {d}: {len(rows)} evaluations, the estimator has {evaluations} points per "
+                             "direction")
+        for per_point in zip(*rows):
+            slot = per_point[0][0]
+            packet.put_losses(d, slot, [row for _, row in per_point])
     if moved is not None:
         packet.put_moved(moved)
     if stop_requested is not None:
@@ -107,6 +111,6 @@ def reduce_step(comm: Comm, evals, slots: int, *, directions: int, evaluations: 
     packet.all_reduce(comm)
     block_sq = (packet.block_sums().to(torch.float64) / 2.0**FIXED_POINT_BITS if sums
                 else torch.zeros(directions * blocks, dtype=torch.float64))
-    losses = [tuple(mean_loss((row[i], row[2]) for row in rows) for i in range(evaluations))
+    losses = [tuple(mean_loss((row[i], row[-1]) for row in rows) for i in range(evaluations))
               for rows in packet.losses()]
     return Reduced(losses, block_sq if directions > 1 else block_sq[:blocks], packet.moved(), packet.stop())

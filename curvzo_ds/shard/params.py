@@ -57,7 +57,8 @@ class ParamEntry:
         p = self.param
         if not self.partitioned:
             return (p.data_ptr(), p.numel())
-        return (p.ds_tensor.data_ptr(), self.region == (0, self.numel) and ds_compat.is_available(p) and p.data_ptr())
+        return (ds_compat.shard_address(p),
+                self.region == (0, self.numel) and ds_compat.is_available(p) and p.data_ptr())
 
     def _pieces(self, a: int, n: int):
         """(target view, index range in the view, index range in a region piece [a, a+n))."""

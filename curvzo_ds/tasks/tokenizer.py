@@ -18,7 +18,7 @@ from curvzo_ds.hub import offline_unless_reachable
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 KINDS = ("llama", "opt")
-DEMO_MODELS = {"demo": "llama", "demo-opt": "opt"}  # the demo models' names (config.presets.DEMO_MODELS): their kinds
+DEMO_MODELS = {"demo": "llama", "demo-opt": "opt"}  # the built-in demo models' names, each with its tokenizer's kind
 
 
 def tokenizer_dir(kind: str = "llama") -> Path:

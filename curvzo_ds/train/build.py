@@ -125,8 +125,8 @@ def build(cfg: TrainConfig) -> Job:
         ds_config = {k: v for k, v in ds_config.items() if k != "bf16"}  # parameter); build_model cast the weights
     ds_engine, *_ = deepspeed.initialize(model=model, config=ds_config, mpu=mpu)
     device = ds_engine.device
-    loss = D.loss_fn_for(task, cfg.train_as_classification, cfg.objective, tokenizer, cfg.max_new_tokens,
-                         cfg.micro_batch_size)
+    loss = D.loss_fn_for(task, section(cfg, "data"), tokenizer,
+                         synced_generation=layout.zero_stage == 3 and topology.job.world_size > 1)
     engine = engine_for(ds_engine, lambda m, mb: loss(m, D.to_device(mb, device)), zo_part(cfg), topology=topology)
     check_data_agrees(topology.job, train_data, eval_data)
     evaluator = Evaluator.of(section(cfg, "eval"), section(cfg, "data"), ds_engine, task, tokenizer, eval_data,
@@ -145,8 +145,7 @@ def build_plain(cfg: TrainConfig, sampler: Callable | None = None) -> Job:
     cfg = resolve(cfg)
     task, tokenizer, train_data, eval_data = load_data(section(cfg, "data"), section(cfg, "model"), cfg.seed)
     model, keep_alive = build_model(section(cfg, "model"), cfg.seed, {})
-    loss = D.loss_fn_for(task, cfg.train_as_classification, cfg.objective, tokenizer, cfg.max_new_tokens,
-                         cfg.micro_batch_size)
+    loss = D.loss_fn_for(task, section(cfg, "data"), tokenizer)
     engine = engine_for(model, loss, zo_part(cfg), sampler=sampler)
     device = torch.device("cpu")
     evaluator = Evaluator.of(section(cfg, "eval"), section(cfg, "data"), model, task, tokenizer, eval_data,

@@ -52,8 +52,9 @@ def train_loop(job: Job, manager: CheckpointManager, record: RunLog, clock: Cloc
     while engine.step_count < cfg.max_steps:
         # a stop request since the last pass: a signal (the handler only sets a flag), or a launcher that is gone
         stop.poll()
-        # the update: the directions' perturbations and forwards (the estimator's points along each z_k), one
-        # all-reduce (the step's one host sync, which also carries every rank's stop flag), the update
+        # the step: for each direction, a move to each of the estimator's points and its forwards (central: +eps z,
+        # -eps z; rloo: +eps z_k), one all-reduce (the step's one host sync, which also carries every rank's stop
+        # flag), then the update from the last point
         batch = job.batch(engine.step_count)
         with fault.around_step(engine, engine.step_count + 1):
             try:

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 
+from curvzo_ds.algo.sampling import METHOD_SPECS, Method
 from curvzo_ds.checkpoint.format import check_model, read_manifest
 from curvzo_ds.checkpoint.manager import CheckpointManager, load_checkpoint
 from curvzo_ds.config.fields import field_names, to_dict
@@ -53,8 +54,9 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
         try:
             warn_missing_splits(job)
             record = RunLog(section(cfg, "logging"), output_dir=cfg.output_dir, max_steps=cfg.max_steps,
-                            pi_file=cfg.method != "mezo", rank=job.rank, block_names=[b.name for b in engine.blocks],
-                            start=engine.step_count, run_config=to_dict(cfg))
+                            pi_file=not METHOD_SPECS[Method(cfg.method)].every_block, rank=job.rank,
+                            block_names=[b.name for b in engine.blocks], start=engine.step_count,
+                            run_config=to_dict(cfg))
             if cfg.on_divergence == "rollback" and engine.step_count == 0:
                 engine.gather_persistent()  # before any forward: the regions a checkpoint reads
                 manager.save_initial(engine)  # checkpoint-0: a run that diverges early returns here

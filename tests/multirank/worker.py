@@ -58,6 +58,8 @@ def run(spec: dict, rank: int, world: int) -> dict:
 
     if spec.get("disagree") == "data":
         return data_disagree(rank)
+    if spec.get("directions_layouts"):
+        return directions_layouts(spec["directions_layouts"], world)
 
     model = tiny_llama(0, spec.get("tie", False))
     if spec.get("lora"):
@@ -120,6 +122,25 @@ def run(spec: dict, rank: int, world: int) -> dict:
         "dtypes": sorted({str(e.param.dtype) for e in zo.entries}),
         "persistent": sorted(e.name for e in zo.entries if e.region == (0, e.numel) and e.partitioned),
     }
+
+
+def directions_layouts(directions: list[int], world: int) -> dict:
+    """choose_layout at this world size with ZeRO-3 shard groups of one rank (W replica groups) and each q of
+    `directions`: the layout's replicas, or the one-line refusal (check_directions)."""
+    from curvzo_ds.config.resolve import resolve
+    from curvzo_ds.config.schema import TrainConfig
+    from curvzo_ds.errors import ConfigError
+    from curvzo_ds.layout.choice import choose_layout
+    from curvzo_ds.shard.comm import Comm
+
+    out = {}
+    for q in directions:
+        cfg = resolve(TrainConfig(zero_stage=3, shard_group_size=1, num_directions=q, report_to="none"))
+        try:
+            out[str(q)] = {"replicas": choose_layout(cfg, None, Comm()).replicas}
+        except ConfigError as e:
+            out[str(q)] = {"refused": str(e)}
+    return out
 
 
 def other_kernel(real):
