@@ -123,14 +123,14 @@ def run_many(jobs: int, calls: list[tuple], fn: Callable) -> list[dict]:
 
 
 def forwards_per_step(arm: dict) -> int:
-    """The forwards of one step of `arm` (a row of config keys; a key it leaves out takes TrainConfig's default): the
-    difference's evaluation points per direction (`DIFFERENCE_SPECS`' offsets) times num_directions."""
-    from curvzo_ds.algo.differences import DIFFERENCE_SPECS, Difference
+    """The forwards of one step of `arm` (a row of config keys; a key it leaves out takes TrainConfig's default):
+    algo/differences.py's `forwards_per_step`, the one source."""
+    from curvzo_ds.algo.differences import forwards_per_step as forwards
     from curvzo_ds.config.schema import TrainConfig
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    difference = arm.get("difference", defaults["difference"])
-    return len(DIFFERENCE_SPECS[Difference(difference)].offsets) * arm.get("num_directions", defaults["num_directions"])
+    return forwards(arm.get("difference", defaults["difference"]),
+                    arm.get("num_directions", defaults["num_directions"]))
 
 
 def arm_config(config, arm: dict, name: str = "this arm"):

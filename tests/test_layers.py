@@ -19,7 +19,7 @@ import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "curvzo_ds"
 LAYERS = {
-    0: {"errors", "config", "jsonio", "sysinfo", "versions", "hub", "startup", "algo", "noise", "data",
+    0: {"errors", "environment", "config", "jsonio", "sysinfo", "versions", "hub", "startup", "algo", "noise", "data",
         "tasks"},
     1: {"shard", "layout"},
     2: {"engine"},
