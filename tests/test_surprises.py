@@ -167,6 +167,7 @@ def test_the_environment_variables_the_project_reads_are_checked_where_they_are_
     from curvzo_ds.shard.distributed import check_launcher_env
 
     (tmp_path / "file").write_text("x")
+    monkeypatch.delenv("MASTER_PORT", raising=False)  # another test's launch may have set it in this process
     for name, value, words in (
             ("CURVZO_DS_NOISE_KERNEL", "fast", "CURVZO_DS_NOISE_KERNEL='fast' is not one of auto, torch, triton"),
             ("DS_ACCELERATOR", "gpu", "DS_ACCELERATOR='gpu' is not one of DeepSpeed's accelerators (cuda, cpu"),
