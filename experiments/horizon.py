@@ -50,11 +50,12 @@ ARMS = {  # one row of config keys each (the rate of the rows without `learning_
     "std-auto-linear": dict(STD_AUTO, lr_scheduler_type="linear"),
     "preset-fixed": dict(RLOO8, step_normalization="loss_std", learning_rate=5.66e-3),  # configs/ as of issue 47
 }
+ARMS["mezo-3e-4"] = dict(method="mezo", learning_rate=3e-4)  # MeZO's rate x3 on the small model (its pilot)
 ARMS.update({"mezo-lora": dict(method="mezo", lora=True), "std-auto-plateau-lora": dict(ARMS["std-auto-plateau"],
                                                                                          lora=True)})
 RHOS = (0.02, 0.04, 0.08, 0.16, 0.32)  # auto_walk_fraction's lattice (x2) on the small model
 ARMS.update({f"std-rho-{rho:g}": dict(STD_AUTO, auto_walk_fraction=rho) for rho in RHOS})
-RATES = {"small": {"mezo": 1e-4, "rloo-8": 4e-4}, "small-rho": {}, "small-rho-400": {"mezo": 1e-4},
+RATES = {"small": {"mezo": 1e-4, "rloo-8": 4e-4}, "small-rho": {"mezo": 1e-4}, "small-rho-400": {"mezo": 1e-4},
          # mezo-lora: MeZO's LoRA rate (the CLI's preset 5e-5, MeZO's paper)
          "smollm": {"mezo": {"sentiment": 1.41e-4, "topic": 7.07e-5}, "rloo-8": {"sentiment": 8e-4, "topic": 4e-4},
                     "mezo-lora": 5e-5},
@@ -62,13 +63,13 @@ RATES = {"small": {"mezo": 1e-4, "rloo-8": 4e-4}, "small-rho": {}, "small-rho-40
 NOISY = {"label_noise": 0.2}
 CONFIGS = {
     "small": dict(model="pipeline", cells=[("sentiment", "clean"), ("sentiment", "noisy")], horizon=16000,
-                  eval_every=800, seeds=list(range(8)), first_seeds=4,
+                  eval_every=800, seeds=list(range(8)), first_seeds=2,
                   arms=["mezo", "std-auto-plateau", "rms-auto-plateau", "rloo-8", "std-auto-constant",
                         "std-auto-linear", "preset-fixed"]),
     # rho's calibration on the small model: loss_std at a constant auto rate over auto_walk_fraction's lattice, at
     # issue 47's horizon (400 forwards) and at 16,000: does the best rho stay where SmolLM2's lattice put it?
     "small-rho": dict(model="pipeline", cells=[("sentiment", "clean")], horizon=16000, eval_every=800, seeds=[0, 1],
-                      first_seeds=2, arms=[f"std-rho-{rho:g}" for rho in RHOS]),
+                      first_seeds=1, arms=["mezo", "mezo-3e-4"] + [f"std-rho-{rho:g}" for rho in RHOS[1:]]),
     "small-rho-400": dict(model="pipeline", cells=[("sentiment", "clean")], horizon=400, eval_every=40,
                           seeds=[0, 1, 2], first_seeds=3, arms=["mezo"] + [f"std-rho-{rho:g}" for rho in RHOS]),
     "smollm": dict(model="smollm", cells=[("sentiment", "noisy"), ("sentiment", "clean"), ("topic", "clean")],
