@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from curvzo_ds.algo.differences import DIFFERENCE_SPECS, Difference, StepNormalization
-from curvzo_ds.algo.estimators import ESTIMATORS
+from curvzo_ds.algo.estimators import ESTIMATORS, Perturbation
 from curvzo_ds.algo.sampling import Method
 from curvzo_ds.config.ds_policy import REFUSAL_BY_KEY
 from curvzo_ds.config.report_to import resolve_report_to
@@ -32,12 +32,13 @@ class Granularity(str, enum.Enum):
 
 
 # The valid values of the mode keys, from their one definition each (sampling.Method, estimators.ESTIMATORS,
-# Granularity above, differences.Difference and StepNormalization).
+# Granularity above, differences.Difference and StepNormalization, estimators.Perturbation).
 METHODS = tuple(m.value for m in Method)
 SCORE_ESTIMATORS = tuple(ESTIMATORS)
 GRANULARITIES = tuple(g.value for g in Granularity)
 DIFFERENCES = tuple(d.value for d in Difference)
 NORMALIZATIONS = tuple(n.value for n in StepNormalization)
+PERTURBATIONS = tuple(p.value for p in Perturbation)
 QUANTIZATIONS = ("none", "8bit", "4bit")  # the `quantization` key: bitsandbytes' LLM.int8 and nf4 (models.py)
 
 
@@ -135,6 +136,10 @@ class ZOConfig:
     step_normalization: str = key("none", "none, or loss_std (difference=rloo only): the step divided by the "
                                           "standard deviation of the q losses, learning_rate then a step length in "
                                           "units of z (start near 1e-3; docs/algorithm.md)")
+    perturbation: str = key("gaussian", "the law of each coordinate of z: gaussian (N(0, 1), the paper's) or "
+                                        "rademacher (+-1 from one bit of the same counter-based stream: a pass "
+                                        "near memory speed, ||z_B||^2 = |B|; docs/algorithm.md); a resumed run keeps "
+                                        "its checkpoint's")
     static_mask: float = key(0.0, "perturb only this fraction of the elements, the largest squared gradients of one "
                                   "backprop per batch over static_mask_batches batches (SensZOQ's mechanism; "
                                   "method mezo; 0: off; docs/algorithm.md)")
@@ -203,6 +208,7 @@ class ZOConfig:
                               "step by the spread of the q one-sided losses), not difference="
                               f"{self.difference}: set difference=rloo and num_directions >= 2, or "
                               "step_normalization=none")
+        need(self.perturbation in PERTURBATIONS, "perturbation", " or ".join(PERTURBATIONS))
         need(_finite(self.static_mask) and 0 <= self.static_mask <= 1, "static_mask",
              "a fraction of the trainable elements in [0, 1] (0: off)")
         need(_posint(self.static_mask_batches), "static_mask_batches", "an integer >= 1")
