@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from curvzo_ds import ZOConfig, ZOEngine
+from curvzo_ds.algo import estimators
 from curvzo_ds.algo.estimators import Perturbation
 from curvzo_ds.noise import cpu as cpu_kernel
 from curvzo_ds.noise import reference, rows
@@ -209,3 +210,146 @@ for nk in (1, 3):
 print("bad rademacher", bad)
 """
 
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The algorithm under +-1 z (docs/algorithm.md, "Rademacher directions"): the score estimators' means with c = E z^4 - 1
+# = 0, against Monte Carlo on test_sampler.py's vectorised draws (Delta = g . v exactly, v = m ⊙ z) with z = +-1 from
+# a fixed seed. Tolerance: 4.5 standard errors of each Monte-Carlo mean (test_sampler.assert_mean), the standard error
+# from the same draws; over the ~40 coordinates checked a false failure has probability below 1e-3.
+
+
+def draw_signs(pi: torch.Tensor, g: torch.Tensor, owner: torch.Tensor, n: int, seed: int = 1):
+    """test_sampler.draw_at with z = +-1: (plan with an [n, G] mask, z [n, d], Delta [n, 1], ||v_i||^2 [n, G])."""
+    from curvzo_ds.algo.sampling import StepPlan
+
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(n, len(pi), generator=gen, dtype=torch.float64) < pi
+    z = torch.randint(0, 2, (n, g.numel()), generator=gen).to(torch.float64) * 2 - 1
+    v = z * mask[:, owner]
+    delta = (v @ g)[:, None]
+    block_sq = torch.zeros(n, len(pi), dtype=torch.float64).index_add_(1, owner, v * v)
+    return StepPlan(0, pi, float(pi.sum()), None, None, mask, False), z, delta, block_sq
+
+
+def test_block_sums_of_signs_are_the_block_sizes():
+    from tests.test_sampler import HAND_G, HAND_SIZES, hand_layout
+
+    pi, sizes, g, owner = hand_layout(HAND_SIZES, HAND_G)
+    plan, _, _, block_sq = draw_signs(pi, g, owner, 1000)
+    assert torch.equal(block_sq, plan.mask * sizes)
+
+
+@pytest.mark.parametrize("one_element_blocks", [True, False])
+def test_raw_score_mixed_moment_under_signs(one_element_blocks):
+    """E[Delta^2 ||v_Gi||^2] = pi_i n_i sum_{k != i} pi_k a_k + pi_i (n_i + c) a_i with c = E z^4 - 1 = 0 for +-1 z
+    (2 for Gaussian z: test_sampler.py), worked by hand at pi = (1/2, 1/4, 1, 3/4): the raw score's Monte-Carlo mean and
+    expected_scores's exact mean against the literal numbers."""
+    from tests.test_sampler import HAND_G, HAND_SIZES, N, assert_mean, hand_layout
+
+    if one_element_blocks:
+        # Eq. 6 with E z^4 = 1: pi_i sum_j pi_j g_j^2 + pi_i (1 - pi_i) g_i^2, g^2 = (1, 4, 1, 1/4), sum_j pi_j g_j^2
+        # = 2.6875; block 0: 1.34375 + (1/2)(1/2)(1) = 1.59375; block 1: 0.671875 + (1/4)(3/4)(4) = 1.421875;
+        # block 2: 2.6875 + 0 = 2.6875; block 3: 2.015625 + (3/4)(1/4)(1/4) = 2.0625
+        sizes_t, g_t, energy = (1, 1, 1, 1), (1.0, 2.0, -1.0, 0.5), (1.0, 4.0, 1.0, 0.25)
+        expected = torch.tensor([1.59375, 1.421875, 2.6875, 2.0625], dtype=torch.float64)
+    else:
+        # pi_k a_k = (1/2, 1/2, 4, 3/8), sum 5.375; block 0: (1/2)(1)(4.875) + (1/2)(1)(1) = 2.9375;
+        # block 1: (1/4)(2)(4.875) + (1/4)(2)(2) = 3.4375; block 2: (1)(1)(1.375) + (1)(1)(4) = 5.375;
+        # block 3: (3/4)(2)(5) + (3/4)(2)(1/2) = 8.25
+        sizes_t, g_t, energy = HAND_SIZES, HAND_G, (1.0, 2.0, 4.0, 0.5)
+        expected = torch.tensor([2.9375, 3.4375, 5.375, 8.25], dtype=torch.float64)
+    pi, sizes, g, owner = hand_layout(sizes_t, g_t)
+    plan, _, delta, block_sq = draw_signs(pi, g, owner, N)
+    scores = estimators.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, "raw", "rademacher")
+    assert_mean(scores, expected)
+    energy = torch.tensor(energy, dtype=torch.float64)
+    exact = estimators.expected_scores(pi, sizes, energy, "raw", None, "rademacher")
+    torch.testing.assert_close(exact, expected, rtol=1e-15, atol=0)
+
+
+def test_unbiased_score_under_signs_and_the_block_it_cannot_see():
+    """Appendix B's estimator with c = 0, (Delta^2 ||v_Gi||^2 - pi_i n_i Delta^2) / (pi_i n_i (1 - pi_i)) = Delta^2 (m_i
+    / pi_i - (1 - m_i) / (1 - pi_i)): mean ||g_i||^2 = (1, 2, -, 1/2) where pi_i < 1; the block at pi_i = 1 (every
+    step: ||v_Gi||^2 = n_i carries nothing about it) gets 0 and is marked not informative. With the Gaussian
+    constant (c = 2) the same +-1 draws are biased, measurably."""
+    from tests.test_sampler import HAND_ENERGY, HAND_G, HAND_SIZES, N, assert_mean, hand_layout
+
+    pi, sizes, g, owner = hand_layout(HAND_SIZES, HAND_G)
+    plan, _, delta, block_sq = draw_signs(pi, g, owner, N)
+    seen = torch.tensor([True, True, False, True])
+    assert torch.equal(estimators.informative_blocks(pi, sizes, "unbiased", "rademacher"), seen)
+    assert estimators.informative_blocks(pi, sizes, "unbiased", "gaussian").all()
+    energy = torch.tensor(HAND_ENERGY, dtype=torch.float64)
+    for name, target in (("unbiased", energy), ("unbiased_element", energy / sizes)):
+        scores = estimators.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, name, "rademacher")
+        assert_mean(scores[:, seen], target[seen])
+        assert (scores[:, ~seen] == 0).all()
+    wrong = estimators.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, "unbiased", "gaussian")[:, seen]
+    se = wrong.std(0) / math.sqrt(N)
+    assert ((wrong.mean(0) - energy[seen]).abs() > 4.5 * se).all()
+
+
+def normalized_mean_signs(pi, sizes, g_sq):
+    """The exact mean of Eq. 27's score under +-1 z, by enumerating the 2^G masks: given M, ||v_Gi||^2 / ||v||^2 =
+    n_i / N_M exactly and E[Delta^2 | M] = ||g_M||^2, so E[s_i | M] = m_i n_i ||g_M||^2 / N_M (the Gaussian formula
+    (n_i ||g_M||^2 + 2 a_i) / (N_M + 2) with 2 -> c = 0)."""
+    import itertools
+
+    out = torch.zeros(len(pi), dtype=torch.float64)
+    for bits in itertools.product((0, 1), repeat=len(pi)):
+        m = torch.tensor(bits, dtype=torch.bool)
+        if m.any():
+            prob = torch.where(m, pi, 1 - pi).prod()
+            out += prob * torch.where(m, sizes * g_sq[m].sum() / sizes[m].sum(), torch.zeros_like(pi))
+    return out
+
+
+def test_normalized_score_mean_under_signs():
+    """Eq. 27 under +-1 z: the enumeration's mean, from the scores and from expected_scores over the drawn masks."""
+    from tests.test_sampler import N, assert_mean, layout, sampler_with
+
+    sizes, g, owner = layout(seed=5)
+    pi = sampler_with([1.0, 0.2, 4.0, 0.5], sizes).probabilities(0).pi
+    plan, _, delta, block_sq = draw_signs(pi, g, owner, N)
+    g_sq = torch.zeros(4, dtype=torch.float64).index_add_(0, owner, g * g)
+    exact = normalized_mean_signs(pi, sizes, g_sq)
+    assert_mean(estimators.block_scores(delta, block_sq, plan.mask, plan.pi, sizes, "normalized", "rademacher"), exact)
+    per_mask = torch.stack([estimators.expected_scores(pi, sizes, g_sq, "normalized", m[None], "rademacher")
+                            for m in plan.mask[:20_000]])
+    assert_mean(per_mask, exact)
+
+
+def test_horvitz_thompson_step_under_signs_is_unbiased_with_variance_d_not_d_plus_2():
+    """Prop. 3.2 holds for any z with E z z^T = I: E[g~] = g at non-uniform pi. With every block drawn (MeZO) the
+    estimate Delta z has E||Delta z||^2 = d ||g||^2 for +-1 z (||z||^2 = d exactly) and (d + 2) ||g||^2 for Gaussian
+    z."""
+    from tests.test_sampler import N, assert_mean, draw_at, layout, sampler_with
+
+    sizes, g, owner = layout()
+    sampler = sampler_with([1.0, 0.05, 9.0, 0.3], sizes, perturbation="rademacher")
+    assert sampler.perturbation is Perturbation.RADEMACHER
+    pi = sampler.probabilities(0).pi
+    plan, z, delta, _ = draw_signs(pi, g, owner, N)
+    step, _ = sampler.update_coefficients(plan, delta, lr=1.0)
+    assert_mean(step[:, owner] * z, g)
+    d, g2 = g.numel(), float(g @ g)
+    ones = torch.ones(len(sizes), dtype=torch.float64)
+    for draw, factor in ((draw_signs, d), (draw_at, d + 2)):
+        _, z, delta, _ = draw(ones, g, owner, N, 3)
+        assert_mean(((delta * z) ** 2).sum(1, keepdim=True), torch.tensor([factor * g2], dtype=torch.float64))
+
+
+def test_sampler_keeps_the_score_of_a_block_it_cannot_see():
+    """CurvZOSampler.observe under +-1 z with Appendix B's estimator: the EMA moves the informative blocks and leaves
+    a block at pi = 1 with its score, bit for bit; with Gaussian z every block moves."""
+    from tests.test_sampler import HAND_G, HAND_SIZES, hand_layout, sampler_with
+
+    pi, sizes, g, owner = hand_layout(HAND_SIZES, HAND_G)
+    for perturbation, frozen in (("rademacher", [False, False, True, False]), ("gaussian", [False] * 4)):
+        sampler = sampler_with([0.3, 0.7, 1.1, 0.2], sizes, score_estimator="unbiased", perturbation=perturbation)
+        plan, _, delta, block_sq = draw_signs(pi, g, owner, 1, seed=4)
+        plan.mask = plan.mask[0]
+        before = sampler.scores.clone()
+        sampler.observe(plan, float(delta[0, 0]), block_sq[0])
+        assert (sampler.scores == before).tolist() == frozen, perturbation
