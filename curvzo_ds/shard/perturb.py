@@ -295,11 +295,12 @@ class Perturber(StepPasses):
                         sums += part.to(self.device)
             threads = self.threads or torch.get_num_threads()
             for work in cpu_work.values():
-                rows = np.concatenate([w[0] for w in work])
+                rows = np.concatenate([w[0] for w in work])  # a new table: its KIND column is this pass's
+                if self.noise.rademacher:
+                    rows[:, KIND] |= row_abi.RADEMACHER
                 launches += min(threads, len(rows))
                 total = cpu_kernel.run_rows(rows, np.concatenate([w[1] for w in work]), g, stats, threads,
-                                            keys=np.concatenate([w[2] for w in work]),
-                                            rademacher=self.noise.rademacher)
+                                            keys=np.concatenate([w[2] for w in work]))
                 cpu_sums = total if cpu_sums is None else cpu_sums + total
         if stats and cpu_sums is not None:
             sums += _to_device(torch.from_numpy(cpu_sums), self.device)
