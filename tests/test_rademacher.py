@@ -25,7 +25,7 @@ K = 5.0
 KEYS = [(1, 2), (0xFFFFFFFF, 0xFFFFFFFF), (0x12345678, 0)]
 # Every residue class that matters for 128-element groups, the C kernel's 1024-element blocks, the 2^32-group carry of
 # the counter (128 * 2^32), and an offset above 2^40.
-STARTS = [0, 1, 3, 31, 32, 127, 128, 129, 1023, 1024, 4097, 128 * (1 << 32) - 6, (1 << 40) + 3]
+STARTS = [0, 1, 3, 31, 32, 127, 128, 129, 1023, 1024, 4095, 4097, 128 * (1 << 32) - 6, (1 << 40) + 3]
 LENGTHS = [0, 1, 5, 31, 33, 127, 128, 129, 1024, 1031, 5000]
 
 
