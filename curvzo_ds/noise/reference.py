@@ -11,6 +11,9 @@ mantissa f in [sqrt(1/2), sqrt(2)); cos and sin of 2 pi u2 from an exact integer
 polynomials on [0, pi/4]. Measured against float64: ln within 1.7 ulp, sin/cos within 1.7 ulp, z within
 1.8e-7 R. u1 = (r0 | 1) 2^-32 with 24 significant bits, so |z| <= 6.66.
 
+perturbation=rademacher (`signs`): the same Philox calls, one per 128 elements: element j is bit j % 32 of word
+(j // 32) % 4 of the call at counter j // 128, set -> -1, clear -> +1 (no float arithmetic at all).
+
 An update of a range applies the stream(s) to a tensor: axpy_ (one stream: out * scale + alpha * z) and
 axpy_keys_ (K streams, one pass: source * scale + acc, acc = alpha_0 z_0 + ... + alpha_{K-1} z_{K-1} summed left
 to right), each operation rounded separately, as the kernels' row passes do.
