@@ -166,8 +166,8 @@ def train(spec: dict, world: int, ds_engine, zo: ZOEngine, topology) -> dict:
 
 def other_kernel(real):
     """A noise kernel of another build: the same call, but the last bit of every float32 value it writes differs."""
-    def run(k0, k1, start, out, mode, scale, alpha, want_sq):
-        total = real(k0, k1, start, out, mode, scale, alpha, want_sq)
+    def run(k0, k1, start, out, mode, scale, alpha, want_sq, *rademacher):
+        total = real(k0, k1, start, out, mode, scale, alpha, want_sq, *rademacher)
         if out.dtype == torch.float32:
             out.view(torch.int32).bitwise_xor_(1)
         return total
