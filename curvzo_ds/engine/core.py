@@ -93,8 +93,7 @@ class ZOEngine(EngineState):
         corrected = " x min pi per step (rate_correction=max_weight)" if cfg.rate_correction == "max_weight" else ""
         log.info("ZOEngine: method %s, difference %s, num_directions %d%s, learning_rate %g%s (%s), zo_eps %g, "
                  "weight_decay %g; %d blocks, %d trainable parameters; perturbation %s, noise %s", cfg.method,
-                 cfg.difference,
-                 cfg.num_directions, f", step_normalization {cfg.step_normalization}"
+                 cfg.difference, cfg.num_directions, f", step_normalization {cfg.step_normalization}"
                  if cfg.step_normalization != "none" else "", cfg.learning_rate, corrected if cfg.method != "mezo"
                  else "", cfg.lr_scheduler_type, cfg.zo_eps, cfg.weight_decay, self.num_blocks, self.num_params,
                  cfg.perturbation, self.noise.ident)
