@@ -353,3 +353,42 @@ def test_sampler_keeps_the_score_of_a_block_it_cannot_see():
         before = sampler.scores.clone()
         sampler.observe(plan, float(delta[0, 0]), block_sq[0])
         assert (sampler.scores == before).tolist() == frozen, perturbation
+
+
+def test_the_key_is_validated_and_a_resume_keeps_the_checkpoints_perturbation(caplog):
+    """`perturbation` takes gaussian or rademacher (a bad value is one ConfigError naming the key); an engine asked
+    for +-1 that loads a Gaussian engine's state keeps Gaussian z (config, generator, sampler), with a log line, and
+    then steps as the Gaussian engine does; a state of an unknown generator is refused."""
+    import logging
+
+    from curvzo_ds.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="perturbation='uniform' is invalid: it must be gaussian or rademacher"):
+        ZOConfig(perturbation="uniform").validate()
+
+    def engine(perturbation):
+        torch.manual_seed(0)
+        params = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n)) for n in (7, 300, 5)])
+        return params, ZOEngine(params, lambda m, b: (sum((p * p).sum() for p in m), 1),
+                                ZOConfig(learning_rate=1e-3, zo_eps=1e-3, method="curvzo", score_warmup_steps=1,
+                                         perturbation=perturbation))
+
+    params_a, a = engine("gaussian")
+    for _ in range(2):
+        a.step(None)
+    params_b, b = engine("rademacher")
+    with torch.no_grad():
+        for x, y in zip(params_b, params_a):
+            x.copy_(y)
+    with caplog.at_level(logging.INFO, logger="curvzo_ds"):
+        b.load_state_dict(a.state_dict())
+    assert "draws perturbation=gaussian; it keeps it (perturbation=rademacher is not taken" in caplog.text
+    assert b.cfg.perturbation == "gaussian" and b.noise.ident == a.noise.ident
+    assert b.sampler.perturbation is Perturbation.GAUSSIAN and b.perturber.noise is b.noise
+    for _ in range(2):
+        a.step(None)
+        b.step(None)
+    assert all(torch.equal(x, y) for x, y in zip(params_a, params_b)) and torch.equal(a.sampler.scores,
+                                                                                      b.sampler.scores)
+    with pytest.raises(ValueError, match="another noise generator"):
+        b.check_state({**a.state_dict(), "noise": {"ident": "mt19937"}})
