@@ -60,6 +60,11 @@ for dtypes, master in (((torch.float32,), False), ((torch.float32, torch.bfloat1
     few = step_launches(10, dtypes, alternate_1d=True, method="mezo", fp32_master_weights=master)
     many = step_launches(30, dtypes, alternate_1d=True, method="mezo", fp32_master_weights=master)
     print(len(dtypes), master, few, many)
+few = step_launches(10, (torch.bfloat16,), alternate_1d=True, method="mezo", fp32_master_weights="auto",
+                    perturbation="rademacher")
+many = step_launches(30, (torch.bfloat16,), alternate_1d=True, method="mezo", fp32_master_weights="auto",
+                     perturbation="rademacher")
+print("rademacher", few, many)
 """
 
 
@@ -67,13 +72,14 @@ def test_a_pass_is_one_triton_launch_per_dtype_for_10_and_30_tensors():
     """The Triton kernel (run by Triton's interpreter on CPU tensors): one launch per target dtype and pass. With
     fp32 master copies (bf16 weights, the 1-D half kept in fp32 too) one more per pass for the master rows, and the
     update a third (the master copies in place, then written to the stored copies). Independent of the count (30,
-    not 100 as before issue 35: the interpreter's time grows with the tensors, the property does not)."""
+    not 100 as before issue 35: the interpreter's time grows with the tensors, the property does not); the same with
+    +-1 directions (perturbation=rademacher, issue 58)."""
     proc = subprocess.run([sys.executable, "-c", TRITON_LAUNCHES], capture_output=True, text=True, cwd=str(ROOT),
                           env={**ENV, "TRITON_INTERPRET": "1"}, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()[-3:]
+    lines = proc.stdout.strip().splitlines()[-4:]
     assert lines == ["1 False [1, 1, 1] [1, 1, 1]", "3 False [3, 3, 3] [3, 3, 3]",
-                     "1 auto [2, 2, 3] [2, 2, 3]"], proc.stdout
+                     "1 auto [2, 2, 3] [2, 2, 3]", "rademacher [2, 2, 3] [2, 2, 3]"], proc.stdout
 
 
 BACKEND_RUN = r"""
