@@ -1,6 +1,8 @@
-"""Issue 46's figures: what a step of q directions costs beyond its forwards, and the memory it holds.
+"""Issue 46's figures: what a step of q directions costs beyond its forwards, and the memory it holds; issue 58's:
+the same with +-1 directions, and every pass against the floor arm.
 
     OMP_NUM_THREADS=1 python benchmarks/directions.py time --rounds 7 --out benchmarks/directions-cpu.json
+    OMP_NUM_THREADS=1 python benchmarks/directions.py time --perturbations gaussian,rademacher --out ...
     OMP_NUM_THREADS=1 python benchmarks/directions.py memory --out benchmarks/directions-memory-cpu.json
 
 `time`: one process, one thread, a plain module (the default layout at one rank), the `curvzo-ds bench` suite's
@@ -10,6 +12,10 @@ and is dropped), each step and its sections timed by the engine's own StepTimer'
 machine do not count). Per arm: the median step, its forwards, the time
 outside the forwards per forward and its ratio to MeZO's (`other_per_forward_over_mezo`), the whole step per forward
 over MeZO's, and the passes over the weights per step (the Perturber's count, where the code has one).
+`--perturbations gaussian,rademacher` (issue 58): the arms once per perturbation (+-1 arms named `<arm>-rademacher`),
+every ratio over the Gaussian MeZO arm `mezo` (which always runs); the floor arm (a plain `torch.add_` of a scalar over
+the same tensors: each element read and written once, the bytes of an in-place pass) is timed in the same rounds, and
+each arm reports `pass_seconds` (its pass sections over its passes) and `pass_over_floor`.
 `memory`: a 110M-parameter fp32 Llama (hidden 768, 12 layers, vocab 32000), one fresh process per arm (q = 1 MeZO,
 q = 8 RLOO), three steps each; the peak RSS (ru_maxrss) of each process, and the q = 8 step's excess over the
 q = 1 step's as a fraction of the trainable weights' bytes.
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import resource
 import statistics
@@ -54,7 +61,7 @@ def git_commit() -> str:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def time_arms(rounds: int, batch: int, seq: int) -> dict:
+def time_arms(rounds: int, batch: int, seq: int, perturbations: tuple[str, ...] = ("gaussian",)) -> dict:
     from curvzo_ds import ZOConfig, ZOEngine
     from curvzo_ds.commands.bench_timing import SUITE_MODEL, suite_model, token_loss
     from curvzo_ds.engine import StepTimer
@@ -73,13 +80,28 @@ def time_arms(rounds: int, batch: int, seq: int) -> dict:
 
     torch.set_num_threads(1)
     model = suite_model()
+    params = [p for p in model.parameters() if p.requires_grad]
     ids = torch.randint(0, SUITE_MODEL["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
+    arms = {}
+    for perturbation in perturbations:
+        for name, cfg in ARMS.items():
+            extra = {} if perturbation == "gaussian" else {"perturbation": perturbation}  # runs the code before the key
+            arms[name if perturbation == "gaussian" else f"{name}-{perturbation}"] = {**cfg, **extra}
+    arms.setdefault("mezo", ARMS["mezo"])  # the reference of every ratio
     engines = {name: ZOEngine(model, token_loss, ZOConfig(learning_rate=1e-7, zo_eps=1e-3, seed=0, **cfg))
-               for name, cfg in ARMS.items()}
-    steps = {name: [] for name in ARMS}
-    other = {name: [] for name in ARMS}
+               for name, cfg in arms.items()}
+    steps = {name: [] for name in arms}
+    other = {name: [] for name in arms}
+    in_passes = {name: [] for name in arms}
+    floor = []
     passes = {}
     for r in range(rounds + 1):
+        start = time.thread_time()
+        with torch.no_grad():
+            for p in params:  # the floor arm: one read and one write of every element
+                p.add_((-1.0) ** r * 1e-7)
+        if r:
+            floor.append(time.thread_time() - start)
         for name, engine in engines.items():
             engine.timer = ThreadTimer()
             start = time.thread_time()
@@ -88,14 +110,19 @@ def time_arms(rounds: int, batch: int, seq: int) -> dict:
             if r:
                 steps[name].append(elapsed)
                 other[name].append(elapsed - engine.timer.totals.get("forwards", 0.0))
+                in_passes[name].append(sum(engine.timer.totals.get(k, 0.0) for k in ("perturb_stats", "perturb",
+                                                                                    "update")))
                 passes[name] = getattr(engine.perturber, "step_passes", None)
-    out = {}
+    out = {"floor": {"pass_seconds": statistics.median(floor)}}
     med = statistics.median
-    for name, cfg in ARMS.items():
+    for name, cfg in arms.items():
         f = forwards(cfg)
         out[name] = {"forwards_per_step": f, "step_seconds": med(steps[name]),
                      "other_seconds_per_forward": med(other[name]) / f, "passes_per_step": passes[name]}
-    for name in ARMS:
+        if passes[name]:
+            out[name]["pass_seconds"] = med(in_passes[name]) / passes[name]
+            out[name]["pass_over_floor"] = out[name]["pass_seconds"] / out["floor"]["pass_seconds"]
+    for name in arms:
         out[name]["other_per_forward_over_mezo"] = (out[name]["other_seconds_per_forward"]
                                                     / out["mezo"]["other_seconds_per_forward"])
         out[name]["step_per_forward_over_mezo"] = ((out[name]["step_seconds"] / out[name]["forwards_per_step"])
@@ -140,15 +167,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--perturbations", default="gaussian",
+                        help="time: comma-separated, gaussian and/or rademacher (issue 58)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.what == "memory-child":
         memory_child(args.arm)
         return
-    result = time_arms(args.rounds, args.batch, args.seq) if args.what == "time" else memory_arms()
+    result = (time_arms(args.rounds, args.batch, args.seq, tuple(args.perturbations.split(",")))
+              if args.what == "time" else memory_arms())
     report = {"what": args.what, "commit": git_commit(), "machine": platform.processor() or platform.machine(),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rounds": args.rounds,
-              "shape": [args.batch, args.seq], "result": result}
+              "shape": [args.batch, args.seq], "load_average": list(os.getloadavg()), "result": result}
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

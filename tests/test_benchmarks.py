@@ -79,19 +79,29 @@ def assert_sections_add_up(figures: dict) -> None:
 @pytest.mark.slow
 def test_bench_suite_writes_every_contract_field(tmp_path):
     """`curvzo-ds bench --out`: per sequence length and method ratio_to_two_forwards, our_mezo_over_reference,
-    zo_over_inference_peak_memory (docs/contracts.md), and the per-rank table; on the tiny Llama (--tiny), whose
-    steps run the same code as the 28M suite model's."""
+    zo_over_inference_peak_memory (docs/contracts.md), and the per-rank table; with --perturbation rademacher (the
+    sixth set's names) every method draws +-1 z, a Gaussian MeZO arm runs beside, and each reports pass_over_floor
+    (its pass against the floor arm, a torch.add_ over the same tensors); on the tiny Llama (--tiny), whose steps
+    run the same code as the 28M suite model's."""
     out = tmp_path / "bench.json"
     run_checked([sys.executable, "-m", "curvzo_ds.cli", "bench", "--tiny", "--seq-lens", "8", "--rounds", "1",
-                 "--world-sizes", "1,2", "--out", str(out)], timeout=600)
+                 "--world-sizes", "1,2", "--perturbation", "rademacher", "--out", str(out)], timeout=600)
     report = json.loads(out.read_text())
     entry = report["seq_lens"]["8"]
+    assert report["perturbation"] == entry["perturbation"] == "rademacher" and entry["floor_pass_seconds"] > 0
+    gaussian = entry["methods"]["mezo_gaussian"]
+    assert gaussian["perturbation"] == "gaussian" and gaussian["passes_per_step"] == 3
+    for m in entry["methods"].values():
+        assert m["pass_over_floor"] == m["pass_seconds"] / entry["floor_pass_seconds"]
+        assert m["other_per_forward_over_gaussian_mezo"] == (m["other_seconds_per_forward"]
+                                                             / gaussian["other_seconds_per_forward"])
     # One round: each ratio is the ratio of the reported times, each memory figure that of the reported peaks.
     mezo = entry["methods"]["mezo"]
     assert mezo["our_mezo_over_reference"] == mezo["step_seconds"] / entry["reference_step_seconds"]
     for method, forwards, passes in (("mezo", 2, 3), ("curvzo_fixed_0.3", 2, 3), ("curvzo_adaptive", 2, 3),
                                      ("rloo-4", 4, 5), ("rloo-8", 8, 9)):
         m = entry["methods"][method]
+        assert m["perturbation"] == "rademacher"
         assert m["ratio_to_two_forwards"] == m["step_seconds"] / entry["two_forwards_seconds"] > 1
         assert m["forwards_per_step"] == forwards and m["seconds_per_forward"] == m["step_seconds"] / forwards
         assert m["passes_per_step"] == passes  # issue 46: q + 1 passes for RLOO, 3 for a central step

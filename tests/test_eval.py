@@ -32,7 +32,10 @@ def own_runs(tmp: pathlib.Path) -> dict[str, list[str]]:
     return {"completion": [*OWN_COMMON, "--set", f"task={EXAMPLES['completion']}"],
             "chat": [*OWN_COMMON, "--set", f"task={EXAMPLES['chat']}", "--set", f"tokenizer={tmp / 'chat-tokenizer'}"],
             "f1": [*OWN_COMMON, "--set", f"task={tmp / 'own-answers'}", "--set", "objective=f1",
-                   "--set", "zo_eps=3e-4", "--set", "learning_rate=1e-5"]}
+                   "--set", "zo_eps=3e-4", "--set", "learning_rate=1e-5"],
+            # perturbation=rademacher (issue 58): trained, evaluated and exported like the Gaussian completion run
+            "completion_rademacher": [*OWN_COMMON, "--set", f"task={EXAMPLES['completion']}",
+                                      "--set", "perturbation=rademacher"]}
 
 
 def docs_chat_template() -> str:
@@ -136,13 +139,20 @@ def test_rank_0_prepares_data_first(runs):
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 def test_own_generation_data_trains_alike_at_1_and_2_ranks(runs):
-    for name in ("completion", "chat", "f1"):
+    for name in ("completion", "chat", "f1", "completion_rademacher"):
         one, two = runs[1]["own_data"][name], runs[2]["own_data"][name]
         assert one["code"] == two["code"] == 0, name
         assert (one["summary"]["world_size"], two["summary"]["world_size"]) == (1, 2)
         assert one["summary"]["params_digest"] == two["summary"]["params_digest"], name
         assert one["summary"]["test"] == two["summary"]["test"] and {"loss", "f1", "exact_match"} <= set(
             one["summary"]["test"]), name
+    # +-1 directions: recorded as such, another trajectory than the Gaussian run's
+    for w in (1, 2):
+        pm1, gaussian = runs[w]["own_data"]["completion_rademacher"]["summary"], runs[w]["own_data"]["completion"][
+            "summary"]
+        assert (pm1["perturbation"], gaussian["perturbation"]) == ("rademacher", "gaussian")
+        assert pm1["noise_generator"] == "philox4x32-10-rademacher-v1" != gaussian["noise_generator"]
+        assert pm1["params_digest"] != gaussian["params_digest"]
     # objective=f1: a step's losses are minus the mean F1 of the batch's greedy answers, an evaluation's loss minus
     # its f1; F1 moves: some step's two sides differ, so its projected gradient is not 0 and the two world sizes'
     # equal digests compare weights that moved
@@ -159,14 +169,15 @@ def test_own_generation_data_trains_alike_at_1_and_2_ranks(runs):
 @pytest.mark.timeout(900)
 def test_own_generation_data_exports_and_loads_in_transformers(runs, tmp_path, monkeypatch, capsys):
     """The 1-rank runs' last checkpoints exported (`curvzo-ds export`), checked against their params_digest
-    (tests/check_run.py --export) and loaded by transformers, the chat one with its chat template."""
+    (tests/check_run.py --export) and loaded by transformers, the chat one with its chat template; the +-1 run's
+    too."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from curvzo_ds.cli import main
     from tests import check_run
 
-    for name in ("completion", "chat"):
+    for name in ("completion", "chat", "completion_rademacher"):
         run, export = pathlib.Path(runs[1]["own_data"][name]["dir"]), tmp_path / name
         assert main(["export", str(run / "checkpoint-4"), "--out", str(export)]) == 0
         monkeypatch.setattr(sys, "argv", ["check_run.py", str(run), "--export", str(export)])

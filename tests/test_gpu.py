@@ -1,7 +1,8 @@
 """Tests that need CUDA (`python -m pytest -m gpu`; deselected, never skipped, where there is none: conftest.py).
 tools/gpu_run.sh runs them on a lent GPU machine.
 
-- the compiled Triton kernel gives the C kernel's and the reference's bits at the edge keys and starts;
+- the compiled Triton kernel gives the C kernel's and the reference's bits at the edge keys and starts, for normals
+  and for +-1 signs (perturbation=rademacher);
 - the Perturber's passes on CUDA leave weights, scores and losses bit-identical to the same passes on the CPU;
 - a pass is one launch per dtype, for 10 and 1,000 tensors;
 - a step does not synchronise with the host except for the one all-reduce's read-back.
@@ -38,6 +39,22 @@ def test_triton_kernel_equals_the_c_kernel_and_the_reference(k0, k1, start, n):
         assert int(total) == expected_total == int(reference.fixed_point_sum_of_squares(ref))
 
 
+@pytest.mark.parametrize("k0,k1,start,n", EDGE_CASES)
+def test_triton_rademacher_equals_the_c_kernel_and_the_reference(k0, k1, start, n):
+    """perturbation=rademacher (issue 58): the compiled +-1 path gives reference.signs' bits and the C kernel's, in
+    every mode; the statistics are n x 2^24."""
+    assert cpu_kernel.available(), "the C kernel did not build here (gcc?)"
+    z = torch.empty(n, device="cuda")
+    gpu.run(k0, k1, start, z, 0, 0.0, 0.0, want_sq=False, rademacher=True)
+    assert torch.equal(z.cpu(), reference.signs(k0, k1, start, n))
+    for dtype, mode in ((torch.float32, 1), (torch.bfloat16, 2), (torch.float16, 3)):
+        base = torch.linspace(-2, 2, n).to(dtype)
+        on_gpu, on_cpu = base.cuda(), base.clone()
+        total = gpu.run(k0, k1, start, on_gpu, mode, 0.999, 1e-3, want_sq=True, rademacher=True)
+        assert cpu_kernel.run(k0, k1, start, on_cpu, mode, 0.999, 1e-3, True, True) == int(total) == n << 24
+        assert torch.equal(on_gpu.cpu(), on_cpu), dtype
+
+
 def mixed(device) -> torch.nn.Module:
     """fp32, bf16 and fp16 matrices, bf16 1-D tensors (fp32 master copies under `auto`), odd lengths."""
     gen = torch.Generator().manual_seed(0)
@@ -60,7 +77,9 @@ def first_elements_loss(model, batch):
 
 @pytest.mark.parametrize("cfg", [dict(method="curvzo", score_warmup_steps=1, weight_decay=0.1),
                                  dict(method="mezo", num_directions=2, weight_decay=0.1),
-                                 dict(method="fixed", budget=0.5, fp32_master_weights=False)])
+                                 dict(method="fixed", budget=0.5, fp32_master_weights=False),
+                                 dict(method="curvzo", score_warmup_steps=1, perturbation="rademacher"),
+                                 dict(method="mezo", num_directions=3, difference="rloo", perturbation="rademacher")])
 def test_steps_on_cuda_equal_steps_on_the_cpu_bit_for_bit(cfg):
     results = []
     for device in ("cpu", "cuda"):

@@ -350,11 +350,14 @@ print("bad keys", bad_keys)
 def test_triton_kernel_logic_matches_the_reference_under_the_interpreter():
     """The GPU kernel's integer and float logic, run by Triton's interpreter on CPU tensors (numpy, IEEE
     float32): the same bits as the reference, in every mode, at the edge keys and starts; and rows with K = 1, 2, 4
-    noise keys the same bits and sums as the C kernel's (TRITON_KEYS_CHECK, in the same process). On a GPU the
+    noise keys the same bits and sums as the C kernel's (TRITON_KEYS_CHECK, in the same process); and the +-1 path
+    (perturbation=rademacher: test_rademacher.py's TRITON_CHECK, in the same process). On a GPU the
     one-key check is `pytest -m gpu` (tests/test_gpu.py), with the compiled kernel's exponent path (the interpreter
     has no libdevice)."""
+    from tests.test_rademacher import TRITON_CHECK as TRITON_RADEMACHER_CHECK  # +-1 z: in the same process
+
     env = {**ENV, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", TRITON_CHECK + TRITON_KEYS_CHECK], capture_output=True, text=True,
-                          env=env, cwd=str(ROOT), timeout=600)
+    proc = subprocess.run([sys.executable, "-c", TRITON_CHECK + TRITON_KEYS_CHECK + TRITON_RADEMACHER_CHECK],
+                          capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-2:] == ["bad []", "bad keys []"], proc.stdout[-3000:]
+    assert proc.stdout.strip().splitlines()[-3:] == ["bad []", "bad keys []", "bad rademacher []"], proc.stdout[-3000:]

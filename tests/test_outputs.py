@@ -24,7 +24,7 @@ def test_every_output_field_is_documented(straight):
 def test_summary_provenance_and_one_log_file_per_rank(tmp_path):
     """summary.json names the hosts, devices, noise generator and config; logs/rank-00000.log keeps every INFO
     line (those logged before the output directory was checked too), is appended to on a resume and replaced by
-    overwrite_output_dir."""
+    overwrite_output_dir. A resume that asks for another perturbation keeps its checkpoint's (issue 58)."""
     import hashlib
 
     from curvzo_ds.noise.gaussian import NoiseSource
@@ -57,9 +57,16 @@ def test_summary_provenance_and_one_log_file_per_rank(tmp_path):
             f"{summary['test']['accuracy']:.4g}, digest {summary['params_digest']}; final step 3 "
             f"({out / 'checkpoint-3'}): test accuracy {summary['final']['test']['accuracy']:.4g}, digest "
             f"{summary['params_digest']}") in first, first
-    resumed = train(5, "--resume")
+    # the resume asks for +-1 directions: the run keeps its checkpoint's Gaussian ones, says so, and records them
+    resumed = train(5, "--resume", "--set", "perturbation=rademacher")
     assert resumed.startswith(first) and resumed.count(" INFO done:") == 2 and "resumed from" in resumed
-    assert json.loads((out / "summary.json").read_text())["config_hash"] != summary["config_hash"]  # max_steps
+    assert "draws perturbation=gaussian; it keeps it (perturbation=rademacher is not taken" in resumed
+    after = json.loads((out / "summary.json").read_text())
+    assert after["config_hash"] != summary["config_hash"]  # max_steps
+    assert after["perturbation"] == summary["perturbation"] == "gaussian"
+    assert after["noise_generator"] == NoiseSource.ident
+    assert json.loads((out / "config.json").read_text())["perturbation"] == "gaussian"
+    assert json.loads((out / "checkpoint-5" / "run_config.json").read_text())["perturbation"] == "gaussian"
     replaced = train(2, "--set", "overwrite_output_dir=true")
     assert replaced.count(" INFO done: 2 steps") == 1 and "resumed from" not in replaced
 

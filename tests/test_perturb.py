@@ -60,6 +60,11 @@ for dtypes, master in (((torch.float32,), False), ((torch.float32, torch.bfloat1
     few = step_launches(10, dtypes, alternate_1d=True, method="mezo", fp32_master_weights=master)
     many = step_launches(30, dtypes, alternate_1d=True, method="mezo", fp32_master_weights=master)
     print(len(dtypes), master, few, many)
+few = step_launches(10, (torch.bfloat16,), alternate_1d=True, method="mezo", fp32_master_weights="auto",
+                    perturbation="rademacher")
+many = step_launches(30, (torch.bfloat16,), alternate_1d=True, method="mezo", fp32_master_weights="auto",
+                     perturbation="rademacher")
+print("rademacher", few, many)
 """
 
 
@@ -67,13 +72,14 @@ def test_a_pass_is_one_triton_launch_per_dtype_for_10_and_30_tensors():
     """The Triton kernel (run by Triton's interpreter on CPU tensors): one launch per target dtype and pass. With
     fp32 master copies (bf16 weights, the 1-D half kept in fp32 too) one more per pass for the master rows, and the
     update a third (the master copies in place, then written to the stored copies). Independent of the count (30,
-    not 100 as before issue 35: the interpreter's time grows with the tensors, the property does not)."""
+    not 100 as before issue 35: the interpreter's time grows with the tensors, the property does not); the same with
+    +-1 directions (perturbation=rademacher, issue 58)."""
     proc = subprocess.run([sys.executable, "-c", TRITON_LAUNCHES], capture_output=True, text=True, cwd=str(ROOT),
                           env={**ENV, "TRITON_INTERPRET": "1"}, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()[-3:]
+    lines = proc.stdout.strip().splitlines()[-4:]
     assert lines == ["1 False [1, 1, 1] [1, 1, 1]", "3 False [3, 3, 3] [3, 3, 3]",
-                     "1 auto [2, 2, 3] [2, 2, 3]"], proc.stdout
+                     "1 auto [2, 2, 3] [2, 2, 3]", "rademacher [2, 2, 3] [2, 2, 3]"], proc.stdout
 
 
 BACKEND_RUN = r"""
@@ -81,17 +87,19 @@ import hashlib, os, sys, torch
 sys.path.insert(0, "tests")
 from curvzo_ds import ZOConfig, ZOEngine
 from test_perturb import mixed_model, mixed_sum_loss
-h = hashlib.sha256()
-for cfg in (dict(method="curvzo", score_warmup_steps=1, weight_decay=0.1),
-            dict(method="mezo", num_directions=2, weight_decay=0.1)):
-    model = mixed_model()
-    engine = ZOEngine(model, mixed_sum_loss, ZOConfig(learning_rate=1e-3, zo_eps=1e-2, max_steps=4, **cfg))
-    for _ in range(4):
-        engine.step(None)
-    for name, p in sorted(model.named_parameters()):
-        h.update(name.encode() + p.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    h.update(engine.sampler.scores.numpy().tobytes())
-print(h.hexdigest())
+for perturbation in ("gaussian", "rademacher"):  # one digest line each
+    h = hashlib.sha256()
+    for cfg in (dict(method="curvzo", score_warmup_steps=1, weight_decay=0.1),
+                dict(method="mezo", num_directions=2, weight_decay=0.1)):
+        model = mixed_model()
+        engine = ZOEngine(model, mixed_sum_loss, ZOConfig(learning_rate=1e-3, zo_eps=1e-2, max_steps=4,
+                                                          perturbation=perturbation, **cfg))
+        for _ in range(4):
+            engine.step(None)
+        for name, p in sorted(model.named_parameters()):
+            h.update(name.encode() + p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(engine.sampler.scores.numpy().tobytes())
+    print(h.hexdigest())
 """
 
 
@@ -115,7 +123,9 @@ def backend_digest(**extra: str) -> str:
     proc = subprocess.run([sys.executable, "-c", BACKEND_RUN], capture_output=True, text=True, cwd=str(ROOT),
                           env={**ENV, "CURVZO_DS_NOISE_KERNEL": "auto", **extra}, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()[-1]
+    gaussian, rademacher = proc.stdout.strip().splitlines()[-2:]
+    assert gaussian != rademacher
+    return f"{gaussian} {rademacher}"
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +138,8 @@ def c_kernel_digest() -> str:
 def test_every_backend_gives_the_c_kernels_bits(c_kernel_digest, backend):
     """Four steps of CurvZO (statistics, weight decay) and of MeZO with q = 2 directions (snapshot, restore, the
     per-direction update) on mixed dtypes with fp32 master copies: the torch reference and the Triton kernel (under
-    the interpreter) leave every weight and score exactly as the C kernel does."""
+    the interpreter) leave every weight and score exactly as the C kernel does, with Gaussian z and with +-1 z
+    (perturbation=rademacher, every pass kind: the chain's moves, the keyed update, master and copy rows)."""
     extra = {"CURVZO_DS_NOISE_KERNEL": "torch"} if backend == "torch" else {"CURVZO_DS_NOISE_KERNEL": "triton",
                                                                             "TRITON_INTERPRET": "1"}
     assert backend_digest(**extra) == c_kernel_digest

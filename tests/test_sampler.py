@@ -37,7 +37,7 @@ def sampler_with(scores, sizes, **cfg) -> CurvZOSampler:
     base.update(cfg)
     cfg = ZOConfig(**base)
     s = CurvZOSampler(section(cfg, "sampler"), section(cfg, "engine"), sizes,
-                      lambda step, g: torch.rand(g, dtype=torch.float64))
+                      lambda step, g: torch.rand(g, dtype=torch.float64), cfg.perturbation)
     s.scores = torch.tensor(scores, dtype=torch.float64)
     return s
 

@@ -13,6 +13,7 @@ from tests.helpers import ROOT, run_worker
 WORKER = ROOT / "tests" / "multirank" / "worker.py"
 
 ZO = {"learning_rate": 1e-3, "zo_eps": 1e-3, "score_warmup_steps": 5}
+RAD = {"perturbation": "rademacher"}
 SCENARIOS = [
     # Adaptive CurvZO, persistent (norm) and partitioned tensors, Philox groups of 4 straddling shard edges,
     # 4 micro-batches per step padded each to its own length.
@@ -67,12 +68,37 @@ SCENARIOS = [
     {"name": "disagree", "steps": 0, "n_micro": 1, "disagree": "seed", "min_world": 2, "zo": ZO},
     # choose_layout's directions rule at 2 and 3 ranks, shard groups of one rank (no training)
     {"name": "directions_layouts", "directions_layouts": [1, 2, 3, 6], "min_world": 2},
+    # perturbation=rademacher (issue 58), in the same launches: ZeRO-3 with a checkpoint after step 12 that the next
+    # launch resumes (1 -> 1, 1 -> 2, 2 -> 3), Appendix B's scores, stage 0 against stage 3, LoRA, bf16 in place and
+    # through fp32 master copies, replica groups of one rank, a static mask; and a Gaussian run resumed with
+    # rademacher asked, which keeps its checkpoint's perturbation.
+    {"name": "rad_curvzo", "steps": 24, "n_micro": 4, "resume": True, "save_at": 12, "zo": {**ZO, **RAD,
+                                                                                               "method": "curvzo"}},
+    {"name": "rad_unbiased", "steps": 15, "n_micro": 2, "zo": {**ZO, **RAD, "method": "curvzo",
+                                                                "score_estimator": "unbiased"}},
+    {"name": "rad_stage3", "steps": 10, "n_micro": 3, "zo": {**ZO, **RAD, "method": "curvzo"}},
+    {"name": "rad_stage0", "steps": 10, "n_micro": 3, "stage": 0, "zo": {**ZO, **RAD, "method": "curvzo"}},
+    {"name": "rad_lora", "steps": 20, "n_micro": 2, "lora": True, "persist": 100000,
+     "zo": {**ZO, **RAD, "method": "curvzo", "learning_rate": 1e-2}},
+    {"name": "rad_bf16", "steps": 10, "n_micro": 2, "bf16": True,
+     "zo": {**ZO, **RAD, "method": "curvzo", "zo_eps": 1e-2, "fp32_master_weights": False}},
+    {"name": "rad_bf16_master", "steps": 10, "n_micro": 2, "bf16": True,
+     "zo": {**ZO, **RAD, "method": "curvzo", "zo_eps": 1e-2, "fp32_master_weights": True}},
+    {"name": "rad_rloo_replicas", "steps": 8, "n_micro": 2, "shard_group_size": 1,
+     "zo": {**ZO, **RAD, "method": "curvzo", "num_directions": 6, "difference": "rloo"}},
+    {"name": "rad_static_mask", "steps": 10, "n_micro": 3,
+     "zo": {**ZO, **RAD, "method": "mezo", "learning_rate": 1e-2, "static_mask": 0.05}},
+    {"name": "keeps_gaussian", "steps": 10, "n_micro": 2, "resume": True, "save_at": 5, "resume_zo": RAD,
+     "zo": {**ZO, "method": "curvzo"}},
 ]
+RADEMACHER = [s["name"] for s in SCENARIOS if s["zo"].get("perturbation") == "rademacher"]
 
 
 def launch(world: int, tmp: pathlib.Path) -> dict:
     spec = tmp / "spec.json"
-    spec.write_text(json.dumps(SCENARIOS))
+    # a resume scenario's checkpoints go under one directory shared by the three launches
+    spec.write_text(json.dumps([{**s, "resume": str(tmp / "resume" / s["name"])} if s.get("resume") else s
+                                for s in SCENARIOS]))
     return run_worker(world, WORKER, spec, tmp / f"out{world}.json")["results"]
 
 
@@ -86,7 +112,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", ["curvzo", "mezo", "offload", "small_batch", "lora", "bf16", "bf16_master",
                                   "static_mask", "static_mask_bf16", "rloo", "rloo_mezo", "rloo_bf16", "rloo_replicas",
                                   "rloo_std", "rloo_std_replicas", "rloo_std_auto", "running_rms_auto",
-                                  "running_rms_curvzo"])
+                                  "running_rms_curvzo", "keeps_gaussian", *RADEMACHER])
 def test_bit_identical_at_1_2_3_ranks(runs, name):
     ref = runs[1][name]
     assert len(ref["traj"]) > 0
@@ -95,6 +121,38 @@ def test_bit_identical_at_1_2_3_ranks(runs, name):
         for a, b in zip(ref["traj"], other["traj"]):
             assert a == b, f"{name}: world size {w} differs at step {a['step']}: {a} vs {b}"
         assert other["digest"] == ref["digest"]
+
+
+@pytest.mark.multirank
+def test_rademacher_runs_draw_signs_and_resume_across_world_sizes(runs):
+    """perturbation=rademacher: every such scenario ran with the +-1 generator, a loss at each step, none skipped; its
+    checkpoint resumed 1 -> 1, 1 -> 2 and 2 -> 3 continues the straight run bit for bit;
+    stage 0 gives stage 3's trajectory; and it is another trajectory than the Gaussian one."""
+    for w in (1, 2, 3):
+        for name in RADEMACHER:
+            res = runs[w][name]
+            assert res["perturbation"] == "rademacher" and res["noise"] == "philox4x32-10-rademacher-v1", name
+            assert all(r["loss"] is not None and not r.get("skipped") for r in res["traj"]), name
+        straight, resumed = runs[w]["rad_curvzo"], runs[w]["rad_curvzo"]["resumed"]
+        assert resumed["from_world"] == max(1, w - 1) and resumed["perturbation"] == "rademacher"
+        assert resumed["traj"] == straight["traj"][12:] and resumed["digest"] == straight["digest"], w
+        assert runs[w]["rad_stage0"]["traj"] == runs[w]["rad_stage3"]["traj"]
+        assert runs[w]["rad_stage0"]["digest"] == runs[w]["rad_stage3"]["digest"]
+        assert runs[w]["rad_stage3"]["digest"] != runs[w]["stage3_short"]["digest"]
+        # the block sums are the block sizes: not all-reduced (the same steps and micro-batches, G integers fewer)
+        assert (runs[w]["rad_stage3"]["engine_all_reduce"]["all_reduce_elements"]
+                < runs[w]["stage3_short"]["engine_all_reduce"]["all_reduce_elements"])
+
+
+@pytest.mark.multirank
+def test_a_resume_keeps_its_checkpoints_perturbation(runs):
+    """A Gaussian run's checkpoint resumed by an engine configured with perturbation=rademacher continues with
+    Gaussian z (the checkpoint's noise identifier decides, CONTRACTS.md), to the straight run's digest."""
+    for w in (1, 2, 3):
+        straight, resumed = runs[w]["keeps_gaussian"], runs[w]["keeps_gaussian"]["resumed"]
+        assert straight["perturbation"] == resumed["perturbation"] == "gaussian"
+        assert resumed["noise"] == "philox4x32-10-boxmuller-f32-v1"
+        assert resumed["traj"] == straight["traj"][5:] and resumed["digest"] == straight["digest"]
 
 
 @pytest.mark.multirank

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from curvzo_ds.algo.estimators import block_scores
+from curvzo_ds.algo.estimators import Perturbation, block_scores, informative_blocks
 
 log = logging.getLogger(__name__)
 
@@ -287,11 +287,14 @@ class CurvZOSampler:
     replicated.
     """
 
-    def __init__(self, cfg, schedule, sizes: torch.Tensor, mask_uniforms: Callable[[int, int], torch.Tensor]):
+    def __init__(self, cfg, schedule, sizes: torch.Tensor, mask_uniforms: Callable[[int, int], torch.Tensor],
+                 perturbation: str | Perturbation = Perturbation.GAUSSIAN):
         """`cfg`: the config's `sampler` section (config.sections: method, the budget rule, the scores);
         `schedule`: its `engine` section (unused: the rate is algo/rate.py's `Rate`, the engine's; kept so that the
-        sampler is built from the same two sections everywhere). Any object with those attributes serves."""
+        sampler is built from the same two sections everywhere). Any object with those attributes serves.
+        `perturbation`: the law of z, whose fourth moment the score estimators' constants carry."""
         self.cfg = cfg
+        self.perturbation = Perturbation(perturbation)
         self.schedule = schedule
         self.sizes = sizes.to(torch.float64)
         self.num_blocks = self.sizes.numel()
@@ -352,15 +355,22 @@ class CurvZOSampler:
 
         With q directions (num_directions), `delta` is a list of q values and `block_sq` is [q, G]: the step's
         score is the mean of the q per-direction scores, which keeps the estimator's mean and divides its
-        variance by about q (docs/algorithm.md)."""
+        variance by about q (docs/algorithm.md). Under +-1 z, a block whose estimator says nothing about it
+        (Appendix B's at pi_i = 1: `informative_blocks`) keeps its score through the EMA (during the warm-up it adds
+        the estimator's 0)."""
         deltas = delta if isinstance(delta, list) else [delta]
         rows = block_sq.reshape(len(deltas), -1)
-        new = sum(block_scores(d, sq, plan.mask, plan.pi, self.sizes, self.cfg.score_estimator)
+        estimator = self.cfg.score_estimator
+        new = sum(block_scores(d, sq, plan.mask, plan.pi, self.sizes, estimator, self.perturbation)
                   for d, sq in zip(deltas, rows)) / len(deltas)
         if plan.warmup:
             self.warmup_sum += new
         else:
-            self.scores = ema(self.scores, new, self.cfg.score_beta)
+            updated = ema(self.scores, new, self.cfg.score_beta)
+            if self.perturbation is not Perturbation.GAUSSIAN:  # +-1 z: a block at pi = 1 keeps its score
+                updated = torch.where(informative_blocks(plan.pi, self.sizes, estimator, self.perturbation), updated,
+                                      self.scores)
+            self.scores = updated
         self._end(plan)
 
     def skip(self, plan: StepPlan) -> None:

@@ -37,6 +37,9 @@ def register(sub) -> None:
     p.add_argument("--tiny", action="store_true",
                    help="the suite on a Llama of about 0.1M parameters and smaller noise buffers (every code path and "
                         "figure; the tests' size)")
+    p.add_argument("--perturbation", choices=["gaussian", "rademacher"], default="gaussian",
+                   help="the z every method of the suite draws (with rademacher a Gaussian MeZO arm runs beside, for "
+                        "other_per_forward_over_gaussian_mezo); every method reports pass_over_floor")
     p.add_argument("--run", action="store_true", help="instead: time `--steps` steps of the run configured by --set")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --run: a config key")
     p.add_argument("--steps", type=int, default=20, help="with --run or --drift: steps to take")
@@ -52,7 +55,7 @@ def handle(args) -> None:
         run_bench(load_config(None, args.set, None), args.steps)
     else:
         run_suite(args.out, _ints(args.seq_lens, "--seq-lens"), args.rounds, _ints(args.world_sizes, "--world-sizes"),
-                  size="tiny" if args.tiny else "suite")
+                  perturbation=args.perturbation, size="tiny" if args.tiny else "suite")
 
 
 def _ints(text: str, option: str) -> list[int]:
@@ -153,18 +156,19 @@ def drift(steps: int, dtype: str = "bfloat16", seed: int = 0) -> list[dict]:
 
 
 def run_suite(out: str | None, seq_lens: list[int], rounds: int, world_sizes: list[int], batch: int = 16,
-              rank_seq: int = 64, rank_steps: int = 3, size: str = "suite") -> dict:
+              rank_seq: int = 64, rank_steps: int = 3, perturbation: str = "gaussian", size: str = "suite") -> dict:
     """The whole suite, each part in a fresh process (one thread per rank): prints a table, writes `out`. `size`:
-    the model, bench_timing.MODELS' "suite" (28M) or "tiny"."""
+    the model, bench_timing.MODELS' "suite" (28M) or "tiny"; `perturbation`: the z every method draws."""
     from curvzo_ds.commands.bench_timing import MODELS, machine
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     report = {"machine": machine(), "model": {**MODELS[size], "parameters": None}, "batch": batch,
-              "rounds": rounds, "seq_lens": {}, "python_overhead": None, "world_sizes": {}}
+              "rounds": rounds, "perturbation": perturbation, "seq_lens": {}, "python_overhead": None,
+              "world_sizes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         part = os.path.join(tmp, "timing.json")
         subprocess.run([sys.executable, "-m", WORKER, "timing", part, ",".join(map(str, seq_lens)),
-                        str(rounds), str(batch), size], env=env, check=True)
+                        str(rounds), str(batch), perturbation, size], env=env, check=True)
         timing = json.loads(open(part).read())
         report["seq_lens"], report["python_overhead"] = timing["seq_lens"], timing["python_overhead"]
         report["noise"], report["noise_threads"] = timing["noise"], timing["noise_threads"]
@@ -174,7 +178,7 @@ def run_suite(out: str | None, seq_lens: list[int], rounds: int, world_sizes: li
             port = str(20000 + os.getpid() % 20000 + world)
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                             "--master_port", port, "-m", WORKER, "ranks", part, str(rank_seq),
-                            str(rank_steps), str(batch), size], env={**env, "DS_ACCELERATOR": env.get(
+                            str(rank_steps), str(batch), perturbation, size], env={**env, "DS_ACCELERATOR": env.get(
                                 "DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")}, check=True)
             report["world_sizes"][str(world)] = json.loads(open(part).read())
     print(format_report(report))
@@ -186,9 +190,10 @@ def run_suite(out: str | None, seq_lens: list[int], rounds: int, world_sizes: li
 def format_report(report: dict) -> str:
     m = report["machine"]
     lines = [f"curvzo-ds bench: Llama {report['model']['parameters'] / 1e6:.1f}M, batch {report['batch']}, "
-             f"{report['rounds']} rounds, {m['device']} ({m['cpu']}), 1 thread per rank",
+             f"{report['rounds']} rounds, {m['device']} ({m['cpu']}), 1 thread per rank, perturbation "
+             f"{report.get('perturbation', 'gaussian')}",
              f"{'tokens':>6} {'method':<18} {'step s':>8} {'/2 fwd':>7} {'s/fwd':>6} {'fwd':>6} {'noise+upd':>9} "
-             f"{'stats':>6} {'comm':>6} {'other':>6} {'B/G':>5} {'mem/inf':>7}"]
+             f"{'stats':>6} {'comm':>6} {'other':>6} {'B/G':>5} {'mem/inf':>7} {'oth/mezo':>8} {'pass/fl':>7}"]
     for seq, e in report["seq_lens"].items():
         for name, r in e["methods"].items():
             s = r["seconds"]
@@ -196,7 +201,9 @@ def format_report(report: dict) -> str:
                          f"{r['seconds_per_forward']:6.3f} {s['forwards']:6.3f} {s['noise_and_update']:9.3f} "
                          f"{s['score_statistics']:6.3f} "
                          f"{s['communication']:6.3f} {s['other']:6.3f} {r['budget_fraction']:5.2f} "
-                         f"{r['zo_over_inference_peak_memory']:7.3f}")
+                         f"{r['zo_over_inference_peak_memory']:7.3f} {r['other_per_forward_over_mezo']:8.3f} "
+                         f"{r['pass_over_floor']:7.3f}")
+        lines.append(f"{seq:>6} {'floor (torch.add_)':<18} one pass {e['floor_pass_seconds']:.4f} s")
         lines.append(f"{seq:>6} {'mezo_reference':<18} {e['reference_step_seconds']:8.3f} "
                      f"{e['reference_ratio_to_two_forwards']:7.3f}   our MeZO / reference "
                      f"{e['methods']['mezo']['our_mezo_over_reference']:.3f}")

@@ -1,6 +1,7 @@
 """The timings of `curvzo-ds bench`'s suite, reusable on their own (benchmarks/, benchmarks/RESULTS.md): step time
-against two forwards with its sections, a MeZO-style reference step, peak memory against inference, Python
-overhead per block, noise speed, and one rank's figures under ZeRO-3.
+against two forwards with its sections, a MeZO-style reference step, a pass against the floor arm (a plain
+torch.add_ over the same tensors), peak memory against inference, Python overhead per block, noise speed, and one
+rank's figures under ZeRO-3.
 
 `python -m curvzo_ds.commands.bench_timing timing|ranks OUT ...` is the worker the suite starts, one fresh process
 per part (commands/bench.py's `run_suite`).
@@ -47,6 +48,7 @@ METHODS = {
     "rloo-4": dict(method="mezo", difference="rloo", num_directions=4),
     "rloo-8": dict(method="mezo", difference="rloo", num_directions=8),
 }
+PERTURBATIONS = ("gaussian", "rademacher")  # `curvzo-ds bench --perturbation`: the z every method draws
 
 
 def arm_forwards(cfg: dict) -> int:
@@ -146,24 +148,45 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str, size: str = "suite") -> dict:
+PASS_SECTIONS = ("perturb_stats", "perturb", "update")  # the StepTimer sections that are passes over the weights
+
+
+@torch.no_grad()
+def floor_pass(params: list[torch.Tensor], sign: float = 1.0) -> None:
+    """The floor arm (issue 58): the bytes of one in-place pass, read and written by a plain `torch.add_` over the
+    same tensors (each element read once and written once, as a pass's in-place rows do)."""
+    for p in params:
+        p.add_(sign * 1e-7)
+
+
+def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str, perturbation: str = "gaussian",
+                 size: str = "suite") -> dict:
     """One process, the plain module: per sequence length, forwards alone and every method's step with its
-    sections, the MeZO-style reference, and peak memory against inference. Rounds interleave all of them."""
+    sections, the MeZO-style reference, the floor arm (floor_pass), and peak memory against inference. Rounds
+    interleave all of them. Every method draws z of `perturbation`; with +-1 z a Gaussian MeZO arm runs beside them
+    (`mezo_gaussian`: the step the time outside the forwards is also compared with)."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
     memory = PeakMemory(device)
     model = suite_model(device, size=size)
-    engines = {name: ZOEngine(model, token_loss, ZOConfig(**ZO_COMMON, **cfg)) for name, cfg in METHODS.items()}
+    methods = {name: {**cfg, "perturbation": perturbation} for name, cfg in METHODS.items()}
+    if perturbation != "gaussian":
+        methods["mezo_gaussian"] = dict(method="mezo", perturbation="gaussian")
+    engines = {name: ZOEngine(model, token_loss, ZOConfig(**ZO_COMMON, **cfg)) for name, cfg in methods.items()}
+    params = [p for p in model.parameters() if p.requires_grad]
     out = {}
     for seq in seq_lens:
         gen = torch.Generator().manual_seed(seq)
         ids = torch.randint(0, MODELS[size]["vocab_size"], (batch, seq), generator=gen).to(device)
-        rows: dict[str, list] = {"two_forwards": [], "reference": [], **{m: [] for m in METHODS}}
-        sections = {m: [] for m in METHODS}
-        budgets = {m: [] for m in METHODS}
+        rows: dict[str, list] = {"two_forwards": [], "reference": [], "floor": [], **{m: [] for m in methods}}
+        sections = {m: [] for m in methods}
+        budgets = {m: [] for m in methods}
         passes = {}
 
         for r in range(rounds + 1):  # round 0 warms up (kernel build, allocator, adaptive scores) and is dropped
             t_fwd, _ = _timed(sync, two_forwards, model, ids)
+            t_floor, _ = _timed(sync, floor_pass, params, (-1.0) ** r)
+            if r:
+                rows["floor"].append(t_floor)
             for name, engine in engines.items():
                 engine.timer = StepTimer(sync)
                 t_step, result = _timed(sync, engine.step, ids)
@@ -190,7 +213,9 @@ def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str, size
         reference_peak = memory.peak()
 
         two = rows["two_forwards"]
-        entry = {"forward_seconds": _median(two) / 2, "two_forwards_seconds": _median(two),
+        floor = _median(rows["floor"])
+        entry = {"perturbation": perturbation, "forward_seconds": _median(two) / 2,
+                 "two_forwards_seconds": _median(two), "floor_pass_seconds": floor,
                  "reference_step_seconds": _median(rows["reference"]),
                  "reference_ratio_to_two_forwards": _median([a / b for a, b in zip(rows["reference"], two)]),
                  "inference_peak_bytes": inference_peak, "reference_peak_bytes": reference_peak,
@@ -198,16 +223,22 @@ def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str, size
         # The time outside the forwards, per forward, as a ratio to MeZO's (issue 46): what a method's passes over
         # the weights, reduction and bookkeeping cost per forward it buys.
         other = {name: _median([step - sec.get("forwards", 0.0) for step, sec in zip(rows[name], sections[name])])
-                 / arm_forwards(METHODS[name]) for name in METHODS}
-        for name in METHODS:
+                 / arm_forwards(methods[name]) for name in methods}
+        for name in methods:
             split = {k: _median([s.get(k, 0.0) for s in sections[name]]) for k in SECTIONS}
+            # A pass's time: the pass sections of a step over its passes (issue 58), against the floor arm's.
+            pass_seconds = _median([sum(s.get(k, 0.0) for k in PASS_SECTIONS) for s in sections[name]]) / max(
+                1, passes.get(name) or 1)
             entry["methods"][name] = {
+                "perturbation": methods[name]["perturbation"],
                 "passes_per_step": passes.get(name),
                 "other_seconds_per_forward": other[name],
                 "other_per_forward_over_mezo": other[name] / other["mezo"],
+                "pass_seconds": pass_seconds,
+                "pass_over_floor": pass_seconds / floor,
                 "step_seconds": _median(rows[name]),
-                "forwards_per_step": arm_forwards(METHODS[name]),
-                "seconds_per_forward": _median(rows[name]) / arm_forwards(METHODS[name]),
+                "forwards_per_step": arm_forwards(methods[name]),
+                "seconds_per_forward": _median(rows[name]) / arm_forwards(methods[name]),
                 "ratio_to_two_forwards": _median([a / b for a, b in zip(rows[name], two)]),
                 "seconds": with_other(_median(rows[name]), {
                     "forwards": split["forwards"], "noise_and_update": split["perturb"] * 2 + split["update"],
@@ -217,6 +248,8 @@ def time_methods(seq_lens: list[int], rounds: int, batch: int, device: str, size
                 "zo_over_inference_peak_memory": peaks[name] / inference_peak,
                 "peak_bytes": peaks[name],
             }
+            if "mezo_gaussian" in other:
+                entry["methods"][name]["other_per_forward_over_gaussian_mezo"] = other[name] / other["mezo_gaussian"]
             if name == "mezo":
                 entry["methods"][name]["our_mezo_over_reference"] = _median(
                     [a / b for a, b in zip(rows[name], rows["reference"])])
@@ -311,7 +344,8 @@ def noise_threads(numel: int = 1 << 26, tensors: int = 16, rounds: int = 3, thre
     return out
 
 
-def rank_figures(seq: int, steps: int, batch: int, micro: int, size: str = "suite") -> dict:
+def rank_figures(seq: int, steps: int, batch: int, micro: int, perturbation: str = "gaussian",
+                 size: str = "suite") -> dict:
     """One rank of a ZeRO-3 job (run under torchrun): owned bytes, step time, bytes all-reduced per step, and
     peak memory of ZO steps against inference-only forwards under the same config."""
     import deepspeed
@@ -329,7 +363,7 @@ def rank_figures(seq: int, steps: int, batch: int, micro: int, size: str = "suit
     sync = torch.cuda.synchronize if device == "cuda" else None
     memory = PeakMemory(device)
     result = {"world_size": world, "methods": {}}
-    engines = {name: ZOEngine(ds_engine, token_loss, ZOConfig(**ZO_COMMON, **METHODS[name]))
+    engines = {name: ZOEngine(ds_engine, token_loss, ZOConfig(**ZO_COMMON, **METHODS[name], perturbation=perturbation))
                for name in ("mezo", "curvzo_fixed_0.3")}
     first = next(iter(engines.values()))
     result["owned_bytes"] = sum((e.owned[1] - e.owned[0]) * e.param.element_size() for e in first.entries)
@@ -372,21 +406,23 @@ def machine() -> dict:
 
 
 def _worker(argv: list[str]) -> None:
-    """`python -m curvzo_ds.commands.bench_timing timing|ranks OUT ... SIZE` (bench.run_suite starts it)."""
+    """`python -m curvzo_ds.commands.bench_timing timing|ranks OUT A B C PERTURBATION SIZE` (bench.run_suite starts
+    it)."""
     kind, out, size = argv[0], argv[1], argv[-1]
     if kind == "timing":
         torch.set_num_threads(1)
         seq_lens, rounds, batch = [int(x) for x in argv[2].split(",")], int(argv[3]), int(argv[4])
+        perturbation = argv[5]
         device = "cuda" if torch.cuda.is_available() else "cpu"
         speed_numel, threads_numel = NOISE_SIZES[size]
-        result = {"seq_lens": time_methods(seq_lens, rounds, batch, device, size),
+        result = {"seq_lens": time_methods(seq_lens, rounds, batch, device, perturbation, size),
                   "python_overhead": python_overhead(),
                   "noise": noise_speed(speed_numel, rounds=rounds, device=device),
                   "noise_threads": noise_threads(threads_numel, rounds=rounds),
                   "parameters": sum(p.numel() for p in suite_model("meta", size=size).parameters())}
         write_json_atomic(out, result)
     elif kind == "ranks":
-        result = rank_figures(int(argv[2]), int(argv[3]), int(argv[4]), micro=4, size=size)
+        result = rank_figures(int(argv[2]), int(argv[3]), int(argv[4]), micro=4, perturbation=argv[5], size=size)
         if dist.get_rank() == 0:
             write_json_atomic(out, result)
         dist.barrier()

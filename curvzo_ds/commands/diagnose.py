@@ -45,7 +45,7 @@ def _sampler(cfg, sizes: torch.Tensor, uniforms=None) -> CurvZOSampler:
     cfg = copy.deepcopy(cfg)
     cfg = dataclasses.replace(cfg, score_init=0.0)  # the callers set the scores themselves
     return CurvZOSampler(section(cfg, "sampler"), section(cfg, "engine"), sizes,
-                         uniforms or (lambda step, g: torch.zeros(g, dtype=torch.float64)))
+                         uniforms or (lambda step, g: torch.zeros(g, dtype=torch.float64)), cfg.perturbation)
 
 
 def fixed_point(sizes: torch.Tensor, energy: torch.Tensor, cfg, iters: int = 100, draws: int = 2000,
@@ -61,7 +61,7 @@ def fixed_point(sizes: torch.Tensor, energy: torch.Tensor, cfg, iters: int = 100
     pi = sampler.probabilities(0).pi  # S = 0: uniform pi at the rule's value, as in the warm-up
     for k in range(iters + 1):
         masks = torch.rand(draws, g, generator=gen, dtype=torch.float64) < pi
-        new = expected_scores(pi, sizes, energy, cfg.score_estimator, masks)
+        new = expected_scores(pi, sizes, energy, cfg.score_estimator, masks, cfg.perturbation)
         sampler.scores = new if k == 0 else 0.5 * (sampler.scores + new)
         pi, budget, d_eff, h = sampler.probabilities(1 << 30)
     return dict(pi=pi, budget=budget, d_eff=d_eff, entropy=h, scores=sampler.scores)
@@ -71,7 +71,9 @@ def simulate(sizes: torch.Tensor, energy: torch.Tensor, cfg, steps: int, seed: i
     """`steps` steps of the real sampler on a linear loss with block gradients of energy a_i (eps -> 0).
 
     Per step and drawn block, with u_i = <g_i, z_i>/||g_i|| ~ N(0, 1) and an independent chi^2(n_i - 1):
-    ||v_Gi||^2 = u_i^2 + chi^2 and Delta = sum_i m_i sqrt(a_i) u_i, exactly as z ~ N(0, I) gives them.
+    ||v_Gi||^2 = u_i^2 + chi^2 and Delta = sum_i m_i sqrt(a_i) u_i, exactly as z ~ N(0, I) gives them. With
+    perturbation=rademacher ||v_Gi||^2 = n_i exactly, and u_i is drawn N(0, 1) (its law under +-1 z depends on g_i's
+    entries; N(0, 1) is its limit when no entry dominates).
     Returns pi per step [steps, G] and the budget, d_eff and H per step.
     """
     rng = np.random.default_rng(seed)
@@ -79,7 +81,8 @@ def simulate(sizes: torch.Tensor, energy: torch.Tensor, cfg, steps: int, seed: i
     root = energy.to(torch.float64).sqrt()
     rest = (sizes - 1).clamp(min=0).numpy()
     sampler = CurvZOSampler(section(cfg, "sampler"), section(cfg, "engine"), sizes,
-                            lambda step, k: torch.from_numpy(rng.random(k)))
+                            lambda step, k: torch.from_numpy(rng.random(k)), cfg.perturbation)
+    signs = cfg.perturbation == "rademacher"
     pis, budgets, d_effs, hs = [], [], [], []
     for t in range(steps):
         plan = sampler.plan(t)
@@ -91,8 +94,11 @@ def simulate(sizes: torch.Tensor, energy: torch.Tensor, cfg, steps: int, seed: i
             sampler.skip(plan)
             continue
         u = torch.from_numpy(rng.standard_normal(g))
-        chi2 = torch.from_numpy(np.where(rest > 0, rng.chisquare(np.maximum(rest, 1)), 0.0))
-        block_sq = torch.where(plan.mask, u * u + chi2, torch.zeros_like(u))
+        if signs:
+            block_sq = torch.where(plan.mask, sizes.to(torch.float64), torch.zeros_like(u))
+        else:
+            chi2 = torch.from_numpy(np.where(rest > 0, rng.chisquare(np.maximum(rest, 1)), 0.0))
+            block_sq = torch.where(plan.mask, u * u + chi2, torch.zeros_like(u))
         delta = float((plan.mask * root * u).sum())
         sampler.observe(plan, delta, block_sq)
     return dict(pi=torch.stack(pis), budget=budgets, d_eff=d_effs, entropy=hs, scores=sampler.scores)

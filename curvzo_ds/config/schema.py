@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from curvzo_ds.algo.differences import DIFFERENCE_SPECS, Difference, StepNormalization
-from curvzo_ds.algo.estimators import ESTIMATORS
+from curvzo_ds.algo.estimators import ESTIMATORS, Perturbation
 from curvzo_ds.algo.rate import AUTO, Schedule
 from curvzo_ds.algo.sampling import Method
 from curvzo_ds.config.ds_policy import REFUSAL_BY_KEY
@@ -36,7 +36,8 @@ class Granularity(str, enum.Enum):
 
 
 # The valid values of the mode keys, from their one definition each (sampling.Method, estimators.ESTIMATORS,
-# Granularity above, differences.Difference and StepNormalization, objectives.Objective, quantization.Quantization).
+# Granularity above, differences.Difference and StepNormalization, objectives.Objective, quantization.Quantization,
+# estimators.Perturbation).
 METHODS = tuple(m.value for m in Method)
 SCORE_ESTIMATORS = tuple(ESTIMATORS)
 GRANULARITIES = tuple(g.value for g in Granularity)
@@ -44,6 +45,7 @@ DIFFERENCES = tuple(d.value for d in Difference)
 NORMALIZATIONS = tuple(n.value for n in StepNormalization)
 SCHEDULES = tuple(s.value for s in Schedule)
 DIVERGENCE_ACTIONS = ("rollback", "stop")  # the `on_divergence` key (train/divergence.py)
+PERTURBATIONS = tuple(p.value for p in Perturbation)
 
 
 def key(default: Any, doc: str):
@@ -151,6 +153,10 @@ class ZOConfig:
                                           "Delta divided by its running RMS, clipped to +-3. Either makes "
                                           "learning_rate a step length in units of z (start near 1e-3, or auto; "
                                           "docs/algorithm.md)")
+    perturbation: str = key("gaussian", "the law of each coordinate of z: gaussian (N(0, 1), the paper's) or "
+                                        "rademacher (+-1 from one bit of the same counter-based stream: a pass "
+                                        "near memory speed, ||z_B||^2 = |B|; docs/algorithm.md); a resumed run keeps "
+                                        "its checkpoint's")
     static_mask: float = key(0.0, "perturb only this fraction of the elements, the largest squared gradients of one "
                                   "backprop per batch over static_mask_batches batches (SensZOQ's mechanism; "
                                   "method mezo; 0: off; docs/algorithm.md)")
@@ -235,6 +241,7 @@ class ZOConfig:
                               f"{' and num_directions >= 2' if serves == 'rloo' else ''}, or step_normalization="
                               f"{'running_rms' if serves == 'rloo' else 'loss_std'} for difference={self.difference}, "
                               "or step_normalization=none")
+        need(self.perturbation in PERTURBATIONS, "perturbation", " or ".join(PERTURBATIONS))
         need(_finite(self.static_mask) and 0 <= self.static_mask <= 1, "static_mask",
              "a fraction of the trainable elements in [0, 1] (0: off)")
         need(_posint(self.static_mask_batches), "static_mask_batches", "an integer >= 1")

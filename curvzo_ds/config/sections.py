@@ -18,7 +18,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "engine": ("seed", "learning_rate", "zo_eps", "weight_decay", "lr_scheduler_type", "auto_walk_fraction",
                "plateau_factor", "plateau_patience", "max_steps",
                "block_granularity", "block_chunk_size", "fp32_master_weights", "num_directions", "difference",
-               "step_normalization", "static_mask", "static_mask_batches", "max_consecutive_skips"),
+               "step_normalization", "perturbation", "static_mask", "static_mask_batches", "max_consecutive_skips"),
     # Which blocks a step perturbs: the method, the budget rule and the curvature scores.
     "sampler": ("method", "budget_min", "budget_max", "budget_alpha", "budget", "budget_unit", "score_beta",
                 "budget_floor", "rate_correction", "score_estimator", "score_init", "score_warmup_steps"),

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from curvzo_ds.algo.differences import Estimate, FiniteDifference
+from curvzo_ds.algo.estimators import Perturbation
 from curvzo_ds.algo.rate import Rate, auto_rate
 from curvzo_ds.algo.sampling import METHOD_SPECS, CurvZOSampler, Method, StepPlan
 from curvzo_ds.config.resolve import engine_config
@@ -74,11 +75,11 @@ class ZOEngine(EngineState):
         if too_big:
             raise ValueError(f"block {too_big[0]} has too many elements for the int64 score statistics; "
                              "set block_granularity=chunk")
-        self.noise = NoiseSource(cfg.seed)
+        self.noise = NoiseSource(cfg.seed, cfg.perturbation)
         # Statistics and losses meet on the collectives' device, or with one rank on the weights' (no group needed).
         self.device = self.comm.device if self.comm.world_size > 1 else ds_compat.storage_device(self.entries[0].param)
         self.sampler = (sampler or CurvZOSampler)(section(cfg, "sampler"), section(cfg, "engine"), self.sizes,
-                                                  self.noise.mask_uniforms)
+                                                  self.noise.mask_uniforms, cfg.perturbation)
         self.estimator = FiniteDifference(cfg.difference, cfg.step_normalization, cfg.zo_eps)
         self.rate = Rate(cfg.learning_rate, cfg.lr_scheduler_type, cfg.max_steps, cfg.plateau_factor,
                          cfg.plateau_patience)
@@ -100,13 +101,26 @@ class ZOEngine(EngineState):
                      " x min pi per step (rate_correction=max_weight)" if cfg.rate_correction == "max_weight" else "")
         normalized = (f", step_normalization {cfg.step_normalization}" if cfg.step_normalization != "none" else "")
         log.info("ZOEngine: method %s, difference %s, num_directions %d%s, learning_rate %s%s (%s), zo_eps %g, "
-                 "weight_decay %g; %d blocks, %d trainable parameters; noise %s", cfg.method, cfg.difference,
-                 cfg.num_directions, normalized, cfg.learning_rate, corrected, cfg.lr_scheduler_type, cfg.zo_eps,
-                 cfg.weight_decay, self.num_blocks, self.num_params, self.noise.ident)
+                 "weight_decay %g; %d blocks, %d trainable parameters; perturbation %s, noise %s", cfg.method,
+                 cfg.difference, cfg.num_directions, normalized, cfg.learning_rate, corrected, cfg.lr_scheduler_type,
+                 cfg.zo_eps, cfg.weight_decay, self.num_blocks, self.num_params, cfg.perturbation, self.noise.ident)
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    def set_perturbation(self, perturbation: str) -> None:
+        """Draw z of `perturbation` from now on (a resumed run keeps its checkpoint's: EngineState.load_state_dict):
+        the config, the noise source and everything that holds it, and the sampler's moments. The same on every rank
+        (each reads the same checkpoint)."""
+        if perturbation == self.cfg.perturbation:
+            return
+        self.cfg = engine_config(dataclasses.replace(self.cfg, perturbation=perturbation), {})
+        self.noise = NoiseSource(self.cfg.seed, self.cfg.perturbation)
+        self.perturber.noise = self.noise
+        self.sampler.perturbation = Perturbation(self.cfg.perturbation)
+        self.sampler.schedule = section(self.cfg, "engine")
+        self.sampler.mask_uniforms = self.noise.mask_uniforms
 
     def fit_static_mask(self, batches) -> StaticMask:
         """static_mask (docs/algorithm.md, "A static mask"): pick the top `cfg.static_mask` fraction of elements by
@@ -221,7 +235,7 @@ class ZOEngine(EngineState):
                 mine, rows, block_fixed = d % replicas == replica, [], None
                 for i, offset in enumerate(self.estimator.offsets):
                     with self._section("perturb_stats" if i == 0 else "perturb"):
-                        fixed = perturber.move(at, (d, offset * eps), stats=mine and i == 0 and self.sampler.scored)
+                        fixed = perturber.move(at, (d, offset * eps), stats=mine and i == 0 and self._drawn_stats)
                     at = (d, offset * eps)
                     if not mine:
                         continue
@@ -235,15 +249,27 @@ class ZOEngine(EngineState):
                     evals.append((d, block_fixed, rows))
         return evals, moved, at
 
+    @property
+    def _drawn_stats(self) -> bool:
+        """Whether the passes count the block sums of z^2 for the scores: only a scored method with Gaussian z (with
+        +-1 z the sum over a drawn block is its size, exactly: `_reduce` writes it without any pass or all-reduce
+        work; the fixed-point sums the passes would return are those same numbers, bit for bit)."""
+        return self.sampler.scored and not self.noise.rademacher
+
     def _forwards(self, batch) -> list[tuple[int, torch.Tensor]]:
         return run_forwards(self.model, self.loss_fn, batch, self.comm, self.device, self.partitioned)
 
     def _reduce(self, evals, batch, moved=None, stop_requested=None) -> Reduced:
         """The step's one all-reduce over every rank (all replica groups): reduce_step (forwards.py)."""
-        return reduce_step(self.topology.job, evals, slot_count(batch, self.comm.world_size),
-                           directions=self.cfg.num_directions, evaluations=self.estimator.spec.points,
-                           sums=self.num_blocks if self.sampler.scored else 0, blocks=self.num_blocks, moved=moved,
-                           stop_requested=stop_requested, device=self.device)
+        red = reduce_step(self.topology.job, evals, slot_count(batch, self.comm.world_size),
+                          directions=self.cfg.num_directions, evaluations=self.estimator.spec.points,
+                          sums=self.num_blocks if self._drawn_stats else 0, blocks=self.num_blocks, moved=moved,
+                          stop_requested=stop_requested, device=self.device)
+        if self.sampler.scored and self.noise.rademacher:  # ||z_B||^2 = |B| for every direction (0 where not drawn)
+            red.block_sq = torch.where(self.last_mask, self.sizes, 0.0).repeat(self.cfg.num_directions)
+            if self.cfg.num_directions == 1:
+                red.block_sq = red.block_sq[:self.num_blocks]
+        return red
 
     def _skip_non_finite(self, plan: StepPlan, red: Estimate, losses: list[tuple[float, ...]], info: dict[str, Any],
                          at: Point) -> StepResult:

@@ -5,7 +5,12 @@ it reads the engine's fields and writes none but the restored ones."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any
+
+from curvzo_ds.noise.gaussian import perturbation_of
+
+log = logging.getLogger("curvzo_ds")
 
 
 class EngineState:
@@ -33,11 +38,14 @@ class EngineState:
         }
 
     def check_state(self, state: dict[str, Any]) -> None:
-        """Raise ValueError if a checkpoint's engine state cannot continue this engine (noise, blocks, seed)."""
-        if state["noise"] != self.noise.describe():
+        """Raise ValueError if a checkpoint's engine state cannot continue this engine (noise, blocks, seed). Another
+        perturbation is no reason: load_state_dict takes the checkpoint's."""
+        try:
+            perturbation_of(state["noise"])
+        except ValueError:
             raise ValueError(f"checkpoint noise {state['noise']} differs from this engine's "
                              f"{self.noise.describe()}: it was written by another noise generator; resume it with the "
-                             "curvzo_ds version that wrote it")
+                             "curvzo_ds version that wrote it") from None
         if list(state["blocks"]) != [b.name for b in self.blocks]:
             raise ValueError("checkpoint blocks differ from this model's trainable parameters "
                              "(another model, LoRA setting or block_granularity?)")
@@ -45,7 +53,14 @@ class EngineState:
             raise ValueError(f"checkpoint seed {state['seed']} differs from seed={self.cfg.seed}")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's state; its perturbation (from its noise record) replaces the configured one,
+        with a log line when they differ: a resumed run keeps the z it was started with."""
         self.check_state(state)
+        saved = perturbation_of(state["noise"]).value
+        if saved != self.cfg.perturbation:
+            log.info("resume: the checkpoint's run draws perturbation=%s; it keeps it (perturbation=%s is not "
+                     "taken: a run's z stay of one law from its first step to its last)", saved, self.cfg.perturbation)
+            self.set_perturbation(saved)
         self.step_count = int(state["step"])
         self.sampler.load_state_dict(state)
         self.estimator.load_state_dict(state)

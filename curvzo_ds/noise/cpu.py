@@ -106,20 +106,31 @@ def available() -> bool:
 
 
 def run(k0: int, k1: int, start: int, out: torch.Tensor, mode: ElementMode, scale: float, alpha: float,
-        want_sq: bool) -> int:
-    """out[i] <- z[start + i] (WRITE_Z) or out * scale + alpha * z (the dtype modes); returns sum round(z^2 2^24)."""
+        want_sq: bool, rademacher: bool = False) -> int:
+    """out[i] <- z[start + i] (WRITE_Z) or out * scale + alpha * z (the dtype modes); returns sum round(z^2 2^24).
+    z: normals, or +-1 signs with `rademacher`."""
     if not out.is_contiguous():
         raise ValueError("the noise kernel needs a contiguous tensor")
+    if mode == ElementMode.FLOAT64 and rademacher:  # noise_run64 draws normals: a one-row table
+        row = np.zeros((1, row_abi.WIDTH), dtype=np.int64)
+        row[0, [row_abi.DST, row_abi.SRC]] = out.data_ptr()
+        key = k1 << 32 | k0
+        row[0, row_abi.N], row[0, row_abi.START] = out.numel(), start
+        row[0, row_abi.KEY] = key - (1 << 64) if key >= 1 << 63 else key  # the two words as one int64
+        row[0, row_abi.STAT] = 0
+        row[0, row_abi.KIND] = row_abi.kind(mode, mode)
+        return int(run_rows(row, np.array([[scale, alpha]]), 1, want_sq, rademacher=True)[0])
     if mode == ElementMode.FLOAT64:
         return _lib.noise_run64(k0, k1, start, out.numel(), out.data_ptr(), scale, alpha, int(want_sq))
-    return _lib.noise_run(k0, k1, start, out.numel(), out.data_ptr(), mode, scale, alpha, int(want_sq))
+    return _lib.noise_run(k0, k1, start, out.numel(), out.data_ptr(), mode | (row_abi.RADEMACHER if rademacher else 0),
+                          scale, alpha, int(want_sq))
 
 
 _pool: ThreadPoolExecutor | None = None
 
 
 def run_rows(rows: np.ndarray, coef: np.ndarray, num_blocks: int, want_sq: bool, threads: int = 1,
-             keys: np.ndarray | None = None) -> np.ndarray:
+             keys: np.ndarray | None = None, rademacher: bool = False) -> np.ndarray:
     """One pass over a row table (rows.py's format: int64 [R, WIDTH]); returns the int64 sums of round(z^2 2^24) per
     block [num_blocks] (zeros without want_sq).
 
@@ -128,7 +139,8 @@ def run_rows(rows: np.ndarray, coef: np.ndarray, num_blocks: int, want_sq: bool,
     coef is float64 [R, 1 + K] = (scale, alpha_0 .. alpha_{K-1}) and a row does dst = src * scale + acc with
     acc = alpha_0 z_0, then acc = acc + alpha_k z_k for k = 1 .. K-1 (each op rounded separately, in float32; float64
     rows in float64), every z_k drawn at the row's START; the statistics are the last key's z. K = 1 gives the bits
-    of keys None. Copy rows ignore the keys.
+    of keys None. Copy rows ignore the keys. `rademacher`: every row's z are +-1 signs (the KIND column's RADEMACHER
+    flag, set here on a copy of the table; a row that has it already keeps it).
 
     With threads > 1 the rows are cut into `threads` parts of about equal element counts, each run by one thread:
     the ctypes call releases the GIL, so offloaded parameters get every core. The values do not depend on the
@@ -138,6 +150,9 @@ def run_rows(rows: np.ndarray, coef: np.ndarray, num_blocks: int, want_sq: bool,
     if len(rows) == 0:
         return sums
     rows = np.ascontiguousarray(rows, dtype=np.int64)
+    if rademacher:
+        rows = rows.copy()
+        rows[:, row_abi.KIND] |= row_abi.RADEMACHER
     coef = np.ascontiguousarray(coef, dtype=np.float64)
     if keys is not None:
         keys = np.ascontiguousarray(keys, dtype=np.int64)

@@ -1,4 +1,5 @@
-"""World-size-independent Gaussian noise from a counter-based generator, drawn on the parameter's device.
+"""World-size-independent Gaussian (or Rademacher) noise from a counter-based generator, drawn on the parameter's
+device.
 
 Element j of the noise of tensor `name` at step t (and direction d) is a pure function of
 (seed, t, name, d, j): a 64-bit Philox key from a stable hash of (seed, t, name, d), the element's
@@ -8,15 +9,17 @@ operations only (noise/reference.py holds the definition). So:
 - the values do not depend on the GPU model or the launch grid (unlike CUDA's torch.randn);
 - the CPU kernel, the GPU kernel and the torch reference give the same bits (tests/test_noise.py checks
   CPU against the reference, and the Triton kernel's logic under Triton's interpreter).
+With perturbation=rademacher, element j is +-1 from bit j % 128 of the same stream's Philox call j // 128 (keys,
+counters and every property above unchanged; reference.signs holds the definition).
 
 Backends: `backend()` chooses the kernel, for NoiseSource and the Perturber alike (shard/perturb.py); where no
 compiled kernel serves a device or dtype, both go through the torch reference's one runner (`reference.run`). The
 Perturber's passes update the weights in place without materialising z and return the exact fixed-point sums of z^2
 (the score statistics) from the same pass; NoiseSource draws z itself (`slice`: the static mask, the start-up check).
 
-Everything that draws noise goes through `NoiseSource`, whose `ident` goes into checkpoints: a resume
-with another generator is refused, and ranks compare `reference_digest` at start-up (ZOEngine), so a rank
-with another kernel build fails at once.
+Everything that draws noise goes through `NoiseSource`, whose `ident` goes into checkpoints: a resume with another
+generator is refused (another perturbation is not: the resumed run keeps its checkpoint's), and ranks compare
+`reference_digest` at start-up (ZOEngine), so a rank with another kernel build fails at once.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import struct
 import numpy as np
 import torch
 
+from curvzo_ds.algo.estimators import Perturbation
 from curvzo_ds.environment import noise_kernel
 from curvzo_ds.noise import cpu as cpu_kernel
 from curvzo_ds.noise import reference
@@ -69,13 +73,32 @@ def f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
+# The generator's identifier per perturbation (the `perturbation` key): it goes into checkpoints and the ranks' start-up
+# comparison. The Gaussian one is the identifier every checkpoint before the key carries.
+IDENTS = {Perturbation.GAUSSIAN: "philox4x32-10-boxmuller-f32-v1",
+          Perturbation.RADEMACHER: "philox4x32-10-rademacher-v1"}
+
+
+def perturbation_of(describe: dict) -> Perturbation:
+    """The perturbation of a checkpoint's noise record (NoiseSource.describe()); ValueError for an unknown one."""
+    for perturbation, ident in IDENTS.items():
+        if describe.get("ident") == ident:
+            return perturbation
+    known = ", ".join(IDENTS.values())
+    raise ValueError(f"noise {describe} is no generator of this curvzo_ds version (known: {known})")
+
+
 class NoiseSource:
-    """The noise of one run: keyed by (seed, step, canonical tensor name, direction)."""
+    """The noise of one run: keyed by (seed, step, canonical tensor name, direction); z ~ N(0, 1) per element, or
+    +-1 with perturbation=rademacher (one bit of the same Philox stream per element)."""
 
-    ident = "philox4x32-10-boxmuller-f32-v1"
+    ident = IDENTS[Perturbation.GAUSSIAN]  # the default's; an instance has its perturbation's
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, perturbation: str | Perturbation = Perturbation.GAUSSIAN):
         self.seed = seed
+        self.perturbation = Perturbation(perturbation)
+        self.rademacher = self.perturbation is Perturbation.RADEMACHER
+        self.ident = IDENTS[self.perturbation]
         self._gen = torch.Generator(device="cpu")
         self._cache_step: int | None = None
         self._cache: dict[tuple[str, int], tuple[int, int]] = {}
@@ -118,13 +141,13 @@ class NoiseSource:
         reference's one runner where there is none."""
         chosen = backend(out.device, out.dtype)
         if chosen == "c":
-            cpu_kernel.run(*key, start, out, ElementMode.WRITE_Z, 0.0, 0.0, False)
+            cpu_kernel.run(*key, start, out, ElementMode.WRITE_Z, 0.0, 0.0, False, self.rademacher)
         elif chosen == "triton":
             from curvzo_ds.noise import gpu
 
-            gpu.run(*key, start, out, ElementMode.WRITE_Z, 0.0, 0.0, False)
+            gpu.run(*key, start, out, ElementMode.WRITE_Z, 0.0, 0.0, False, self.rademacher)
         else:
-            reference.run([key], start, out)
+            reference.run([key], start, out, rademacher=self.rademacher)
 
     def mask_uniforms(self, step: int, count: int) -> torch.Tensor:
         """Uniform [0, 1) float64 draws for the block mask of `step`, the same on every rank (CPU)."""

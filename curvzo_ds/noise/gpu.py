@@ -1,4 +1,5 @@
-"""The GPU noise kernel (Triton): the same definition as reference.py and philox.c, one launch per pass.
+"""The GPU noise kernel (Triton): the same definition as reference.py and philox.c, one launch per pass, for normals
+or (`rademacher`) +-1 signs.
 
 A pass is a table of rows (rows.py's format; perturb.py builds it once per step): row r reads n elements from a
 source, writes them to a target, both given as element offsets from one base pointer per dtype (any tensor of that
@@ -122,16 +123,25 @@ def _apply(dst, src, e, n, z, acc, scale, DST: tl.constexpr, SRC: tl.constexpr, 
     if STATS:
         zz = z.to(tl.float64)
         sq = (zz * zz * FIXED_POINT_SCALE + 6755399441055744.0) - 6755399441055744.0  # round half even: + 1.5 2^52
-        total = tl.sum(tl.where(inside, sq, 0.0).to(tl.int64), axis=0)
+        total = tl.sum(tl.ravel(tl.where(inside, sq, 0.0).to(tl.int64)), axis=0)  # a 1-D lane block or a 2-D tile
     else:
         total = tl.zeros([], dtype=tl.int64)
     return total
 
 
 @triton.jit
-def _normals(g0_lo, g0_hi, gl, k0, k1, RZ: tl.constexpr):
+def _sign(word, bit):
+    """+-1.0 (float32) of bit `bit` ([1, 32]) of each uint32 word ([LANES]): a [LANES, 32] tile, set -> -1, clear ->
+    +1, built as the float's bits (reference.signs, philox.c's signs())."""
+    flip = (word[:, None] >> bit) & 1
+    return (flip << 31 | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _normals(g0_lo, g0_hi, gl, k0, k1, RZ: tl.constexpr, RAD: tl.constexpr = False):
     """z of the 4 elements of each group g0 + gl (g0 = (g0_hi, g0_lo), gl int32 [BLOCK]) for the key words (k0, k1),
-    uint32: Philox4x32-10 of counter (g0 + gl), the carry into the high word by hand, then Box-Muller."""
+    uint32: Philox4x32-10 of counter (g0 + gl), the carry into the high word by hand, then Box-Muller. RAD: the
+    128 signs of each group instead, as four [LANES, 32] tiles (word w's tile holds elements 128 g + 32 w + b)."""
     x0 = g0_lo + gl.to(tl.uint32)
     x1 = g0_hi + (x0 < g0_lo).to(tl.uint32)
     x2 = tl.zeros_like(x0)
@@ -146,8 +156,12 @@ def _normals(g0_lo, g0_hi, gl, k0, k1, RZ: tl.constexpr):
         x0, x1, x2, x3 = hi1 ^ x1 ^ ka, lo1, hi0 ^ x3 ^ kb, lo0
         ka = ka + 0x9E3779B9
         kb = kb + 0xBB67AE85
-    za, zb = _box_muller(x0, x1, RZ)
-    zc, zd = _box_muller(x2, x3, RZ)
+    if RAD:
+        bit = tl.arange(0, 32).to(tl.uint32)[None, :]
+        za, zb, zc, zd = _sign(x0, bit), _sign(x1, bit), _sign(x2, bit), _sign(x3, bit)
+    else:
+        za, zb = _box_muller(x0, x1, RZ)
+        zc, zd = _box_muller(x2, x3, RZ)
     return za, zb, zc, zd
 
 
@@ -155,10 +169,12 @@ def _normals(g0_lo, g0_hi, gl, k0, k1, RZ: tl.constexpr):
 def _rows_kernel(dst_base, src_base, rows, prefix, coef, keys, sums, n_rows, DST: tl.constexpr, SRC: tl.constexpr,
                  INPLACE: tl.constexpr, COPY: tl.constexpr, STATS: tl.constexpr, RZ: tl.constexpr,
                  KEYED: tl.constexpr, NKEYS: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr,
-                 SUB: tl.constexpr):
+                 SUB: tl.constexpr, RAD: tl.constexpr = False):
     """KEYED: the row's NKEYS keys from keys[row] and coef[row] = (scale, alpha_0 .. alpha_{NKEYS-1}); else the
     row's KEY column and coef[row] = (scale, alpha), NKEYS 1. Keys FIRST .. NKEYS-1 are drawn (FIRST = NKEYS - 1 for
-    a WRITE_Z target, which gets the last key's z; else 0)."""
+    a WRITE_Z target, which gets the last key's z; else 0). RAD: z = +-1 signs, 128 per Philox group: a sub-block
+    is BLOCK // 32 groups, each lane's four words four [BLOCK // 32, 32] tiles of elements (the same 4 BLOCK
+    elements per sub-block as with normals)."""
     pid = tl.program_id(0).to(tl.int64)
     # the row of this program: the last r with prefix[r] <= pid (prefix[0] = 0, prefix[n_rows] = all programs)
     lo = tl.zeros([], dtype=tl.int64)
@@ -177,8 +193,11 @@ def _rows_kernel(dst_base, src_base, rows, prefix, coef, keys, sums, n_rows, DST
     row_coef = coef + lo * (1 + NKEYS)
     scale = tl.load(row_coef)
     first = pid - tl.load(prefix + lo)  # this program's index within the row
-    g0 = start >> 2  # the row's first Philox group
-    s0 = (start & 3).to(tl.int32)  # elements of that group before the row's start
+    GROUP: tl.constexpr = 128 if RAD else 4  # elements per Philox group
+    LANES: tl.constexpr = BLOCK // 32 if RAD else BLOCK  # groups per sub-block
+    STRIDE: tl.constexpr = 32 if RAD else 1  # from one word's (or normal's) elements to the next
+    g0 = start // GROUP  # the row's first Philox group
+    s0 = (start % GROUP).to(tl.int32)  # elements of that group before the row's start
     g0_lo = (g0 & 0xFFFFFFFF).to(tl.uint32)
     g0_hi = (g0 >> 32).to(tl.uint32)
     if KEYED:  # the first key drawn and its coefficient, loaded once per program
@@ -190,18 +209,21 @@ def _rows_kernel(dst_base, src_base, rows, prefix, coef, keys, sums, n_rows, DST
     alpha_first = tl.load(row_coef + 1 + FIRST)
     total = tl.zeros([], dtype=tl.int64)
     for sub in tl.static_range(SUB):
-        base = ((first * SUB + sub) * BLOCK).to(tl.int32)  # the sub-block's first group, local to the row
-        if base * 4 - s0 < n:
-            gl = base + tl.arange(0, BLOCK)  # local group of each lane
-            e = gl * 4 - s0  # local index of the group's first element
+        base = ((first * SUB + sub) * LANES).to(tl.int32)  # the sub-block's first group, local to the row
+        if base * GROUP - s0 < n:
+            gl = base + tl.arange(0, LANES)  # local group of each lane
+            if RAD:  # local index of each word's first element (a [LANES, 32] tile of elements)
+                e = gl[:, None] * GROUP + tl.arange(0, 32)[None, :] - s0
+            else:  # local index of the group's first element
+                e = gl * GROUP - s0
             if COPY:
                 total += _apply(dst, src, e, n, 0.0, 0.0, scale, DST, SRC, INPLACE, True, False)
-                total += _apply(dst, src, e + 1, n, 0.0, 0.0, scale, DST, SRC, INPLACE, True, False)
-                total += _apply(dst, src, e + 2, n, 0.0, 0.0, scale, DST, SRC, INPLACE, True, False)
-                total += _apply(dst, src, e + 3, n, 0.0, 0.0, scale, DST, SRC, INPLACE, True, False)
+                total += _apply(dst, src, e + STRIDE, n, 0.0, 0.0, scale, DST, SRC, INPLACE, True, False)
+                total += _apply(dst, src, e + 2 * STRIDE, n, 0.0, 0.0, scale, DST, SRC, INPLACE, True, False)
+                total += _apply(dst, src, e + 3 * STRIDE, n, 0.0, 0.0, scale, DST, SRC, INPLACE, True, False)
             else:
                 # acc = alpha_0 z_0 (with one key: alpha * z) ...
-                za, zb, zc, zd = _normals(g0_lo, g0_hi, gl, k0, k1, RZ)
+                za, zb, zc, zd = _normals(g0_lo, g0_hi, gl, k0, k1, RZ, RAD)
                 aa, ab, ac, ad = alpha_first * za, alpha_first * zb, alpha_first * zc, alpha_first * zd
                 # ... then acc = acc + alpha_k z_k in key order: a loop, not unrolled (the kernel's size and its
                 # compile time do not grow with K)
@@ -209,26 +231,28 @@ def _rows_kernel(dst_base, src_base, rows, prefix, coef, keys, sums, n_rows, DST
                     key = tl.load(keys + lo * NKEYS + k)
                     alpha = tl.load(row_coef + 1 + k)
                     za, zb, zc, zd = _normals(g0_lo, g0_hi, gl, (key & 0xFFFFFFFF).to(tl.uint32),
-                                              ((key >> 32) & 0xFFFFFFFF).to(tl.uint32), RZ)
+                                              ((key >> 32) & 0xFFFFFFFF).to(tl.uint32), RZ, RAD)
                     aa, ab, ac, ad = aa + alpha * za, ab + alpha * zb, ac + alpha * zc, ad + alpha * zd
                 # za .. zd: the last key's z, for WRITE_Z and the statistics
                 total += _apply(dst, src, e, n, za, aa, scale, DST, SRC, INPLACE, False, STATS)
-                total += _apply(dst, src, e + 1, n, zb, ab, scale, DST, SRC, INPLACE, False, STATS)
-                total += _apply(dst, src, e + 2, n, zc, ac, scale, DST, SRC, INPLACE, False, STATS)
-                total += _apply(dst, src, e + 3, n, zd, ad, scale, DST, SRC, INPLACE, False, STATS)
+                total += _apply(dst, src, e + STRIDE, n, zb, ab, scale, DST, SRC, INPLACE, False, STATS)
+                total += _apply(dst, src, e + 2 * STRIDE, n, zc, ac, scale, DST, SRC, INPLACE, False, STATS)
+                total += _apply(dst, src, e + 3 * STRIDE, n, zd, ad, scale, DST, SRC, INPLACE, False, STATS)
     if STATS:
         tl.atomic_add(sums + tl.maximum(stat, 0), total, mask=stat >= 0)
 
 
-def programs_per_row(n: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """Programs each row needs (int64 CPU tensors of the rows' lengths and starts)."""
-    groups = (start + n + 3) // 4 - start // 4
-    return (groups + SUB * BLOCK - 1) // (SUB * BLOCK)
+def programs_per_row(n: torch.Tensor, start: torch.Tensor, rademacher: bool = False) -> torch.Tensor:
+    """Programs each row needs (int64 CPU tensors of the rows' lengths and starts): SUB sub-blocks of BLOCK Philox
+    groups of 4 normals, or (rademacher) of BLOCK // 32 groups of 128 signs."""
+    group, lanes = (128, BLOCK // 32) if rademacher else (4, BLOCK)
+    groups = (start + n + group - 1) // group - start // group
+    return (groups + SUB * lanes - 1) // (SUB * lanes)
 
 
 def launch(dst_base: torch.Tensor, src_base: torch.Tensor | None, table: torch.Tensor, prefix: torch.Tensor,
            programs: int, coef: torch.Tensor, sums: torch.Tensor | None, copy: bool = False,
-           write_z: bool = False, keys: torch.Tensor | None = None) -> None:
+           write_z: bool = False, keys: torch.Tensor | None = None, rademacher: bool = False) -> None:
     """One launch over every row of a (target dtype, source dtype) pair; all tensors on the same CUDA device.
 
     table: int64 [R, rows.WIDTH] (rows.py's format) with element offsets from dst_base (DST) and src_base (SRC;
@@ -238,7 +262,8 @@ def launch(dst_base: torch.Tensor, src_base: torch.Tensor | None, table: torch.T
     keys: int64 [R, K] (each k0 | k1 << 32; the table's KEY column is then not read), with coef float32 [R, 1 + K]
     (scale, alpha_0 .. alpha_{K-1}): target = source * scale + acc, acc = alpha_0 z_0 then acc + alpha_k z_k in key
     order, the statistics (and write_z's z) the last key's; K is a compile-time constant (one compiled kernel per
-    K). K = 1 gives the bits of keys None."""
+    K). K = 1 gives the bits of keys None. rademacher: z = +-1 signs; `prefix` then counts programs_per_row(...,
+    rademacher=True) (a copy launch draws nothing, but walks the rows as its pass does)."""
     src = dst_base if src_base is None else src_base
     as_bits = lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # noqa: E731
     nkeys = 1 if keys is None else keys.shape[1]
@@ -254,13 +279,15 @@ def launch(dst_base: torch.Tensor, src_base: torch.Tensor | None, table: torch.T
                               SRC=CODES[src.dtype],
                               INPLACE=src_base is None, COPY=copy, STATS=sums is not None, RZ=not INTERPRETED,
                               KEYED=keys is not None, NKEYS=nkeys, FIRST=nkeys - 1 if write_z else 0,
-                              BLOCK=BLOCK, SUB=SUB, num_warps=WARPS, enable_fp_fusion=False)
+                              BLOCK=BLOCK, SUB=SUB, RAD=rademacher, num_warps=WARPS,
+                              enable_fp_fusion=False)
 
 
 def run(k0: int, k1: int, start: int, out: torch.Tensor, mode: int, scale: float, alpha: float,
-        want_sq: bool = True) -> torch.Tensor | None:
+        want_sq: bool = True, rademacher: bool = False) -> torch.Tensor | None:
     """One range: out <- z[start: start + len(out)] (mode 0, float32) or out * scale + alpha * z, in place; returns
-    the int64 fixed-point sum of z^2 as a 0-d tensor on out's device (not synchronised), or None without want_sq."""
+    the int64 fixed-point sum of z^2 as a 0-d tensor on out's device (not synchronised), or None without want_sq.
+    z: normals, or +-1 signs with `rademacher`."""
     n = out.numel()
     device = out.device
     sums = torch.zeros(1, dtype=torch.int64, device=device) if want_sq else None
@@ -269,9 +296,9 @@ def run(k0: int, k1: int, start: int, out: torch.Tensor, mode: int, scale: float
     key = (k1 << 32 | k0) - (1 << 64 if k1 >= 1 << 31 else 0)  # the two words as one int64
     table = torch.zeros(1, rows.WIDTH, dtype=torch.int64)
     table[0, rows.N], table[0, rows.START], table[0, rows.KEY] = n, start, key
-    per = programs_per_row(table[:, rows.N], table[:, rows.START])
+    per = programs_per_row(table[:, rows.N], table[:, rows.START], rademacher)
     prefix = torch.cat([torch.zeros(1, dtype=torch.int64), per.cumsum(0)])
     coef = torch.tensor([[scale, alpha]], dtype=torch.float32)
     launch(out, None, table.to(device), prefix.to(device), int(prefix[-1]), coef.to(device), sums,
-           write_z=mode == rows.ElementMode.WRITE_Z)
+           write_z=mode == rows.ElementMode.WRITE_Z, rademacher=rademacher)
     return sums[0] if want_sq else None

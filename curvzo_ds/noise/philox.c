@@ -1,4 +1,4 @@
-/* curvzo_ds noise kernel (CPU): Philox4x32-10 + integer-reduced Box-Muller.
+/* curvzo_ds noise kernel (CPU): Philox4x32-10 + integer-reduced Box-Muller, or Rademacher signs.
  * The definition is shared with noise/reference.py (torch eager) and noise/gpu.py (Triton):
  * change all three together, and the generator's ident in noise/gaussian.py.
  *
@@ -6,6 +6,9 @@
  * Element j of the stream for key (k0, k1) is a pure function of (key, j):
  *   group c = j / 4, Philox counter (c & 0xffffffff, c >> 32, 0, 0), key (k0, k1)
  *   -> r0..r3;  pair (r0, r1) -> z[4c], z[4c+1];  pair (r2, r3) -> z[4c+2], z[4c+3].
+ * Rademacher (perturbation=rademacher, `rad`): group c = j / 128, the same counter and key -> r0..r3;
+ *   z[128c + 32w + b] = bit b of r_w ? -1 : +1 (signs() below: a sign bit, no branch, no float arithmetic).
+ *   alpha * z is then exact (+-alpha), so a pass is the same separately rounded ops as with normals.
  * The transform uses only integer ops and IEEE float32 + - * / sqrt, each rounded
  * separately (build with -ffp-contract=off, no fast-math), so that torch eager ops
  * (noise/reference.py) on any IEEE device give the same bits.  See box_muller() below.
@@ -34,6 +37,10 @@
 
 /* groups per block: 4*BLK floats of z + 4*BLK uint32 of Philox output stay in L1 */
 #define BLK 256
+/* elements per block of +-1 signs (RAD_BLK / 128 Philox groups; a and b hold up to 2 BLK): 16 KiB of float32 terms,
+ * in L1; 4x the normals' block, as a block of signs costs a quarter of the Philox calls (measured: 1024 -> 4096
+ * took a one-key pass from 1.38x to 1.17x the floor arm on this CPU) */
+#define RAD_BLK 4096
 
 /* float32 coefficients, fitted by fit_coeffs.py (minimax, relative error) */
 #define SIN1 0x1.921fb6p-1f   /* sin(pi/4 t) = t (S1 + S3 t^2 + S5 t^4 + S7 t^6) */
@@ -160,6 +167,39 @@ static void box_muller(int m, const uint32_t *restrict a, const uint32_t *restri
     }
 }
 
+/* Rademacher signs of ng groups of 128 elements: z[128c + 32w + b] = bit b of r_w of group c, set -> -1.0f, clear
+ * -> +1.0f, written as the float's bits (sign bit | 1.0f), vectorised by gcc (variable shifts).  a, b as
+ * philox_block stores them: r0 = a[2c], r1 = b[2c], r2 = a[2c+1], r3 = b[2c+1]. */
+static void signs(int ng, const uint32_t *restrict a, const uint32_t *restrict b, float *restrict z) {
+    for (int c = 0; c < ng; c++) {
+        const uint32_t words[4] = {a[2 * c], b[2 * c], a[2 * c + 1], b[2 * c + 1]};
+        for (int w = 0; w < 4; w++) {
+            float *o = z + 128 * c + 32 * w;
+            uint32_t word = words[w];
+            for (int bit = 0; bit < 32; bit++) o[bit] = as_float(0x3f800000u | ((word >> bit) & 1u) << 31);
+        }
+    }
+}
+
+/* The same signs times alpha, straight into the accumulator of a pass (no z written): acc = +-alpha (first key) or
+ * acc = acc + (+-alpha), element order as in signs().  +-alpha is alpha * z exactly (the sign bit flipped), so the
+ * bits are those of acc_block's alpha * z and acc + alpha * z. */
+static void signed_alphas(int first, int ng, const uint32_t *restrict a, const uint32_t *restrict b, float alpha,
+                          float *restrict acc) {
+    uint32_t bits = as_u32(alpha);
+    for (int c = 0; c < ng; c++) {
+        const uint32_t words[4] = {a[2 * c], b[2 * c], a[2 * c + 1], b[2 * c + 1]};
+        for (int w = 0; w < 4; w++) {
+            float *o = acc + 128 * c + 32 * w;
+            uint32_t word = words[w];
+            if (first)
+                for (int bit = 0; bit < 32; bit++) o[bit] = as_float(bits ^ ((word >> bit) & 1u) << 31);
+            else
+                for (int bit = 0; bit < 32; bit++) o[bit] = o[bit] + as_float(bits ^ ((word >> bit) & 1u) << 31);
+        }
+    }
+}
+
 /* round(z^2 * 2^24) as an integer: z^2 is exact in double; adding 1.5 * 2^52 rounds
  * to the nearest integer (ties to even) and leaves it in the low mantissa bits. */
 static inline int64_t fixsq(float zf) {
@@ -243,39 +283,55 @@ static void acc_block(int dmode, int first, int64_t cnt, const float *zs, float 
  * dst = src * scale + acc, acc = alpha_0 z_0 + alpha_1 z_1 + ... summed left to right (coef = scale, alpha_0 ..
  * alpha_{nkeys-1}: rounded to float32 here, except for float64 targets).  A WRITE_Z target (dst mode 0) gets the
  * last key's z, and only that key is drawn.  Returns sum round(z^2 * 2^24) of the last key's z over the range if
- * want_sq, else 0.  Per block of BLK groups: each key's Philox -> Box-Muller in turn into z, its term added to acc
- * (L1-resident, the size of z), then one store; with one key the store reads z directly. */
+ * want_sq, else 0.  Per block of 4 BLK elements: each key's Philox -> Box-Muller (rad: -> signs) in turn into z, its
+ * term added to acc (L1-resident, the size of z), then one store; with one key the store reads z directly.  With
+ * rad the sum is exact without drawing: z^2 = 1, round(1 * 2^24) per element. */
 static int64_t run(int nkeys, const uint64_t *keys, const double *coef, uint64_t start, int64_t n, void *dst,
-                   int dmode, const void *src, int smode, int want_sq) {
+                   int dmode, const void *src, int smode, int want_sq, int rad) {
     uint32_t a[2 * BLK], b[2 * BLK];
-    float z[4 * BLK];
-    float acc[4 * BLK];
-    double acc64[4 * BLK];
+    float z[RAD_BLK > 4 * BLK ? RAD_BLK : 4 * BLK];
+    float acc[RAD_BLK > 4 * BLK ? RAD_BLK : 4 * BLK];
+    double acc64[RAD_BLK > 4 * BLK ? RAD_BLK : 4 * BLK];
     int64_t total = 0;
     int k_first = dmode == MODE_WRITE_Z ? nkeys - 1 : 0;   /* the first key drawn */
     int multi = nkeys - k_first > 1;
+    /* +-1 into a float32-computed target: every key's +-alpha goes straight into acc (signed_alphas), no z */
+    int fused = rad && dmode != MODE_WRITE_Z && dmode != MODE_FLOAT64;
     float scale = (float)coef[0];
     double scale64 = coef[0];
-    uint64_t g = start >> 2;          /* first group */
-    int64_t skip = (int64_t)(start & 3);   /* elements of the first group before start */
+    int shift = rad ? 7 : 2;          /* elements per group (Philox call): 128 signs or 4 normals */
+    int block = rad ? RAD_BLK : 4 * BLK;  /* elements per block */
+    int per_block = block >> shift;   /* groups per block */
+    uint64_t g = start >> shift;      /* first group */
+    int64_t skip = (int64_t)(start & ((1u << shift) - 1));   /* elements of the first group before start */
     int64_t done = 0;
     while (done < n) {
         int64_t want = n - done + skip;   /* elements still needed from group g on */
-        int ng = want >= 4 * BLK ? BLK : (int)((want + 3) >> 2);
+        int ng = want >= block ? per_block : (int)((want + (1 << shift) - 1) >> shift);
         int ng8 = (ng + 7) & ~7;  /* whole vectors (VW <= 8); extra groups are unused */
-        int64_t cnt = 4 * (int64_t)ng - skip;
+        int64_t cnt = ((int64_t)ng << shift) - skip;
         if (cnt > n - done) cnt = n - done;
         const float *zs = z + skip;
         for (int k = k_first; k < nkeys; k++) {
             philox_block((uint32_t)g, (uint32_t)(g >> 32), (uint32_t)keys[k], (uint32_t)(keys[k] >> 32), ng8, a, b);
-            box_muller(2 * ng8, a, b, z);
-            if (multi)
+            if (fused)
+                signed_alphas(k == k_first, ng, a, b, (float)coef[1 + k], acc);
+            else if (rad)
+                signs(ng, a, b, z);
+            else
+                box_muller(2 * ng8, a, b, z);
+            if (multi && !fused)
                 acc_block(dmode, k == k_first, cnt, zs, (float)coef[1 + k], coef[1 + k], acc, acc64);
         }
-        /* zs now holds the last key's z */
-        axpy_block(dmode, dst, smode, src, done, cnt, zs, scale, (float)coef[nkeys], scale64, coef[nkeys],
-                   multi && dmode != MODE_FLOAT64 ? acc : NULL, multi && dmode == MODE_FLOAT64 ? acc64 : NULL);
-        if (want_sq)
+        /* zs now holds the last key's z (not with `fused`: acc + skip holds the sum of the +-alpha terms) */
+        if (fused)
+            axpy_block(dmode, dst, smode, src, done, cnt, NULL, scale, 0.0f, scale64, 0.0, acc + skip, NULL);
+        else
+            axpy_block(dmode, dst, smode, src, done, cnt, zs, scale, (float)coef[nkeys], scale64, coef[nkeys],
+                       multi && dmode != MODE_FLOAT64 ? acc : NULL, multi && dmode == MODE_FLOAT64 ? acc64 : NULL);
+        if (want_sq && rad)
+            total += cnt * fixsq(1.0f);   /* z^2 = 1 */
+        else if (want_sq)
             for (int64_t i = 0; i < cnt; i++) total += fixsq(zs[i]);
         done += cnt;
         g += (uint64_t)ng;
@@ -298,19 +354,22 @@ static void copy_cast(int dmode, void *dst, int smode, const void *src, int64_t 
     }
 }
 
+/* One range of one key in place: `mode` an element mode, with KIND_RADEMACHER set for +-1 signs (as in a row's KIND
+ * column). */
 int64_t noise_run(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, void *out,
                   int mode, float scale, float alpha, int want_sq) {
     uint64_t key = (uint64_t)k0 | (uint64_t)k1 << 32;
     double coef[2] = {scale, alpha};   /* exact: (float) gives scale and alpha back */
-    return run(1, &key, coef, start, n, out, mode, out, mode, want_sq);
+    int emode = mode & KIND_MODE_MASK;
+    return run(1, &key, coef, start, n, out, emode, out, emode, want_sq, (mode & KIND_RADEMACHER) != 0);
 }
 
-/* float64 targets (MODE_FLOAT64): the scalars stay double. */
+/* float64 targets (MODE_FLOAT64): the scalars stay double (normals; +-1 signs go through noise_rows). */
 int64_t noise_run64(uint32_t k0, uint32_t k1, uint64_t start, int64_t n, double *out,
                     double scale, double alpha, int want_sq) {
     uint64_t key = (uint64_t)k0 | (uint64_t)k1 << 32;
     double coef[2] = {scale, alpha};
-    return run(1, &key, coef, start, n, out, MODE_FLOAT64, out, MODE_FLOAT64, want_sq);
+    return run(1, &key, coef, start, n, out, MODE_FLOAT64, out, MODE_FLOAT64, want_sq, 0);
 }
 
 /* The row loop of noise_rows and noise_rows_keys: keys NULL takes each row's ROW_KEY column (nkeys 1). */
@@ -330,7 +389,7 @@ static void rows_pass(int64_t nrows, const int64_t *rows, const double *coef, in
         const uint64_t *row_keys = (const uint64_t *)(keys ? keys + (int64_t)nkeys * r : row + ROW_KEY);
         int stat = want_sq && row[ROW_STAT] >= 0;
         int64_t total = run(nkeys, row_keys, coef + (int64_t)(1 + nkeys) * r, (uint64_t)row[ROW_START], n, dst,
-                            dmode, src, smode, stat);
+                            dmode, src, smode, stat, (row[ROW_KIND] & KIND_RADEMACHER) != 0);
         if (stat) sums[row[ROW_STAT]] += total;
     }
 }
@@ -339,7 +398,7 @@ static void rows_pass(int64_t nrows, const int64_t *rows, const double *coef, in
  * threads may each take a part of the table, with their own `sums`):
  *   rows: int64 [nrows][ROW_WIDTH], noise/rows.py's format: ROW_DST and ROW_SRC addresses, ROW_N, ROW_START,
  *         ROW_KEY (k0 | k1 << 32), ROW_STAT block (-1: none), ROW_KIND (dst mode | src mode << KIND_SRC_SHIFT |
- *         KIND_COPY);
+ *         KIND_COPY | KIND_RADEMACHER: the row's z are +-1 signs);
  *   coef: double [nrows][2] = scale, alpha (rounded to float32 here, except for float64 rows).
  * A row does dst[i] = src[i] * scale + alpha * z[start + i] (a copy row: dst[i] = src[i]); with want_sq, a
  * row with a stat block adds its sum round(z^2 2^24) to sums[block]. */

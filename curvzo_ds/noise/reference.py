@@ -11,6 +11,9 @@ mantissa f in [sqrt(1/2), sqrt(2)); cos and sin of 2 pi u2 from an exact integer
 polynomials on [0, pi/4]. Measured against float64: ln within 1.7 ulp, sin/cos within 1.7 ulp, z within
 1.8e-7 R. u1 = (r0 | 1) 2^-32 with 24 significant bits, so |z| <= 6.66.
 
+perturbation=rademacher (`signs`): the same Philox calls, one per 128 elements: element j is bit j % 32 of word
+(j // 32) % 4 of the call at counter j // 128, set -> -1, clear -> +1 (no float arithmetic at all).
+
 An update of a range applies the stream(s) to a tensor: axpy_ (one stream: out * scale + alpha * z) and
 axpy_keys_ (K streams, one pass: source * scale + acc, acc = alpha_0 z_0 + ... + alpha_{K-1} z_{K-1} summed left
 to right), each operation rounded separately, as the kernels' row passes do.
@@ -114,6 +117,26 @@ def normals(key0: int, key1: int, start: int, n: int, device="cpu") -> torch.Ten
     off = start - 4 * g0
     return z[off:off + n]
 
+
+def signs(key0: int, key1: int, start: int, n: int, device="cpu") -> torch.Tensor:
+    """float32 tensor of +-1 (Rademacher) z[start:start+n] for key (key0, key1): element j is bit j % 32 of word
+    (j // 32) % 4 of Philox4x32-10 at counter c = j // 128 (the counter split as for normals), 1 -> -1, 0 -> +1.
+    One Philox call gives 128 signs where it gives 4 normals."""
+    g0, g1 = start // 128, (start + n + 127) // 128
+    c = torch.arange(g0, g1, dtype=torch.int64, device=device)
+    zero = torch.zeros_like(c)
+    words = torch.stack(philox4x32_10(c & MASK, c >> 32, zero, zero, key0, key1), 1)  # [C, 4]: r0 .. r3
+    bits = (words[:, :, None] >> torch.arange(32, device=device)) & 1  # [C, 4, 32]
+    z = (1 - 2 * bits).to(torch.float32).reshape(-1)  # order 128c + 32w + b
+    off = start - 128 * g0
+    return z[off:off + n]
+
+
+def draw(key0: int, key1: int, start: int, n: int, device="cpu", rademacher: bool = False) -> torch.Tensor:
+    """z[start:start+n] of the stream of key (key0, key1): normals, or +-1 signs with `rademacher`."""
+    return (signs if rademacher else normals)(key0, key1, start, n, device)
+
+
 def fixed_point_sum_of_squares(z: torch.Tensor) -> torch.Tensor:
     """sum round(z^2 2^24) as an int64 tensor (z^2 exact in float64, round half to even): exact, order-free."""
     zd = z.double()
@@ -164,14 +187,16 @@ def axpy_keys_(out: torch.Tensor, source: torch.Tensor, zs: list[torch.Tensor], 
 
 
 def run(keys: list[tuple[int, int]], start: int, target: torch.Tensor, source: torch.Tensor | None = None,
-        scale: float = 1.0, alphas: list[float] | None = None, want_sq: bool = False):
+        scale: float = 1.0, alphas: list[float] | None = None, want_sq: bool = False, rademacher: bool = False):
     """The torch-eager fallback, the one runner of every caller without a compiled kernel (NoiseSource on a device
     or dtype the kernels lack, the Perturber's rows): target <- source * scale + sum_k alphas[k] z_k over the range
     [start, start + len(target)) of the streams of `keys` (axpy_keys_'s arithmetic; source None: target itself);
-    alphas None: target <- z of the last key (float32). Returns sum round(z^2 2^24) of the last key's z as a 0-d
-    int64 tensor on the target's device when `want_sq`, else None."""
+    alphas None: target <- z of the last key (float32); `rademacher`: z = +-1 (signs) instead of normals. Returns
+    sum round(z^2 2^24) of the last key's z as a 0-d int64 tensor on the target's device when `want_sq`, else
+    None."""
     n = target.numel()
-    zs = [normals(k0, k1, start, n, target.device) for k0, k1 in (keys if alphas is not None else keys[-1:])]
+    zs = [draw(k0, k1, start, n, target.device, rademacher)
+          for k0, k1 in (keys if alphas is not None else keys[-1:])]
     if alphas is None:
         target.copy_(zs[-1])
     else:

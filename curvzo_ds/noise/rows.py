@@ -9,7 +9,8 @@ A row is int64 [WIDTH], one contiguous range of one stored copy:
     KEY    noise key, k0 | k1 << 32 (not read by a pass with several keys per row: cpu.run_rows' and
            gpu.launch's `keys`, int64 [R, K], beside the table)
     STAT   block whose fixed-point z^2 sum the row adds to (-1: none)
-    KIND   target mode | source mode << SRC_SHIFT | COPY (a copy row: target = source, no noise)
+    KIND   target mode | source mode << SRC_SHIFT | COPY (a copy row: target = source, no noise) | RADEMACHER (the
+           row's z are +-1 signs, not normals: the C kernel reads it per row; the Triton kernel takes it per launch)
     ENTRY  index of the row's ParamEntry (the Perturber's; no kernel reads it)
 
 A row does target[i] = source[i] * scale + alpha * z[START + i] with coef (scale, alpha), or, with K keys and coef
@@ -31,6 +32,7 @@ ROW_BYTES = 8 * WIDTH  # int64 columns
 MODE_MASK = 15  # a mode's bits in KIND
 SRC_SHIFT = 4
 COPY = 256
+RADEMACHER = 512
 
 
 class ElementMode(enum.IntEnum):
@@ -51,9 +53,9 @@ ELEMENT_SIZE = {ElementMode.WRITE_Z: 4, ElementMode.FLOAT32: 4, ElementMode.BFLO
                 ElementMode.FLOAT64: 8}
 
 
-def kind(dst_mode: int, src_mode: int, copy: bool = False) -> int:
+def kind(dst_mode: int, src_mode: int, copy: bool = False, rademacher: bool = False) -> int:
     """The KIND column of a row."""
-    return dst_mode | src_mode << SRC_SHIFT | (COPY if copy else 0)
+    return dst_mode | src_mode << SRC_SHIFT | (COPY if copy else 0) | (RADEMACHER if rademacher else 0)
 
 
 def dst_mode(kind_code: int) -> int:
@@ -67,6 +69,7 @@ def src_mode(kind_code: int) -> int:
 def c_defines() -> list[str]:
     """The row format as C preprocessor flags, for philox.c."""
     names = [(f"ROW_{c}", i) for i, c in enumerate(COLUMNS)] + [("ROW_WIDTH", WIDTH), ("KIND_MODE_MASK", MODE_MASK),
-                                                                ("KIND_SRC_SHIFT", SRC_SHIFT), ("KIND_COPY", COPY)]
+                                                                ("KIND_SRC_SHIFT", SRC_SHIFT), ("KIND_COPY", COPY),
+                                                                ("KIND_RADEMACHER", RADEMACHER)]
     names += [(f"MODE_{m.name}", int(m)) for m in ElementMode]
     return [f"-D{name}={value}" for name, value in names]

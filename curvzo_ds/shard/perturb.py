@@ -295,7 +295,9 @@ class Perturber(StepPasses):
                         sums += part.to(self.device)
             threads = self.threads or torch.get_num_threads()
             for work in cpu_work.values():
-                rows = np.concatenate([w[0] for w in work])
+                rows = np.concatenate([w[0] for w in work])  # a new table: its KIND column is this pass's
+                if self.noise.rademacher:
+                    rows[:, KIND] |= row_abi.RADEMACHER
                 launches += min(threads, len(rows))
                 total = cpu_kernel.run_rows(rows, np.concatenate([w[1] for w in work]), g, stats, threads,
                                             keys=np.concatenate([w[2] for w in work]))
@@ -310,8 +312,10 @@ class Perturber(StepPasses):
         from curvzo_ds.noise import gpu
 
         device = s.group.device
-        if s.device_rows is None:
-            per = gpu.programs_per_row(torch.from_numpy(s.rows[:, N]), torch.from_numpy(s.rows[:, START]))
+        rademacher = self.noise.rademacher
+        if s.device_rows is None or s.rademacher != rademacher:
+            per = gpu.programs_per_row(torch.from_numpy(s.rows[:, N]), torch.from_numpy(s.rows[:, START]), rademacher)
+            s.rademacher = rademacher
             prefix = torch.cat([torch.zeros(1, dtype=torch.int64), per.cumsum(0)])
             s.programs = int(prefix[-1])
             s.device_rows = _to_device(torch.from_numpy(s.rows), device)
@@ -320,7 +324,7 @@ class Perturber(StepPasses):
         keys_dev = _to_device(torch.from_numpy(keys), device)
         src_base = None if s.group.kind in ("direct", "master_self") else s.group.src_base
         gpu.launch(s.group.dst_base, src_base, s.device_rows, s.prefix, s.programs, coef_dev, sums, copy=copy,
-                   keys=keys_dev)
+                   keys=keys_dev, rademacher=rademacher)
 
     def _reference(self, s: StepRows, coef: np.ndarray, keys: np.ndarray, copy: bool, stats: bool) -> torch.Tensor:
         """No compiled kernel for this device or dtype: the torch reference's runner, row by row."""
@@ -334,7 +338,7 @@ class Perturber(StepPasses):
             cast = (lambda x: float(x)) if target.dtype == torch.float64 else f32  # noqa: E731
             sq = reference.run([(int(k) & 0xFFFFFFFF, (int(k) & 0xFFFFFFFFFFFFFFFF) >> 32) for k in row_keys],
                                int(row[START]), target, source, cast(c[0]), [cast(a) for a in c[1:]],
-                               want_sq=stats and row[STAT] >= 0)
+                               want_sq=stats and row[STAT] >= 0, rademacher=self.noise.rademacher)
             if sq is not None:
                 total[int(row[STAT])] += sq.cpu()
         return total

@@ -49,6 +49,7 @@ class StepRows:
     device_rows: torch.Tensor | None = None
     prefix: torch.Tensor | None = None
     programs: int = 0
+    rademacher: bool = False  # the program map of device_rows' prefix (gpu.programs_per_row)
 
 
 def build_groups(entries: list[ParamEntry], block_pieces: list[list[tuple[int, int, int]]]) -> list[Group]:

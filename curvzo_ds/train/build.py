@@ -88,9 +88,11 @@ class Job:
     def checkpoints(self, states: dict | None = None) -> CheckpointManager:
         """The run's checkpoint manager: the model files and the tokenizer go into every checkpoint, and
         run_config.json, which `--resume`, `eval --resume` and export read."""
-        cfg = self.cfg
-        return CheckpointManager.of(section(cfg, "checkpoint"), metric=self.task.metrics[0], tokenizer=self.tokenizer,
-                                    states=states, write_extra=lambda directory: write_run_config(cfg, directory))
+        # run_config.json is the Job's config when the checkpoint is written (a resume may take its checkpoint's
+        # perturbation after this manager is made: train/run.py's start)
+        return CheckpointManager.of(section(self.cfg, "checkpoint"), metric=self.task.metrics[0],
+                                    tokenizer=self.tokenizer, states=states,
+                                    write_extra=lambda directory: write_run_config(self.cfg, directory))
 
 
 def build(cfg: TrainConfig) -> Job:

@@ -266,6 +266,7 @@ def write_summary(job, manager, step: int, digest: str, final: dict, best: dict 
         "hostnames": hostnames,
         "device_names": device_names,
         "noise_generator": engine.noise.ident,
+        "perturbation": engine.cfg.perturbation,  # a resumed run's is its checkpoint's (ZOEngine.load_state_dict)
         "config_hash": config_hash(to_dict(cfg)),
         "layout": job.layout,  # layout/choice.py's choose_layout: zero_stage, shard_group_size, replicas, reason
     }

@@ -7,6 +7,7 @@ test, and write eval.json. `start` holds everything that `--resume` decides.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ from curvzo_ds.checkpoint.format import check_model, read_manifest
 from curvzo_ds.checkpoint.manager import CheckpointManager, load_checkpoint
 from curvzo_ds.config.fields import field_names, to_dict
 from curvzo_ds.config.load import RESUME_MAY_CHANGE, differences, read_run_config
-from curvzo_ds.config.schema import TrainConfig
+from curvzo_ds.config.schema import TrainConfig, freeze
 from curvzo_ds.config.sections import section
 from curvzo_ds.errors import ConfigError
 from curvzo_ds.shard.digest import params_digest
@@ -51,6 +52,7 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
     # end the rank (a Ctrl-C is cli.entry's one line).
     with StopRequest(watch_parent=launched) as stop:
         resumed_from, lock = start(job, manager, resume)
+        cfg = job.cfg  # a resumed run's perturbation is its checkpoint's (start)
         try:
             warn_missing_splits(job)
             record = RunLog(section(cfg, "logging"), output_dir=cfg.output_dir, max_steps=cfg.max_steps,
@@ -98,6 +100,8 @@ def start(job: Job, manager: CheckpointManager, resume) -> tuple[str | None, Run
         if path:
             manager.load(engine, path)
             log.info("resumed from %s at step %d", path, engine.step_count)
+            if engine.cfg.perturbation != cfg.perturbation:  # the checkpoint's (ZOEngine.load_state_dict): recorded
+                job.cfg = cfg = freeze(dataclasses.replace(cfg, perturbation=engine.cfg.perturbation))
         elif resume:  # prepare_output_dir refused a directory that holds a run without a complete checkpoint
             log.warning("--resume: %s holds no run yet, starting from step 0", cfg.output_dir)
         if cfg.static_mask and engine.static_mask is None:  # a resumed run has the checkpoint's mask
@@ -119,7 +123,8 @@ def check_resume(job: Job, path: str) -> None:
     manifest = read_manifest(path)
     saved = read_run_config(path, required=False)
     if saved is not None:  # first: a changed key says more than the tensors that it changed
-        keys = [k for k in field_names() if k not in RESUME_MAY_CHANGE]
+        # perturbation: the run keeps the checkpoint's (ZOEngine.load_state_dict), whatever is asked now
+        keys = [k for k in field_names() if k not in RESUME_MAY_CHANGE and k != "perturbation"]
         changed = differences(saved, to_dict(job.cfg), keys)
         if changed:
             raise ConfigError(f"--resume {path}: {'; '.join(changed)}: these keys change the trajectory and must "

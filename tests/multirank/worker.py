@@ -5,11 +5,14 @@
 Each scenario builds a tiny Llama on every rank with the same seed, hands it to
 `deepspeed.initialize` (ZeRO-3 partitions it), trains it with ZOEngine on a world-size-
 independent stream of micro-batches, and records the trajectory bit for bit (floats as
-Python floats, scores as hashes of their bytes) and the final params_digest.
+Python floats, scores as hashes of their bytes) and the final params_digest. A scenario with "resume" (a directory)
+also saves a checkpoint after step "save_at" under resume/w<W>, and a fresh engine resumes from the one the previous
+launch (W - 1 ranks) wrote and takes the remaining steps: resumes 1 -> 1, 1 -> 2 and 2 -> 3.
 """
 
 import hashlib
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -54,12 +57,19 @@ def micro_batches(step: int, n_micro: int, rows: int):
 
 
 def run(spec: dict, rank: int, world: int) -> dict:
-    import deepspeed
-
     if spec.get("disagree") == "data":
         return data_disagree(rank)
     if spec.get("directions_layouts"):
         return directions_layouts(spec["directions_layouts"], world)
+    built = build(spec, rank, world)
+    if spec.get("disagree"):
+        return disagree(spec, built[0], rank)
+    return train(spec, world, *built)
+
+
+def build(spec: dict, rank: int, world: int, zo_extra: dict | None = None):
+    """The scenario's model under deepspeed.initialize, its ZOEngine (its config with `zo_extra`) and topology."""
+    import deepspeed
 
     model = tiny_llama(0, spec.get("tie", False))
     if spec.get("lora"):
@@ -82,8 +92,43 @@ def run(spec: dict, rank: int, world: int) -> dict:
     ds_engine, *_ = deepspeed.initialize(model=model, config=ds_cfg,
                                          mpu=GroupMPU(group) if group is not None else None)
     if spec.get("disagree"):
-        return disagree(spec, ds_engine, rank)
-    zo = ZOEngine(ds_engine, lm_loss, ZOConfig(**spec["zo"]), topology=topology)
+        return ds_engine, None, topology
+    zo = ZOEngine(ds_engine, lm_loss, ZOConfig(**{**spec["zo"], **(zo_extra or {})}), topology=topology)
+    return ds_engine, zo, topology
+
+
+def steps(spec: dict, zo: ZOEngine, first: int, traj: list, save: str | None = None) -> None:
+    """Steps first .. spec["steps"] - 1 of the scenario's stream; with `save`, a checkpoint there after step
+    spec["save_at"]."""
+    from curvzo_ds import save_checkpoint
+
+    for t in range(first, spec["steps"]):
+        r = zo.step(MicroBatches(micro_batches(t, spec["n_micro"], spec.get("rows", 2))))
+        row = r.as_dict()
+        row["scores"] = hashlib.sha256(zo.sampler.scores.numpy().tobytes()).hexdigest()[:16]
+        pi = zo.sampler.probabilities(zo.step_count).pi
+        row["pi"] = hashlib.sha256(pi.numpy().tobytes()).hexdigest()[:16]
+        traj.append(row)
+        if save and zo.step_count == spec["save_at"]:
+            save_checkpoint(zo, save)
+
+
+def resumed(spec: dict, rank: int, world: int) -> dict:
+    """spec["resume"]: a fresh engine (its config with spec.get("resume_zo")) loads the checkpoint that the previous
+    launch wrote (world size W - 1; at 1, this launch's own) and takes the remaining steps."""
+    from curvzo_ds import load_checkpoint
+
+    source = os.path.join(spec["resume"], f"w{max(1, world - 1)}", f"checkpoint-{spec['save_at']}")
+    _, zo, _ = build(spec, rank, world, spec.get("resume_zo"))
+    load_checkpoint(zo, source)
+    traj: list = []
+    steps(spec, zo, spec["save_at"], traj)
+    return {"traj": traj, "digest": params_digest(zo.entries, zo.comm), "perturbation": zo.cfg.perturbation,
+            "noise": zo.noise.ident, "from_world": max(1, world - 1)}
+
+
+def train(spec: dict, world: int, ds_engine, zo: ZOEngine, topology) -> dict:
+    rank = dist.get_rank()
     if spec["zo"].get("static_mask"):  # the probe: every rank runs every micro-batch of two global batches
         zo.fit_static_mask([MicroBatches(micro_batches(500 + t, spec["n_micro"], spec.get("rows", 2)))
                             for t in range(2)])
@@ -98,13 +143,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
     dist.all_reduce = counting_all_reduce
     traj = []
     try:
-        for t in range(spec["steps"]):
-            r = zo.step(MicroBatches(micro_batches(t, spec["n_micro"], spec.get("rows", 2))))
-            row = r.as_dict()
-            row["scores"] = hashlib.sha256(zo.sampler.scores.numpy().tobytes()).hexdigest()[:16]
-            pi = zo.sampler.probabilities(zo.step_count).pi
-            row["pi"] = hashlib.sha256(pi.numpy().tobytes()).hexdigest()[:16]
-            traj.append(row)
+        steps(spec, zo, 0, traj, os.path.join(spec["resume"], f"w{world}") if spec.get("resume") else None)
     finally:
         dist.all_reduce = real_all_reduce
     owned = sum(e.owned[1] - e.owned[0] for e in zo.entries)
@@ -121,6 +160,9 @@ def run(spec: dict, rank: int, world: int) -> dict:
         "master_elements": sum(e.master.numel() for e in zo.entries if e.master is not None),
         "dtypes": sorted({str(e.param.dtype) for e in zo.entries}),
         "persistent": sorted(e.name for e in zo.entries if e.region == (0, e.numel) and e.partitioned),
+        "perturbation": zo.cfg.perturbation,
+        "noise": zo.noise.ident,
+        **({"resumed": resumed(spec, rank, world)} if spec.get("resume") else {}),
     }
 
 
@@ -145,8 +187,8 @@ def directions_layouts(directions: list[int], world: int) -> dict:
 
 def other_kernel(real):
     """A noise kernel of another build: the same call, but the last bit of every float32 value it writes differs."""
-    def run(k0, k1, start, out, mode, scale, alpha, want_sq):
-        total = real(k0, k1, start, out, mode, scale, alpha, want_sq)
+    def run(k0, k1, start, out, mode, scale, alpha, want_sq, *rademacher):
+        total = real(k0, k1, start, out, mode, scale, alpha, want_sq, *rademacher)
         if out.dtype == torch.float32:
             out.view(torch.int32).bitwise_xor_(1)
         return total
