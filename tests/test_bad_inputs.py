@@ -345,6 +345,9 @@ BATCHED = [
     ("auto-walk-fraction-zero", ["train", "--set", "auto_walk_fraction=0"], "auto_walk_fraction=0.0 is invalid", {}),
     ("on-divergence-unknown", ["train", "--set", "on_divergence=ignore"], "on_divergence='ignore' is invalid", {}),
     ("max-rollbacks-negative", ["train", "--set", "max_rollbacks=-1"], "max_rollbacks=-1 is invalid", {}),
+    # issue 58's perturbation
+    ("perturbation-unknown", ["train", "--set", "perturbation=uniform"], "perturbation='uniform' is invalid", {}),
+    ("perturbation-a-number", ["train", "--set", "perturbation=1"], "perturbation=1", {}),
 ]
 
 

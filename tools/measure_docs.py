@@ -79,12 +79,24 @@ def figures(one: dict, demo: dict) -> str:
         "the demo's full 200-example files; the line above uses 100 of each, so the figures differ.)",
         "",
         "The digest depends on the CPU's vector instructions: the forwards' matrix products (oneDNN, MKL) round "
-        "differently with AVX-512 than with AVX2, so the last bits of the losses, and so the weights, differ. Each "
-        "row was measured on a machine of that kind (torch.backends.cpu.get_cpu_capability()):",
+        "differently with AVX-512 than with AVX2, and again on a CPU with AMX tiles (their kernels block the products "
+        "otherwise), so the last bits of the losses, and so the weights, differ. Each row was measured on a machine "
+        "of that kind (torch.backends.cpu.get_cpu_capability(), and +AMX where /proc/cpuinfo lists amx_tile):",
         "",
         "| CPU capability | params_digest of both runs |",
         "|---|---|",
     ])
+
+
+def cpu_kind(capability: str) -> str:
+    """torch's CPU capability, with +AMX on a CPU whose flags list amx_tile (the same capability gave another digest
+    on a Sapphire Rapids Xeon than on an AVX-512 machine without AMX, 2026-11-29)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            amx = any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        amx = False
+    return capability + ("+AMX" if amx else "")
 
 
 def digest_rows(text: str) -> dict[str, str]:
@@ -120,7 +132,7 @@ def main() -> int:
                          f"{demo['summary']['params_digest']}): world-size invariance is broken")
     import torch
 
-    capability = torch.backends.cpu.get_cpu_capability()
+    capability = cpu_kind(torch.backends.cpu.get_cpu_capability())
     block = figures(one, demo)
     text = DOC.read_text()
     a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
