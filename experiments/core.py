@@ -208,8 +208,8 @@ def _train(run, steps: int, per_step: int, points: dict[int, list[str]], oracle_
         out = dict(step=step, forwards=step * per_step)
         for split in points[step * per_step]:
             out.update({f"{SPLIT_KEYS[split]}{k}": v for k, v in run.evaluate(split).items()})
-        if "loss" in out:  # lr_scheduler_type=plateau reads the full dev loss, as the CLI's loop does
-            engine.rate.observe_dev(step, out["loss"])
+        if "loss" in out and step > 0:  # lr_scheduler_type=plateau reads the dev loss of the evaluations during the
+            engine.rate.observe_dev(step, out["loss"])  # run, as the CLI's loop does (none at step 0)
             if not engine.rate.needs_choice:
                 out["learning_rate"] = engine.rate.at(step)
         return out

@@ -36,6 +36,10 @@ def test_auto_rate_plateau_and_running_rms_are_the_same_at_1_and_2_ranks_and_res
     proc = cli("train", *COMMON, *HORIZON, "--set", f"output_dir={again}", "--resume", str(again / f"checkpoint-{mid}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((again / "summary.json").read_text())["params_digest"] == one["params_digest"]
+    # under the plateau schedule the evaluations are part of the trajectory: eval_steps may not change on resume
+    proc = cli("train", *COMMON, *HORIZON, "--set", f"output_dir={again}", "--set", "max_steps=14", "--set",
+               "eval_steps=4", "--resume")
+    assert proc.returncode == 2 and "eval_steps" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.multirank

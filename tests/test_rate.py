@@ -181,6 +181,31 @@ def test_the_watch_names_a_dev_loss_above_twice_the_best_and_a_non_finite_one():
     assert watch.good_step(60) == 20
 
 
+def test_a_loss_at_or_below_zero_has_no_ratio_rule():
+    """objective=accuracy or f1: the loss is minus the metric (<= 0), and a metric that rises lowers it; the ratio
+    rules would read an improvement as a divergence, so only a non-finite loss counts."""
+    watch = DivergenceWatch()
+    assert all(watch.observe_step(s, -0.5 - 0.01 * s) is None for s in range(1, 40))
+    assert all(watch.observe_step(s, -0.1) is None for s in range(40, 60))  # the metric fell: not a ratio
+    assert watch.observe_dev(10, -0.8) is None and watch.observe_dev(20, -0.82) is None
+    assert watch.observe_dev(30, -0.3) is None and "nan" in watch.observe_dev(40, float("nan"))
+
+
+def test_a_rollback_sets_the_abandoned_checkpoints_aside(tmp_path):
+    """The checkpoints after the one a rollback returns to move to diverged-<n>/: no `--resume`, later rollback or
+    rotation takes them for the run's, and nothing is deleted."""
+    from curvzo_ds.checkpoint.manager import list_checkpoints
+    from curvzo_ds.train.divergence import set_aside
+
+    for step in (0, 10, 20, 30):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "manifest.json").write_text(str(step))
+    set_aside(str(tmp_path), 10, 1)
+    assert [at for at, _ in list_checkpoints(str(tmp_path))] == [0, 10]
+    assert sorted(p.name for p in (tmp_path / "diverged-1").iterdir()) == ["checkpoint-20", "checkpoint-30"]
+    assert (tmp_path / "diverged-1" / "checkpoint-30" / "manifest.json").read_text() == "30"
+
+
 def test_the_rollback_target_is_the_newest_checkpoint_at_or_before_the_good_step(tmp_path):
     for step in (0, 10, 20, 30):
         (tmp_path / f"checkpoint-{step}").mkdir()

@@ -11,6 +11,8 @@ import enum
 import logging
 import math
 
+from curvzo_ds.errors import ConfigError
+
 log = logging.getLogger("curvzo_ds")
 
 
@@ -60,7 +62,7 @@ def auto_rate(weights_rms: float, step_normalization: str, num_directions: int, 
     value a log shows is the value used). A normalised step has a fixed length, so a fixed eta does not converge:
     the horizon sets it (eta ~ 1/sqrt(T), the standard rate of a method with a known horizon)."""
     if not (weights_rms > 0 and math.isfinite(weights_rms)):
-        raise ValueError(f"learning_rate=auto: the trainable weights' RMS is {weights_rms}; it needs weights that are "
+        raise ConfigError(f"learning_rate=auto: the trainable weights' RMS is {weights_rms}; it needs weights that are "
                          "not all zero (set learning_rate to a number)")
     eta = fraction * weights_rms / (step_rms(step_normalization, num_directions) * math.sqrt(max(horizon, 1)))
     return float(f"{eta:.3g}")

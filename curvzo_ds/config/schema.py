@@ -109,7 +109,8 @@ class ZOConfig:
     weight_decay: float = key(0.0, "MeZO-style decay of matrices (never biases or norms), scaled by 1/pi")
     lr_scheduler_type: str = key("constant", "constant, linear (decay to 0 at max_steps) or plateau (the rate times "
                                              "plateau_factor after plateau_patience evaluations without a lower dev "
-                                             "loss; needs eval_steps > 0)")
+                                             "loss; the CLI needs eval_steps > 0; in Python, call "
+                                             "engine.rate.observe_dev)")
     auto_walk_fraction: float = key(0.08, "learning_rate auto: rho, the per-coordinate walk of the whole horizon as a "
                                           "fraction of the trainable weights' RMS (docs/algorithm.md)")
     plateau_factor: float = key(0.5, "lr_scheduler_type=plateau: the rate's factor at each plateau, in (0, 1)")
@@ -328,11 +329,11 @@ class TrainConfig(ZOConfig):
     shard_group_size: int | str | None = key("auto", "ranks that share one ZeRO-3 partition (hybrid sharding: ZeRO-3 "
                                                      "inside a group, replicas across groups); auto: the smallest "
                                                      "group that fits (docs/scaling.md); null: the world size")
-    on_divergence: str = key("rollback", "a diverging run (train/divergence.py's detector: a non-finite dev loss or "
-                                         "max_consecutive_skips non-finite steps, the train loss's running mean above "
-                                         "twice its first value, or the dev loss above twice the best): rollback "
-                                         "(back to the best-dev or newest checkpoint at half the rate) or stop (exit "
-                                         "4, the best-dev checkpoint intact); docs/reliability.md")
+    on_divergence: str = key("rollback", "a diverging run (a non-finite dev loss or max_consecutive_skips non-finite "
+                                         "steps; the train loss's running mean above twice its lowest, or the dev "
+                                         "loss above twice its best): rollback (to the newest checkpoint before it "
+                                         "went bad, at half the rate) or stop (exit 4, the checkpoints intact); "
+                                         "docs/reliability.md")
     max_rollbacks: int = key(3, "on_divergence=rollback: rollbacks before the run stops as on_divergence=stop")
     ddp_timeout: int = key(1800, "seconds a collective may wait before the job fails, so that a hung rank ends the "
                                  "job (Hugging Face's name and default)")

@@ -9,17 +9,21 @@ when
   lowest value so far and a quarter of the first step's loss (the floor keeps a run whose loss went to nearly 0
   from stopping on minibatch noise);
 - its dev loss is above twice the best dev loss so far (a slow drift that the train loss hides).
+The two ratio rules need a positive loss: with `objective` accuracy or f1 (the loss is minus the metric, <= 0) only a
+non-finite loss counts.
 `on_divergence=rollback` (the default) goes back to the newest checkpoint saved before the run went bad (at or before
 the step of the lowest running mean and of the best dev loss) at half the rate, at most `max_rollbacks` times;
-`stop`, or a rollback beyond them, ends the run with exit code 4 (`Diverged`), its checkpoints intact. A fresh
-run with `rollback` saves checkpoint-0 first, so that a run that diverges before its first save has a checkpoint
-to return to; it is kept from rotation until the run ends, then removed.
+`stop`, or a rollback beyond them, ends the run with exit code 4 (`Diverged`), its checkpoints intact. The
+checkpoints of an abandoned stretch move to output_dir/diverged-<n>/, beside its metrics
+(metrics-diverged-<n>.jsonl). A fresh run with `rollback` saves checkpoint-0 first, so that a run that diverges
+before its first save has a checkpoint to return to; it is kept from rotation until the run ends, then removed.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 
 from curvzo_ds.checkpoint.manager import list_checkpoints
 from curvzo_ds.errors import Diverged
@@ -49,7 +53,7 @@ class DivergenceWatch:
         if self.lowest is None or self.mean <= self.lowest:
             self.lowest, self.lowest_step = self.mean, step
         reference = max(self.lowest, FLOOR * self.first)
-        if self.mean > FACTOR * reference:
+        if reference > 0 and self.mean > FACTOR * reference:  # a loss <= 0 (objective accuracy, f1): no ratio
             return (f"the train loss's running mean {self.mean:.4g} is above {FACTOR:g}x {reference:.4g}, its lowest "
                     f"(at step {self.lowest_step}, floored at {FLOOR:g}x the first loss {self.first:.4g})")
         return None
@@ -57,7 +61,7 @@ class DivergenceWatch:
     def observe_dev(self, step: int, loss: float | None) -> str | None:
         if loss is None or not math.isfinite(loss):
             return f"the dev loss is {loss}"
-        if self.best_dev is not None and loss > FACTOR * self.best_dev:
+        if self.best_dev is not None and self.best_dev > 0 and loss > FACTOR * self.best_dev:
             return (f"the dev loss {loss:.4g} is above {FACTOR:g}x the best so far, {self.best_dev:.4g} (at step "
                     f"{self.best_dev_step})")
         if self.best_dev is None or loss < self.best_dev:
@@ -86,13 +90,26 @@ def rollback_target(output_dir: str, good_step: int) -> str | None:
     return earlier[-1] if earlier else None
 
 
+def set_aside(output_dir: str, after: int, rollbacks: int) -> None:
+    """The checkpoints of the abandoned stretch (steps after `after`) move to output_dir/diverged-<rollbacks>/: kept,
+    but no longer a `checkpoint-*` that `--resume`, a later rollback or the rotation would take for this run's."""
+    later = [path for at, path in list_checkpoints(output_dir) if at > after]
+    if later:
+        aside = os.path.join(output_dir, f"diverged-{rollbacks}")
+        os.makedirs(aside, exist_ok=True)
+        for path in later:
+            os.replace(path, os.path.join(aside, os.path.basename(path)))
+
+
 def recover(job, manager, record, clock, watch: DivergenceWatch, reason: str, step: int) -> None:
     """Roll back (on_divergence=rollback, within max_rollbacks) or raise Diverged. Collective: every rank calls it
-    at the same step, having seen the same losses."""
-    cfg, engine = job.cfg, job.engine
+    at the same step, having seen the same losses; the checkpoint to return to is rank 0's choice, broadcast (ranks
+    on a shared file system may list a directory differently)."""
+    cfg, engine, comm = job.cfg, job.engine, job.topology.job
     rate = engine.rate
     lr = rate.at(max(step - 1, 0))
-    target = rollback_target(manager.output_dir, watch.good_step(step)) if cfg.on_divergence == "rollback" else None
+    target = comm.broadcast_object(rollback_target(manager.output_dir, watch.good_step(step)) if comm.rank == 0
+                                   and cfg.on_divergence == "rollback" else None)
     if cfg.on_divergence == "stop" or rate.rollbacks >= cfg.max_rollbacks or target is None:
         why = ("on_divergence=stop" if cfg.on_divergence == "stop" else
                f"max_rollbacks={cfg.max_rollbacks} spent" if rate.rollbacks >= cfg.max_rollbacks else
@@ -107,6 +124,10 @@ def recover(job, manager, record, clock, watch: DivergenceWatch, reason: str, st
     clock.load_state_dict({"seconds": seconds})
     rate.load_state_dict({**rate.state_dict(), **carry})
     rate.rolled_back()
+    manager.saved_step = None  # the steps ahead are new: their checkpoints are written again
+    if comm.rank == 0:
+        set_aside(manager.output_dir, engine.step_count, rate.rollbacks)
+    comm.barrier()
     new_lr = rate.at(engine.step_count)
     log.warning("step %d: the run diverged (%s); rolled back to %s (step %d) with the learning rate halved to %g "
                 "(rollback %d of at most %d)", step, reason, target, engine.step_count, new_lr, rate.rollbacks,

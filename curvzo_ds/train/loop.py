@@ -74,12 +74,6 @@ def train_loop(job: Job, manager: CheckpointManager, record: RunLog, clock: Cloc
         # every consistency_steps: the ranks compare a hash of their ZO state
         if cfg.consistency_steps and step % cfg.consistency_steps == 0:
             check_state_agrees(engine, step)
-        # pre-emption: save (unless this step is saved), leave together
-        if r.stop:
-            manager.maybe_save(engine, last=True)
-            comm.barrier()  # under srun --kill-on-bad-exit the first exit ends the rest
-            raise Preempted(f"stopped {stop.reason()} at step {step}, after saving {manager.path_for(step)}: resume "
-                            "with --resume")
         # evaluate on dev (the divergence watch and the plateau rule read its loss); a new best is saved at once,
         # and protected from rotation
         if evaluator.should_eval(step):
@@ -93,6 +87,13 @@ def train_loop(job: Job, manager: CheckpointManager, record: RunLog, clock: Cloc
             engine.rate.observe_dev(step, dev.get("loss"))
             if manager.track(step, dev):
                 manager.save(engine)
+        # pre-emption: save (unless this step is saved), leave together; after the step's evaluation, which a resumed
+        # run would not make again (the plateau rule and the divergence watch read it)
+        if r.stop:
+            manager.maybe_save(engine, last=True)
+            comm.barrier()  # under srun --kill-on-bad-exit the first exit ends the rest
+            raise Preempted(f"stopped {stop.reason()} at step {step}, after saving {manager.path_for(step)}: resume "
+                            "with --resume")
         # checkpoint every save_steps and at the last step
         manager.maybe_save(engine, last=step == cfg.max_steps)
 

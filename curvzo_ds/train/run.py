@@ -125,6 +125,8 @@ def check_resume(job: Job, path: str) -> None:
     if saved is not None:  # first: a changed key says more than the tensors that it changed
         # perturbation: the run keeps the checkpoint's (ZOEngine.load_state_dict), whatever is asked now
         keys = [k for k in field_names() if k not in RESUME_MAY_CHANGE and k != "perturbation"]
+        # under the plateau schedule the evaluations are part of the trajectory: their steps may not change
+        keys += ["eval_steps"] if job.cfg.lr_scheduler_type == "plateau" else []
         changed = differences(saved, to_dict(job.cfg), keys)
         if changed:
             raise ConfigError(f"--resume {path}: {'; '.join(changed)}: these keys change the trajectory and must "
