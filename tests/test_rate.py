@@ -214,3 +214,21 @@ def test_the_rollback_target_is_the_newest_checkpoint_at_or_before_the_good_step
     assert rollback_target(str(tmp_path), 20).endswith("checkpoint-20")
     assert rollback_target(str(tmp_path), 3).endswith("checkpoint-0")
     assert rollback_target(str(tmp_path / "none"), 3) is None
+
+
+def test_the_weights_rms_is_the_same_at_every_thread_count():
+    """sum_of_squares' rows are one thread's reduction each, and math.fsum adds them in no order: the same bits at 1
+    and 4 threads (learning_rate auto's input, the same at every world size), and the exact value to 1e-15."""
+    from curvzo_ds.shard.digest import sum_of_squares
+
+    t = torch.randn(3 * (1 << 20) + 17, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    try:
+        got = []
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            got.append(math.fsum(sum_of_squares(t)))
+    finally:
+        torch.set_num_threads(threads)
+    assert got[0] == got[1]
+    assert got[0] == pytest.approx(math.fsum(x * x for x in t.double().tolist()), rel=1e-15)

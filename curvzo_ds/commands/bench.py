@@ -39,7 +39,9 @@ def register(sub) -> None:
                         "figure; the tests' size)")
     p.add_argument("--perturbation", choices=["gaussian", "rademacher"], default="gaussian",
                    help="the z every method of the suite draws (with rademacher a Gaussian MeZO arm runs beside, for "
-                        "other_per_forward_over_gaussian_mezo); every method reports pass_over_floor")
+                        "other_per_forward_over_gaussian_mezo); every method reports pass_over_floor, its pass against "
+                        "a torch.add_ over every trainable weight (a method that perturbs a fraction of the blocks "
+                        "passes over that fraction: its figure is lower by it)")
     p.add_argument("--run", action="store_true", help="instead: time `--steps` steps of the run configured by --set")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --run: a config key")
     p.add_argument("--steps", type=int, default=20, help="with --run or --drift: steps to take")
