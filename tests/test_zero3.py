@@ -91,7 +91,7 @@ SCENARIOS = [
     {"name": "keeps_gaussian", "steps": 10, "n_micro": 2, "resume": True, "save_at": 5, "resume_zo": RAD,
      "zo": {**ZO, "method": "curvzo"}},
 ]
-RADEMACHER = [s["name"] for s in SCENARIOS if s["zo"].get("perturbation") == "rademacher"]
+RADEMACHER = [s["name"] for s in SCENARIOS if s.get("zo", {}).get("perturbation") == "rademacher"]
 
 
 def launch(world: int, tmp: pathlib.Path) -> dict:
