@@ -311,6 +311,7 @@ def measure(name: str, offload: bool, batch: int, seq: int, steps: int, report: 
                 "noise_and_update_over_two_forwards": noise_update / split["forwards"],
                 "zo_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
                 "launches_per_pass": list(engine.perturber.step_launches),
+                "fp32_master_copies": any(e.master is not None for e in engine.entries),
             }
             if cuda:
                 result["zo_over_inference_peak_memory"] = result["zo_peak_bytes"] / row["inference_peak_bytes"]

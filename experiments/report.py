@@ -83,6 +83,9 @@ def no_extrapolation_lines(cache: Cache, tasks: list[str], arms: list[str]) -> l
             cells = []
             for mine, theirs in ((runs, mezo), ([r for r in runs if not diverged(r)],
                                                 [r for r in mezo if not diverged(r)])):
+                if not mine or not theirs:
+                    cells.append(f"{len(mine)} vs {len(theirs)}: -")
+                    continue
                 f, y = subset_curves(mine, plan["forwards"])
                 fm, ym = subset_curves(theirs, plan["forwards"])
                 w = V.warp_interpolated(f, y, fm, ym, half)

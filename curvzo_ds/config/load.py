@@ -234,7 +234,7 @@ RESUME_MAY_CHANGE = ("max_steps", "eval_steps", "save_steps", "save_total_limit"
                      "disable_tqdm", "progress_interval", "log_level", "output_dir", "overwrite_output_dir", "threads",
                      "ddp_timeout", "deepspeed", "zero_stage", "offload_param", "num_eval", "visibility_steps",
                      "visibility_warn", "max_consecutive_skips", "trust_remote_code",
-                     "shard_group_size")
+                     "shard_group_size", "on_divergence", "max_rollbacks")
 
 
 # What a run did before the key existed, where that is not the key's default (a preset that depends on the run).
