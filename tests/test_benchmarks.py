@@ -28,9 +28,10 @@ def test_gpu_benchmark_script_runs_its_cpu_path(tmp_path):
     for r in methods:
         assert r["forwards_seconds"] > 0 and r["noise_and_update_seconds"] > 0
         assert r["noise_and_update_over_two_forwards"] == r["noise_and_update_seconds"] / r["forwards_seconds"]
-        # One C call per pass (+eps, -2 eps, update), and a second in the update: DeepSpeed's CPU engine holds the
-        # tiny Llama in bf16, so its 1-D tensors have fp32 master copies, updated, then written to the stored copies.
-        assert r["launches_per_pass"] == [1, 1, 2]
+        # One C call per pass (+eps, -2 eps, update), and a second in the update where the stored tensors are bf16:
+        # their fp32 master copies are updated, then written to the stored ones. DeepSpeed's CPU engine holds the tiny
+        # Llama in bf16 on some CPUs and in fp32 on others (a Sapphire Rapids Xeon, 2026-11-29: no master copies).
+        assert r["launches_per_pass"] == [1, 1, 2 if r["fp32_master_copies"] else 1]
     # --layouts: the plain forward, MeZO's own loop and our step under each layout, in interleaved rounds
     rounds = [r for r in lines if r["kind"] == "layout_round"]
     assert [r["round"] for r in rounds] == [0, 1]
