@@ -1,13 +1,15 @@
 """The environment variables curvzo_ds reads itself, each checked where it is read: a value it cannot use is a
 one-line ConfigError naming the variable and what it takes (docs/reliability.md). The launchers' own variables
 (RANK, WORLD_SIZE, MASTER_PORT, ...) are shard/distributed.check_launcher_env's, which also resolves MASTER_ADDR
-here (`check_master_addr`)."""
+here (`check_master_addr`) and, on a rank other than 0, waits a bounded time to reach it (`wait_for_rank0`)."""
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
+import time
 
 from curvzo_ds.errors import ConfigError
 
@@ -100,3 +102,30 @@ def check_master_addr(env, wait: float = 10.0) -> None:
         reason = getattr(found[0], "strerror", None) or found[0]
         raise ConfigError(f"the environment: MASTER_ADDR={host} (MASTER_PORT={port}) cannot be resolved ({reason}): "
                           "set MASTER_ADDR to the host name or address of the node of rank 0")
+
+
+def wait_for_rank0(env, wait: float, every: float = 30.0) -> None:
+    """A rank other than 0 first reaches MASTER_ADDR:MASTER_PORT (rank 0's rendezvous, or torchrun's store) by TCP,
+    for at most `wait` seconds, saying every `every` seconds that it waits: an address that resolves but where no
+    rank 0 ever listens (the wrong node, a firewall) otherwise left the rank silent until ddp_timeout (30 minutes).
+    One line naming MASTER_ADDR and MASTER_PORT when the wait runs out."""
+    host, port, rank = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "29500"), env.get("RANK", "0")
+    if not host or rank == "0" or env.get("WORLD_SIZE", "1") == "1":
+        return
+    start = said = time.monotonic()
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=min(5.0, wait)).close()
+            return
+        except OSError as e:
+            reason = e.strerror or type(e).__name__
+        now = time.monotonic()
+        if now - start >= wait:
+            raise ConfigError(f"the environment: rank {rank} could not reach rank 0 at MASTER_ADDR={host} "
+                              f"MASTER_PORT={port} in {wait:g} s ({reason}): check that rank 0 runs, on that node and "
+                              "port, and that the port is open between the nodes")
+        if now - said >= every:
+            said = now
+            print(f"curvzo-ds: rank {rank} waits for rank 0 at {host}:{port} ({now - start:.0f} s so far, {reason}; "
+                  f"gives up after {wait:g} s)", file=sys.stderr, flush=True)
+        time.sleep(min(1.0, max(0.0, wait - (now - start))))

@@ -19,7 +19,6 @@ import os
 import tempfile
 
 import torch
-from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
@@ -90,6 +89,8 @@ def build_model(model_cfg, seed: int, ds_config: dict, group=None, mpu=None):
         keep_stored_format(model)
         own_memory(model)
     if model_cfg.lora:
+        from peft import LoraConfig, get_peft_model  # here, not at the top: peft (and the bitsandbytes it imports)
+        # is a third of a training process's start-up, and only LoRA runs use it
         model.requires_grad_(False)
         torch.manual_seed(seed + 1)  # every rank must create the same adapters (docs/deepspeed.md)
         lora = LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha,

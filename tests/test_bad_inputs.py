@@ -301,6 +301,8 @@ BATCHED = [
      "integer >= 1", {}),
     ("num-directions-negative", ["train", "--set", "num_directions=-2"], "num_directions=-2 is invalid", {}),
     ("num-directions-float", ["train", "--set", "num_directions=2.5"], "num_directions=2.5 must be an integer", {}),
+    ("num-directions-absurd", ["train", "--set", "num_directions=1000000"], "num_directions=1000000 is more than "
+     "1024: each step would be 2,000,000 forwards", {}),
     ("difference-upper-case", ["train", "--set", "difference=RLOO"], "difference='RLOO' is invalid: it must be "
      "central or rloo", {}),
     ("difference-a-number", ["train", "--set", "difference=2"], "difference=2 must be a string", {}),

@@ -360,11 +360,11 @@ def _our_tracebacks(text: str) -> list[str]:
 @pytest.mark.timeout(1500)
 def test_a_ctrl_c_to_a_launch_scripts_process_group_stops_every_rank_cleanly(reference, tmp_path):
     """Issue 45 §1: a terminal's Ctrl-C is SIGINT to the whole foreground process group: the script, and (before the
-    launcher got a session of its own) torchrun and the ranks. Five times in a row, as a user presses it: exit 3, a
-    checkpoint at a step boundary, both stop lines naming SIGINT, no process of the run left, no traceback from
-    curvzo_ds and no logging error; the first and the last resume to the uninterrupted digest. The first run's
+    launcher got a session of its own) torchrun and the ranks. Twice in a row (CI's time budget; issue 45 pressed it
+    five times): exit 3, a checkpoint at a step boundary, both stop lines naming SIGINT, no process of the run left,
+    no traceback from curvzo_ds and no logging error; each resumes to the uninterrupted digest. The first run's
     output_dir has spaces and a `$`: the script passes values through unchanged."""
-    for attempt in range(5):
+    for attempt in range(2):
         out = (tmp_path / "a dir with $HOME in it" if attempt == 0 else tmp_path) / f"ctrl-c-{attempt}"
         out.parent.mkdir(exist_ok=True)
         env = {**ENV, "NPROC": "2", "MASTER_PORT": str(free_port()), "PATH": SCRIPT_PATH}
@@ -385,8 +385,7 @@ def test_a_ctrl_c_to_a_launch_scripts_process_group_stops_every_rank_cleanly(ref
             time.sleep(0.2)
         assert not _processes_of(out), f"try {attempt}: processes of the run outlived the script"
         assert not (out / ".curvzo-ds.lock").exists()  # released on the way out
-        if attempt in (0, 4):  # the checkpoint of a stop resumes exactly (the first and the last; CI's time budget)
-            assert resume(out)["params_digest"] == reference, attempt
+        assert resume(out)["params_digest"] == reference, attempt  # the checkpoint of a stop resumes exactly
 
 
 @pytest.mark.multirank

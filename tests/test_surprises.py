@@ -187,6 +187,28 @@ def test_the_environment_variables_the_project_reads_are_checked_where_they_are_
     assert environment.noise_kernel() == "auto" and environment.cache_dir().endswith("curvzo_ds")
 
 
+def test_a_rank_waits_a_bounded_time_for_rank_0_and_names_where_it_looked(capsys):
+    """Issue 59: a MASTER_ADDR that resolves but where no rank 0 listens left the other ranks silent until ddp_timeout
+    (30 minutes). A rank other than 0 says that it waits, then stops in one line naming MASTER_ADDR and MASTER_PORT;
+    it goes on as soon as the port answers, and rank 0 (or a one-rank job) does not wait."""
+    import socket
+
+    from curvzo_ds.environment import wait_for_rank0
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        port = srv.getsockname()[1]
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "1", "WORLD_SIZE": "2"}
+        with pytest.raises(ConfigError, match=r"^the environment: rank 1 could not reach rank 0 at MASTER_ADDR="
+                                              rf"127\.0\.0\.1 MASTER_PORT={port} in 2 s \(Connection refused\)"):
+            wait_for_rank0(env, 2, every=0.5)  # bound, not listening: refused
+        assert "rank 1 waits for rank 0 at 127.0.0.1" in capsys.readouterr().err
+        wait_for_rank0({**env, "RANK": "0"}, 0.1)
+        wait_for_rank0({**env, "WORLD_SIZE": "1"}, 0.1)
+        srv.listen()
+        wait_for_rank0(env, 2)
+
+
 def test_train_help_names_the_built_in_tasks():
     """`train --help` said "built-in task name or a task directory" and named none."""
     from curvzo_ds.commands.train import keys_help

@@ -228,6 +228,10 @@ class ZOConfig:
         need(_posint(self.num_directions), "num_directions", "an integer >= 1")
         need(self.difference in DIFFERENCES, "difference", " or ".join(DIFFERENCES))
         spec = DIFFERENCE_SPECS[Difference(self.difference)]
+        if self.num_directions > MAX_DIRECTIONS:
+            raise ConfigError(f"num_directions={self.num_directions} is more than {MAX_DIRECTIONS}: each step would "
+                              f"be {spec.forwards(self.num_directions):,} forwards (MeZO uses 1; the RLOO preset 8): "
+                              f"set num_directions to at most {MAX_DIRECTIONS}")
         if self.num_directions < spec.min_directions:
             raise ConfigError(f"difference={self.difference} needs num_directions >= {spec.min_directions} (the "
                               "baseline of a direction is the mean of the others' losses), not "
@@ -413,6 +417,11 @@ def _need(cfg, ok: bool, key: str, rng: str) -> None:
 
 def _finite(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# Above this a step is thousands of forwards: a typo (num_directions=1000000 trained for minutes without ending its
+# first step), not a setting. The presets use 1 and 8.
+MAX_DIRECTIONS = 1024
 
 
 def _posint(x: Any) -> bool:

@@ -22,12 +22,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from curvzo_ds.environment import check_accelerator, check_master_addr
+from curvzo_ds.environment import check_accelerator, check_master_addr, wait_for_rank0
 from curvzo_ds.errors import ConfigError, RanksDisagree
 from curvzo_ds.shard.comm import Comm
 from curvzo_ds.startup import environment_ninja_first, extensions_dir, stdout_to_log
 
 log = logging.getLogger("curvzo_ds")
+CONNECT_WAIT = 300.0  # seconds a rank other than 0 waits to reach rank 0 (at most ddp_timeout): environment.py
 
 
 def _free_port() -> int:
@@ -89,6 +90,8 @@ def init_distributed(timeout_seconds: float = 1800):
             env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             env.setdefault("MASTER_ADDR", "127.0.0.1")
             env.setdefault("MASTER_PORT", str(_free_port()))
+        if kind != "mpi":  # MPI discovery sets MASTER_ADDR and the port from rank 0 itself
+            wait_for_rank0(env, min(timeout_seconds, CONNECT_WAIT))
         built = os.path.join(extensions_dir(), "deepspeed_shm_comm", "deepspeed_shm_comm.so")
         import deepspeed  # outside stdout_to_log: its logger keeps the sys.stdout it finds on import
 
