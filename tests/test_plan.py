@@ -268,10 +268,11 @@ STEPS = 3  # the first records ZeRO-3's trace; prefetching starts with the secon
 
 
 def _measure(args: list[str], out_path: str) -> dict:
-    """One rank: the runtime baseline (torch, deepspeed, transformers imported; the process group up), then the
+    """One rank: the runtime baseline (the libraries imported; the process group up), then the
     CLI's Job (build) at its defaults and STEPS steps; per-rank bytes and the shapes the forwards saw
     (rank 0 writes)."""
     import gc
+    import importlib
 
     from curvzo_ds.config.load import load_config
     from curvzo_ds.layout.memory import trained_extent
@@ -281,6 +282,13 @@ def _measure(args: list[str], out_path: str) -> dict:
 
     model, tokenizer = args[0], args[1] or None
     rank, world, _ = init_distributed()
+    # The libraries a run imports on its way (torch._dynamo from DeepSpeed's engine, 82 MiB here; transformers'
+    # modeling and tokenizer modules, which import scipy) are runtime, which the plan does not count: loaded before the
+    # baseline. (peft loaded them at start-up until it became LoRA-only.)
+    for name in ("torch._dynamo", "transformers.modeling_utils", "transformers.modeling_layers",
+                 "transformers.masking_utils", "transformers.processing_utils", "transformers.tokenization_python",
+                 "transformers.tokenization_utils_tokenizers"):
+        importlib.import_module(name)
     gc.collect()
     baseline = rss_bytes(trim=True)
     sets = [f"model={model}", "max_steps=3", "disable_tqdm=true", "report_to=none", "output_dir=unused"]
