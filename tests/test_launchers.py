@@ -156,16 +156,21 @@ def test_a_requeued_sbatch_job_resumes_by_itself(slurm, reference, tmp_path):
     job = _job_id(slurm)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True)
     deadline = time.monotonic() + 240  # the second run takes about 20 s here
-    seen = []
+    seen, held_since, released_at = [], None, 0.0
     while not (out / "summary.json").exists() and time.monotonic() < deadline:
-        # SLURM holds a requeued job back for a while (its begin time, about 2 minutes) before it may start again:
-        # on this one-job test cluster that is only waiting, so the test lets it start at once. A node that the
-        # first run's end left draining (a step slow to be killed on a loaded machine) is returned to service.
+        # SLURM holds a requeued job back (its begin time, about 2 minutes) before it may start again: on this
+        # one-job test cluster that is only waiting, so the test lets it start sooner. Not at once: slurmd revokes
+        # the first run's job credential when it ends, and a start within that second was killed as "non-startable:
+        # Job credential revoked" (CI, 2026-11-29). A node left draining is returned to service.
         state = _squeue(slurm, job)
         node = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=slurm, capture_output=True, text=True).stdout
         seen.append(f"{state} / node {node.strip()}")
+        now = time.monotonic()
         if state[:2] == ["PENDING", "BeginTime"]:
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
+            held_since = held_since or now
+            if now - held_since >= 5 and now - released_at >= 10:
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
+                released_at = now
         if any(s in node for s in ("drain", "down")):
             subprocess.run(["scontrol", "update", "NodeName=localhost", "State=RESUME"], env=slurm)
         time.sleep(1)
