@@ -21,7 +21,6 @@ import tempfile
 import torch
 from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.integrations import HfDeepSpeedConfig
 
 from curvzo_ds.config.presets import DEMO_MODELS
 from curvzo_ds.errors import ConfigError
@@ -75,6 +74,8 @@ def build_model(model_cfg, seed: int, ds_config: dict, group=None, mpu=None):
     else:
         probe_hub(model_cfg.model)
         if ds_config.get("zero_optimization", {}).get("stage") == 3:
+            from transformers.integrations import HfDeepSpeedConfig  # imports DeepSpeed: not at the top (inputs.py)
+
             keep_alive = HfDeepSpeedConfig(ds_config)
         where = {} if quantized is None else {"quantization_config": quantized, "device_map": {"": load_device()}}
         with ds_compat.zero_init_group(group if keep_alive is not None else None, mpu):

@@ -8,8 +8,6 @@ import hashlib
 import json
 import logging
 
-from deepspeed.accelerator import get_accelerator
-
 from curvzo_ds import data as D
 from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.config.sections import section
@@ -23,9 +21,14 @@ log = logging.getLogger("curvzo_ds")
 
 
 def check_dtype(dtype: str) -> None:
-    """float16 where DeepSpeed's accelerator has none: one line (else DeepSpeed's ValueError, later)."""
+    """float16 where DeepSpeed's accelerator has none: one line (else DeepSpeed's ValueError, later). DeepSpeed is
+    imported for float16 only: `train --check`, the launch scripts' preflight, needs it for nothing else."""
+    if dtype != "float16":
+        return
+    from deepspeed.accelerator import get_accelerator
+
     accelerator = get_accelerator()
-    if dtype == "float16" and not accelerator.is_fp16_supported():
+    if not accelerator.is_fp16_supported():
         raise ConfigError(f"dtype=float16: DeepSpeed's {accelerator.device_name()} accelerator has no float16 "
                           "on this machine; use dtype=bfloat16 or dtype=float32")
 
