@@ -16,7 +16,7 @@ from curvzo_ds.config.schema import ZOConfig
 from curvzo_ds.data.stream import MicroBatches, split_batch
 from curvzo_ds.engine import StepResult, ZOEngine
 from curvzo_ds.errors import ConfigError, NonFiniteLossError
-from curvzo_ds.startup import extensions_dir, quiet_known_warnings
+from curvzo_ds.startup import defer_mlflow, extensions_dir, quiet_known_warnings
 from curvzo_ds.versions import check_versions
 
 __version__ = "0.1.0"
@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 with contextlib.suppress(ConfigError):  # a TORCH_EXTENSIONS_DIR that is a file: the CLI says so in one line
     extensions_dir()
 quiet_known_warnings()
+defer_mlflow()  # DeepSpeed's autotuner's mlflow import is 2 s of every start (startup.py)
 check_versions()  # an unsupported torch, deepspeed, transformers, accelerate or peft is named here (versions.py)
 
 __all__ = [

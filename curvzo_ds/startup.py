@@ -11,6 +11,10 @@ stdout.
   message only). peft imports bitsandbytes whenever it is installed, and on a CPU with AVX512-bf16 bitsandbytes
   warns at import that an optional kernel package is missing, then runs its own fallback: nothing a user must
   act on, so its logger shows errors only.
+- `defer_mlflow()`: DeepSpeed's autotuner imports mlflow when it is installed (`try: import mlflow`), and only the
+  autotuner's own runs use it; that import is 1.7-2.5 s of every process's start-up here. When DeepSpeed is first
+  imported (`import curvzo_ds` does not import it), it runs with mlflow hidden; mlflow is un-hidden at once, so a
+  run that reports to mlflow imports it as usual.
 - `exit_now(code)`: leave without the interpreter's teardown, which can abort or hang in a communication library's
   threads once the process group is gone ("terminate called without an active exception", pytorch/pytorch#190489).
 - `stdout_to_log()`: what DeepSpeed prints while it starts (`... built successfully`) is kept and logged by
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.abc
+import importlib.machinery
 import io
 import logging
 import os
@@ -42,6 +48,43 @@ def extensions_dir() -> str:
     name = f"{os.path.basename(prefix) or 'python'}-{hashlib.sha256(prefix.encode()).hexdigest()[:12]}"
     os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(cache, "torch_extensions", name)
     return os.environ["TORCH_EXTENSIONS_DIR"]
+
+
+class _HideMlflow(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds `deepspeed` with the finders after it, and runs its `__init__` with `import mlflow` failing; leaves
+    sys.meta_path once DeepSpeed is imported. (A `find_spec("deepspeed")` that only asks whether DeepSpeed is
+    installed, as transformers does, imports nothing, so the finder stays for the import that follows.)"""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "deepspeed" or "mlflow" in sys.modules:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    self.inner, spec.loader = spec.loader, self
+                return spec
+        return None
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        module.__spec__.loader = module.__loader__ = self.inner
+        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError; the autotuner's try sets has_mlflow
+        try:
+            self.inner.exec_module(module)
+        finally:
+            if sys.modules.get("mlflow", False) is None:
+                del sys.modules["mlflow"]
+
+
+def defer_mlflow() -> None:
+    """DeepSpeed's first import skips its autotuner's mlflow import (module docstring); nothing once it is done."""
+    if "deepspeed" not in sys.modules and not any(isinstance(f, _HideMlflow) for f in sys.meta_path):
+        sys.meta_path.insert(0, _HideMlflow())
 
 
 def quiet_known_warnings() -> None:

@@ -36,22 +36,42 @@ class LaunchCounter:
             launches.pop()
 
     def pytest_sessionfinish(self, session, exitstatus):
-        launches.settle()
+        if not session.config.pluginmanager.has_plugin("dsession"):  # pytest-xdist's controller starts only workers
+            launches.settle()
         recorded = launches.load()
         if os.environ.get("CURVZO_RECORD_LAUNCHES"):
             launches.save(recorded)
             return
-        over = launches.excess(recorded)
-        if over:
+        over = launches.excess(recorded) + getattr(session.config, "_curvzo_launch_excess", [])
+        if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: the controller reports and fails
+            session.config.workeroutput["curvzo_launch_excess"] = over
+        elif over:
             session.config._curvzo_launch_excess = over
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error):
+        """pytest-xdist's controller: a worker's launches above the record fail the run as a serial run's do."""
+        over = getattr(node, "workeroutput", {}).get("curvzo_launch_excess", [])
+        config = node.config
+        config._curvzo_launch_excess = getattr(config, "_curvzo_launch_excess", []) + over
 
     def pytest_unconfigure(self, config):
         launches.remove_log()
 
 
 def pytest_configure(config):
+    if os.environ.get("CURVZO_RECORD_LAUNCHES") and getattr(config.option, "numprocesses", None):
+        raise pytest.UsageError("CURVZO_RECORD_LAUNCHES=1 records the launches of one process: add -n 0")
     config.pluginmanager.register(LaunchCounter(), "curvzo-launch-counter")
+
+
+# The files with the longest total time, longest first (measured: docs/testing.md). tools/test.sh runs the suite in
+# two pytest-xdist workers that take whole files in collection order, so a long file started last would run alone
+# at the end; the rest follow in their usual order.
+SLOWEST_FIRST = ["test_reliability", "test_launchers", "test_zero3", "test_app", "test_benchmarks", "test_plan",
+                 "test_integrations", "test_docs_figures", "test_perturb", "test_engine", "test_real_model",
+                 "test_user_paths", "test_eval", "test_hybrid"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,6 +81,8 @@ def pytest_collection_modifyitems(config, items):
     (`python -m pytest -m gpu` runs them on a GPU machine)."""
     import torch
 
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each file's own order is kept
     for item in items:
         if item.get_closest_marker("multirank") or RUN_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)

@@ -39,9 +39,14 @@ BUDGET = {"started": 230, "forked": 310}
 
 counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 owner: list[str] = ["<session>"]  # who is launching now: a test id or fixture:<name>
-OWN_LOG = "CURVZO_TEST_LAUNCH_LOG" not in os.environ  # this process is the test session (not one it started)
+# This process is a test session, not one it started: the first to import this module, or a pytest-xdist worker
+# (tools/test.sh runs two; each keeps its own log, which the processes its tests start inherit with the marker).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+OWN_LOG = ("CURVZO_TEST_LAUNCH_LOG" not in os.environ
+           or os.environ.get("CURVZO_TEST_LAUNCH_WORKER", "") != _WORKER)
 if OWN_LOG:
     os.environ["CURVZO_TEST_LAUNCH_LOG"] = os.path.join(tempfile.mkdtemp(prefix="curvzo-launches-"), "started.log")
+    os.environ["CURVZO_TEST_LAUNCH_WORKER"] = _WORKER
 LOG = os.environ["CURVZO_TEST_LAUNCH_LOG"]
 _read = 0  # how far the log has been attributed
 

@@ -53,12 +53,16 @@ def test_generated_doc_tables_are_current():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_importing_the_cli_imports_neither_deepspeed_nor_transformers():
+def test_importing_the_cli_imports_neither_deepspeed_nor_transformers_and_deepspeed_skips_mlflow():
     """cli imports every command module to build its parser; a command imports DeepSpeed and transformers in its
     handler, so that --help stays quick and DeepSpeed's first log line never reaches `eval`'s stdout."""
-    code = "import sys, curvzo_ds.cli; print(sorted({'deepspeed', 'transformers'} & set(sys.modules)))"
+    code = ("import sys, curvzo_ds.cli; print(sorted({'deepspeed', 'transformers'} & set(sys.modules)))\n"
+            # DeepSpeed's first import leaves its autotuner's mlflow out (startup.defer_mlflow), not a user's
+            "import importlib.util; importlib.util.find_spec('deepspeed')\n"  # as transformers asks first
+            "import deepspeed, deepspeed.autotuning.autotuner as a; print(a.has_mlflow, 'mlflow' in sys.modules)\n"
+            "import mlflow; print(mlflow.__name__)")
     proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+    assert proc.returncode == 0 and proc.stdout.split() == ["[]", "False", "False", "mlflow"], proc.stdout + proc.stderr
 
 
 
