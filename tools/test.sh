@@ -33,7 +33,9 @@ start=$(date +%s)
 status=0
 # Two processes, a test file each at a time, the slowest files first (conftest.py's SLOWEST_FIRST): a launch waits
 # on its ranks' start-up more than it computes, so two files at once fill the 2 cores (docs/testing.md). `-n 0`
-# after the arguments runs it in one process.
-python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25 "$@" || status=$?
+# after the arguments runs it in one process, as recording the launches does.
+workers=(-n 2 --dist loadfile --no-loadscope-reorder)
+[ -n "${CURVZO_RECORD_LAUNCHES:-}" ] && workers=()
+python -m pytest "${workers[@]}" --durations=25 "$@" || status=$?
 echo "tools/test.sh: pytest $* took $(( $(date +%s) - start )) s of wall time (exit $status)"
 exit $status
