@@ -109,6 +109,8 @@ def init_distributed(timeout_seconds: float = 1800):
                 port = MPI.COMM_WORLD.bcast(port, root=0)
             deepspeed.init_distributed(auto_mpi_discovery=(kind == "mpi"), verbose=False, distributed_port=port,
                                        timeout=datetime.timedelta(seconds=timeout_seconds))
+            if dist.get_world_size() > 1:  # every rank done connecting before any may exit (a config error): a
+                dist.barrier()  # rank that left during a peer's gloo handshake failed it ("Connection closed by peer")
         _unlink_shm_buffer()
         CREATED[0] = True
     rank, world = dist.get_rank(), dist.get_world_size()
