@@ -5,14 +5,13 @@ ranks included) and the commands it forks from tests/cli_server.py. Every run of
 launches more than its record (tests/conftest.py), so the record is an upper bound. This test keeps the recorded
 total within BUDGET."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
 from tests import launches
-from tests.helpers import ENV, ROOT
+from tests.helpers import ENV
 
 
 def test_the_recorded_launches_stay_within_the_budget():
@@ -44,7 +43,6 @@ def test_a_launch_above_the_record_fails_a_run_in_two_workers(tmp_path):
     (tmp_path / "test_scratch.py").write_text(SCRATCH)
     env = {k: v for k, v in ENV.items() if not k.startswith("PYTEST_XDIST") and k != "CURVZO_RECORD_LAUNCHES"}
     env["CURVZO_TEST_LAUNCH_WORKER"] = "outer"  # this child session keeps its own log, as a worker does
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-n", "2",
                            "--dist", "loadfile", "--rootdir", str(tmp_path), "test_scratch.py"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
