@@ -45,7 +45,18 @@ import tempfile
 import numpy as np
 
 from experiments.core import Log, record_run, run_curve
-from experiments.rate_rule import ARMS, CONFIGS, TASKS, Cache, diverged, pilot_state, pilot_tail, round3, settings_of
+from experiments.rate_rule import (
+    ARMS,
+    CONFIGS,
+    PROTOCOL_ARMS,
+    TASKS,
+    Cache,
+    diverged,
+    pilot_state,
+    pilot_tail,
+    round3,
+    settings_of,
+)
 from experiments.report import report_lines
 from experiments.smollm import GGUF_SHA256, base_config, convert, fetch_gguf, write_task
 
@@ -173,7 +184,7 @@ def main(argv=None) -> None:
     parser.add_argument("--arm", choices=list(ARMS))
     parser.add_argument("--task", choices=TASKS)
     parser.add_argument("--runs", nargs="*", default=[], metavar="LR:SEED")
-    parser.add_argument("--arms", nargs="*", choices=list(ARMS), default=list(ARMS), help="for --plan and --report")
+    parser.add_argument("--arms", nargs="*", choices=list(ARMS), default=PROTOCOL_ARMS, help="for --plan and --report")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "protocol"),
                         help="where runs/ and progress.log go")
     parser.add_argument("--reuse", default=os.path.join(HERE, "results", "real-model", "runs"),

@@ -32,6 +32,8 @@ from experiments.stats import rloo_rate_ratio
 ARMS = {"mezo": dict(method="mezo"),  # one row of config keys each; a run's settings hold its row as `spec`
         "rloo-8": dict(method="mezo", difference="rloo", num_directions=8),
         "rloo-8-std": dict(method="mezo", difference="rloo", num_directions=8, step_normalization="loss_std")}
+PROTOCOL_ARMS = list(ARMS)  # the protocol's; the rows below are issue 58's pilots with +-1 directions (--run only)
+ARMS.update({f"{arm}-pm1": dict(ARMS[arm], perturbation="rademacher") for arm in ("mezo", "rloo-8-std")})
 TASKS = ["sentiment", "topic"]
 # x_dev at MeZO's step 100 (experiments/x_dev.py, experiments/results/x-dev/): the predicted RLOO rate ratio's x.
 X_DEV = {"sentiment": 0.142, "topic": 0.036}  # ± 0.013 and ± 0.005 (2026-11-28, experiments/RESULTS.md)
@@ -39,7 +41,8 @@ MEZO_START = {"sentiment": 1e-4, "topic": 5e-5}
 STD_START = 1e-3
 CONFIGS = {
     "full": dict(forwards=400, eval_every=40, full_at=[0, 200, 400], subset=V.SUBSET,
-                 pilot_eval={"mezo": 50, "rloo-8": 40, "rloo-8-std": 40}, pilot_seeds=[0, 1, 2],
+                 pilot_eval={"mezo": 50, "rloo-8": 40, "rloo-8-std": 40, "mezo-pm1": 50, "rloo-8-std-pm1": 40},
+                 pilot_seeds=[0, 1, 2],
                  fresh_seeds=list(range(3, 11)), max_grid=8, tasks=TASKS),
     "ci": dict(forwards=16, eval_every=8, full_at=[0, 8, 16], subset=8, pilot_eval={"mezo": 8, "rloo-8": 8,
                                                                                     "rloo-8-std": 8},

@@ -5,10 +5,14 @@ The detector reads only numbers every rank has identically: the step's all-reduc
 bit-identical at every world size and across a resume (its state is a checkpoint component). A run has diverged
 when
 - its dev loss is not finite, or the engine stopped after `max_consecutive_skips` non-finite train losses in a row;
-- the running mean of its train loss (an EMA, rate 0.1, from the first step's loss) is above twice the larger of its
-  lowest value so far and a quarter of the first step's loss (the floor keeps a run whose loss went to nearly 0
-  from stopping on minibatch noise);
-- its dev loss is above twice the best dev loss so far (a slow drift that the train loss hides).
+- after a warm-up of 20 counted steps, the running mean of its train loss (an EMA, rate 0.02, started at the
+  warm-up's plain mean) is above twice the larger of its lowest value since and a quarter of the first step's loss
+  (the floor keeps a run whose loss went to nearly 0 from stopping on minibatch noise). One batch's loss, or the
+  lowest value of a fast mean, is too noisy a reference: issue 47's MeZO seed 4 on SmolLM2 (batch 8) stopped at
+  step 3 on the old rule (a first batch's loss, rate 0.1; experiments/RESULTS.md, "The diverged seed replayed");
+- its dev loss is above twice the better of the zero-shot dev loss (a fresh run evaluates dev before its first step,
+  an eval line at step 0) and the best dev loss so far: a slow drift that the train loss hides, or a run that went
+  bad inside the train rule's warm-up.
 The two ratio rules need a positive loss: with `objective` accuracy or f1 (the loss is minus the metric, <= 0) only a
 non-finite loss counts.
 `on_divergence=rollback` (the default) goes back to the newest checkpoint saved before the run went bad (at or before
@@ -27,21 +31,24 @@ import os
 
 from curvzo_ds.checkpoint.manager import list_checkpoints
 from curvzo_ds.errors import Diverged
+from curvzo_ds.train.outputs import fmt_metrics
 
 log = logging.getLogger("curvzo_ds")
 
-RATE = 0.1  # the EMA's rate
+RATE = 0.02  # the EMA's rate: about 100 steps' losses, so that its lowest value does not drift down with the noise
+WARMUP = 20  # counted steps whose plain mean starts the EMA; the train rule decides nothing before (a batch is noisy)
 FACTOR = 2.0  # a running mean (or a dev loss) above FACTOR x its reference has diverged
 FLOOR = 0.25  # the train reference is at least FLOOR x the first step's loss
 
 
 class DivergenceWatch:
-    """The detector's state (a checkpoint component): the train losses' running mean, its lowest value and the step
-    of it, the first loss; the best dev loss and its step. `good_step()`: the last step before the run went bad."""
+    """The detector's state (a checkpoint component): the steps counted, the train losses' running mean, its lowest
+    value and the step of it, the first loss; the best dev loss (the zero-shot one included) and its step.
+    `good_step()`: the last step before the run went bad."""
 
     def __init__(self):
         self.first = self.mean = self.lowest = self.best_dev = None
-        self.lowest_step = self.best_dev_step = 0
+        self.counted = self.lowest_step = self.best_dev_step = 0
 
     def observe_step(self, step: int, loss: float | None) -> str | None:
         """The reason the run has diverged at `step`, or None (a skipped step's loss is None: not counted)."""
@@ -49,7 +56,11 @@ class DivergenceWatch:
             return None
         if self.first is None:
             self.first = loss
-        self.mean = loss if self.mean is None else (1 - RATE) * self.mean + RATE * loss
+        self.counted += 1
+        if self.counted <= WARMUP:  # the warm-up's plain mean; no decision yet
+            self.mean = loss if self.mean is None else self.mean + (loss - self.mean) / self.counted
+            return None
+        self.mean = (1 - RATE) * self.mean + RATE * loss
         if self.lowest is None or self.mean <= self.lowest:
             self.lowest, self.lowest_step = self.mean, step
         reference = max(self.lowest, FLOOR * self.first)
@@ -63,7 +74,7 @@ class DivergenceWatch:
             return f"the dev loss is {loss}"
         if self.best_dev is not None and self.best_dev > 0 and loss > FACTOR * self.best_dev:
             return (f"the dev loss {loss:.4g} is above {FACTOR:g}x the best so far, {self.best_dev:.4g} (at step "
-                    f"{self.best_dev_step})")
+                    f"{self.best_dev_step}{', the zero-shot loss' if self.best_dev_step == 0 else ''})")
         if self.best_dev is None or loss < self.best_dev:
             self.best_dev, self.best_dev_step = loss, step
         return None
@@ -75,12 +86,29 @@ class DivergenceWatch:
         return min(good, self.best_dev_step) if self.best_dev is not None else good
 
     def state_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("first", "mean", "lowest", "lowest_step", "best_dev", "best_dev_step")}
+        return {k: getattr(self, k) for k in ("first", "mean", "lowest", "lowest_step", "best_dev", "best_dev_step",
+                                              "counted")}
 
     def load_state_dict(self, state: dict) -> None:
         for k in ("first", "mean", "lowest", "best_dev"):
             setattr(self, k, state.get(k))
         self.lowest_step, self.best_dev_step = int(state.get("lowest_step", 0)), int(state.get("best_dev_step", 0))
+        # a checkpoint of the old rule (no count): its mean is past any warm-up
+        self.counted = int(state.get("counted", WARMUP if self.mean is not None else 0))
+
+
+def zero_shot(job, record, watch: DivergenceWatch) -> None:
+    """A fresh run with dev evaluations evaluates dev before its first step (collective): an eval line at step 0,
+    the curve's first point and the dev rule's reference. A loss that is not finite already is said, not acted on
+    (there is nothing to roll back to); the run's own steps meet it."""
+    dev = job.evaluator.evaluate("dev", 0)
+    record.evaluation(0, "dev", dev)
+    log.info("step 0: dev %s (before the first step: the zero-shot reference of the divergence watch)",
+             fmt_metrics(dev))
+    reason = watch.observe_dev(0, dev.get("loss"))
+    if reason:
+        log.warning("step 0: %s before any step: the model's zero-shot loss is not finite; check the model's dtype "
+                    "and the task's inputs", reason)
 
 
 def rollback_target(output_dir: str, good_step: int) -> str | None:

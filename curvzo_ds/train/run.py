@@ -23,7 +23,7 @@ from curvzo_ds.errors import ConfigError
 from curvzo_ds.shard.digest import params_digest
 from curvzo_ds.shard.distributed import launcher_kind
 from curvzo_ds.train.build import Job, build
-from curvzo_ds.train.divergence import DivergenceWatch
+from curvzo_ds.train.divergence import DivergenceWatch, zero_shot
 from curvzo_ds.train.logs import RunLog, log_to_file
 from curvzo_ds.train.loop import Clock, final_evaluations, train_loop, with_digest
 from curvzo_ds.train.outputs import (
@@ -59,8 +59,11 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
                             pi_file=not METHOD_SPECS[Method(cfg.method)].every_block, rank=job.rank,
                             block_names=[b.name for b in engine.blocks], start=engine.step_count,
                             run_config=to_dict(cfg))
-            if cfg.on_divergence == "rollback" and engine.step_count == 0:
+            if engine.step_count == 0 and cfg.on_divergence == "rollback":
                 engine.gather_persistent()  # before any forward: the regions a checkpoint reads
+            if engine.step_count == 0 and job.evaluator.should_eval(0):
+                zero_shot(job, record, watch)  # the dev rule's reference, in checkpoint-0's watch state
+            if engine.step_count == 0 and cfg.on_divergence == "rollback":
                 manager.save_initial(engine)  # checkpoint-0: a run that diverges early returns here
             elif cfg.on_divergence == "rollback":
                 manager.keep_initial()  # a resumed run: its first start's checkpoint-0, if there
