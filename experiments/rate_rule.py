@@ -45,7 +45,8 @@ CONFIGS = {
                  pilot_seeds=[0, 1, 2],
                  fresh_seeds=list(range(3, 11)), max_grid=8, tasks=TASKS),
     "ci": dict(forwards=16, eval_every=8, full_at=[0, 8, 16], subset=8, pilot_eval={"mezo": 8, "rloo-8": 8,
-                                                                                    "rloo-8-std": 8},
+                                                                                    "rloo-8-std": 8, "mezo-pm1": 8,
+                                                                                    "rloo-8-std-pm1": 8},
                pilot_seeds=[0, 1], fresh_seeds=[2, 3], max_grid=3, tasks=["sentiment"]),
 }
 CI_START = {"mezo": 1e-3, "rloo-8": 4e-3, "rloo-8-std": 1e-3}

@@ -190,6 +190,38 @@ def report_lines(cache: Cache, tasks: list[str], arms: list[str], null_path: str
                         pilot_rows.append(f"| {task} | {arm} | {lr:g} | {seed} | {' / '.join(at)} | {tail} | "
                                           f"{r['source']} |")
             lines.append(f"- {task} / {arm} (start {st['start']:g}): {', '.join(cells)}; {st['why']}")
-    return lines + pilot_rows
+    return lines + pilot_rows + perturbation_lines(cache, tasks)
+
+
+def perturbation_lines(cache: Cache, tasks: list[str]) -> list[str]:
+    """Issue 58's pilots: each base arm at the rule's rate on its pilot seeds with Gaussian and with +-1 directions
+    (the `-pm1` arm), paired by seed. +-1 is no worse when the mean paired difference of the tail mean log dev loss
+    is within the Gaussian pilots' spread (their sd over the seeds)."""
+    rows = []
+    for task in tasks:
+        for arm in ("mezo", "rloo-8-std"):
+            lr = pilot_state(cache, task, arm)["chosen"]
+            pairs = [(cache.get(task, arm, lr, s), cache.get(task, f"{arm}-pm1", lr, s))
+                     for s in cache.plan["pilot_seeds"]] if lr is not None else []
+            pairs = [(g, r) for g, r in pairs if g is not None and r is not None]
+            if not pairs:
+                continue
+            tails = np.array([[math.inf if diverged(x) else pilot_tail(x) for x in pair] for pair in pairs])
+            diff, spread = tails[:, 1] - tails[:, 0], float(np.std(tails[:, 0], ddof=1)) if len(pairs) > 1 else 0.0
+            secs = [[x.get("step_seconds", math.nan) for x in pair] for pair in pairs]
+            acc = [[x["test"]["accuracy"] for x in pair] for pair in pairs]
+            ok = "yes" if abs(float(np.mean(diff))) <= spread or np.mean(diff) < 0 else "no"
+            rows.append(f"| {task} | {arm} | {lr:g} | {len(pairs)} | {mean_sd(tails[:, 0])} | {mean_sd(tails[:, 1])} | "
+                        f"{np.mean(diff):+.3f} ({', '.join(f'{d:+.3f}' for d in diff)}) | {spread:.3f} | "
+                        f"{np.mean([a for a, _ in acc]):.3f} / {np.mean([b for _, b in acc]):.3f} | "
+                        f"{np.mean([a for a, _ in secs]):.2f} / {np.mean([b for _, b in secs]):.2f} | {ok} |")
+    if not rows:
+        return []
+    return ["", "Issue 58's pilots: Gaussian against +-1 directions (the `-pm1` arms), each base arm at its chosen "
+            "rate, paired by pilot seed (the full dev set; tail = mean log dev loss over the pilot's points in the "
+            "last 40% of its forwards):", "",
+            "| task | arm | rate | seeds | tail, Gaussian | tail, +-1 | +-1 - Gaussian, mean (per seed) | Gaussian "
+            "tails' sd | test accuracy, Gaussian / +-1 | seconds a step, Gaussian / +-1 | +-1 no worse? |",
+            "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 

@@ -49,6 +49,28 @@ def test_the_lattice_is_sqrt2_steps_rounded_to_3_digits():
     assert rloo_rate_ratio(8, 0.0) == pytest.approx(7) and rloo_rate_ratio(8, 0.25) < 7
 
 
+def test_the_report_pairs_issue_58s_pilots_by_seed_at_the_chosen_rate(tmp_path):
+    """+-1 directions (the `-pm1` arm) against Gaussian, at the rate the rule chose for the base arm, paired by
+    pilot seed; no worse when the mean paired difference is within the Gaussian tails' spread."""
+    cache = fake_cache(tmp_path)
+    assert P.PROTOCOL_ARMS == ["mezo", "rloo-8", "rloo-8-std"]  # the pilots' arms are not the protocol's
+    for s in range(3):
+        put(cache, "mezo", rate(0), s, tail=-1.0)
+        put(cache, "mezo", rate(1), s, tail=-1.2 - 0.05 * s)  # chosen; the tails' sd is 0.05
+        put(cache, "mezo", rate(2), s, tail=-1.1)
+        put(cache, "mezo-pm1", rate(1), s, tail=-1.17 - 0.05 * s)  # 0.03 worse on every seed: within the spread
+    lines = report_lines(cache, ["sentiment"], ["mezo"], None)
+    rows = [x for x in lines[lines.index(next(x for x in lines if x.startswith("Issue 58's pilots"))):]
+            if x.startswith("| sentiment")]
+    assert len(rows) == 1 and rows[0].startswith(f"| sentiment | mezo | {rate(1):g} | 3 |")
+    assert "+0.030 (+0.030, +0.030, +0.030) | 0.050 |" in rows[0] and rows[0].endswith("| yes |")
+    for s in range(3):
+        put(cache, "mezo-pm1", rate(1), s, tail=-1.1 - 0.05 * s)  # 0.1 worse: beyond the spread
+    rows = [x for x in report_lines(cache, ["sentiment"], ["mezo"], None) if x.startswith("| sentiment | mezo | ")
+            and x.endswith("|") and "(+0.100" in x]
+    assert len(rows) == 1 and rows[0].endswith("| no |")
+
+
 def test_the_grid_goes_up_until_the_tail_gets_worse(tmp_path):
     cache = fake_cache(tmp_path)
     for s in range(3):

@@ -236,10 +236,19 @@ def write_run_config(cfg: TrainConfig, directory: str) -> None:
         json.dump(to_dict(cfg), f, indent=1)
 
 
+def end_counts(engine) -> dict:
+    """The run's counters at its last step, taken before the final evaluations: they may load the best-dev
+    checkpoint, and with it that step's counters (a rollback after it would go uncounted)."""
+    return {"skipped_steps": engine.skipped_total,
+            "learning_rate_chosen": engine.rate.base,  # learning_rate auto's choice (else the key's value)
+            "rollbacks": engine.rate.rollbacks}  # divergence rollbacks (train/divergence.py)
+
+
 def write_summary(job, manager, step: int, digest: str, final: dict, best: dict | None, test: dict | None,
-                  wall_seconds: float) -> dict:
+                  wall_seconds: float, counts: dict) -> dict:
     """The summary of a train Job (train/build.py) that ended at `step`, gathered from every rank: rank 0 writes
-    output_dir/summary.json and logs the done line; every rank returns the summary (after a barrier)."""
+    output_dir/summary.json and logs the done line; every rank returns the summary (after a barrier). `counts`:
+    end_counts() at the last step."""
     cfg, engine, comm = job.cfg, job.engine, job.topology.job
     ranks = comm.all_gather_object((peak_rss_bytes(), socket.gethostname(), device_name(job.device)))
     rss, hostnames, device_names = (list(column) for column in zip(*ranks))
@@ -253,9 +262,7 @@ def write_summary(job, manager, step: int, digest: str, final: dict, best: dict 
         "best_dev": ({"step": best["step"], **best["metrics"], "checkpoint": best["checkpoint"],
                       "digest": best["digest"]} if best else None),
         "test": test,
-        "skipped_steps": engine.skipped_total,
-        "learning_rate_chosen": engine.rate.base,  # learning_rate auto's choice (else the key's value)
-        "rollbacks": engine.rate.rollbacks,  # divergence rollbacks (train/divergence.py)
+        **counts,
         "num_blocks": engine.num_blocks,
         "num_params": engine.num_params,
         "checkpoint": manager.path_for(step),

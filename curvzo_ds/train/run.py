@@ -29,6 +29,7 @@ from curvzo_ds.train.loop import Clock, final_evaluations, train_loop, with_dige
 from curvzo_ds.train.outputs import (
     RunLock,
     check_writable,
+    end_counts,
     prepare_output_dir,
     refuse_untrained_eval_of_a_run,
     write_config,
@@ -76,12 +77,12 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
             if not resumed_at(resumed_from, manager.path_for(engine.step_count)):
                 manager.maybe_save(engine, last=True)
             step = engine.step_count  # the weights' steps: the best checkpoint may be loaded below to evaluate test
-            digest = params_digest(engine.entries, job.topology.job)
+            digest, counts = params_digest(engine.entries, job.topology.job), end_counts(engine)
             final, best, test = final_evaluations(job, manager, record)
             best = with_digest(job, best, step, digest)
             manager.drop_initial(job.rank)  # the run is over: checkpoint-0 was its fallback only
             record.close()
-            return write_summary(job, manager, step, digest, final, best, test, time.time() - started)
+            return write_summary(job, manager, step, digest, final, best, test, time.time() - started, counts)
         finally:
             if lock is not None:
                 lock.release()  # on every way out; a process that dies holds no lock either (outputs.RunLock)
