@@ -334,8 +334,9 @@ class TrainConfig(ZOConfig):
                                                      "inside a group, replicas across groups); auto: the smallest "
                                                      "group that fits (docs/scaling.md); null: the world size")
     on_divergence: str = key("rollback", "a diverging run (a non-finite dev loss or max_consecutive_skips non-finite "
-                                         "steps; the train loss's running mean above twice its lowest, or the dev "
-                                         "loss above twice its best): rollback (to the newest checkpoint before it "
+                                         "steps; after a 20-step warm-up the train loss's running mean above twice "
+                                         "its lowest; the dev loss above twice the better of its zero-shot and best "
+                                         "values): rollback (to the newest checkpoint before it "
                                          "went bad, at half the rate) or stop (exit 4, the checkpoints intact); "
                                          "docs/reliability.md")
     max_rollbacks: int = key(3, "on_divergence=rollback: rollbacks before the run stops as on_divergence=stop")
