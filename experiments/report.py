@@ -211,7 +211,8 @@ def perturbation_lines(cache: Cache, tasks: list[str]) -> list[str]:
             secs = [[x.get("step_seconds", math.nan) for x in pair] for pair in pairs]
             acc = [[x["test"]["accuracy"] for x in pair] for pair in pairs]
             ok = "yes" if abs(float(np.mean(diff))) <= spread or np.mean(diff) < 0 else "no"
-            rows.append(f"| {task} | {arm} | {lr:g} | {len(pairs)} | {mean_sd(tails[:, 0])} | {mean_sd(tails[:, 1])} | "
+            rows.append(f"| {task} | {arm} | {lr:g} | {len(pairs)} | {finite_tails(tails[:, 0])} | "
+                        f"{finite_tails(tails[:, 1])} | "
                         f"{np.mean(diff):+.3f} ({', '.join(f'{d:+.3f}' for d in diff)}) | {spread:.3f} | "
                         f"{np.mean([a for a, _ in acc]):.3f} / {np.mean([b for _, b in acc]):.3f} | "
                         f"{np.mean([a for a, _ in secs]):.2f} / {np.mean([b for _, b in secs]):.2f} | {ok} |")
@@ -225,3 +226,8 @@ def perturbation_lines(cache: Cache, tasks: list[str]) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
+def finite_tails(tails: np.ndarray) -> str:
+    """mean ± sd of the seeds that did not diverge, and how many did."""
+    ok = tails[np.isfinite(tails)]
+    bad = len(tails) - len(ok)
+    return (mean_sd(ok) if len(ok) else "-") + (f"; {bad} diverged" if bad else "")
