@@ -103,7 +103,8 @@ def test_bench_suite_writes_every_contract_field(tmp_path):
                                      ("rloo-4", 4, 5), ("rloo-8", 8, 9)):
         m = entry["methods"][method]
         assert m["perturbation"] == "rademacher"
-        assert m["ratio_to_two_forwards"] == m["step_seconds"] / entry["two_forwards_seconds"] > 1
+        # one round at 8 tokens measures nothing: a ratio, not a speed (it was once below 1 under load)
+        assert m["ratio_to_two_forwards"] == m["step_seconds"] / entry["two_forwards_seconds"] > 0
         assert m["forwards_per_step"] == forwards and m["seconds_per_forward"] == m["step_seconds"] / forwards
         assert m["passes_per_step"] == passes  # issue 46: q + 1 passes for RLOO, 3 for a central step
         assert m["other_per_forward_over_mezo"] == m["other_seconds_per_forward"] / (
