@@ -99,13 +99,16 @@ def test_a_live_run_is_locked_and_a_killed_ones_lock_is_not_stale(tmp_path):
     assert not (tmp_path / RunLock.NAME).exists()
     # another process holds it (util-linux's flock, no Python started), then is killed: the file stays, unlocked
     (tmp_path / RunLock.NAME).write_text('{"pid": 1, "host": "h", "started": "then"}\n')
+    def wait_until(locked: bool, tries: int) -> None:  # bounded: the assertions below say what went wrong
+        for _ in range(tries):
+            if (subprocess.run(["flock", "-n", str(tmp_path / RunLock.NAME), "true"]).returncode != 0) == locked:
+                return
+            subprocess.run(["sleep", "0.1"])
+
     other = subprocess.Popen(["flock", "-o", str(tmp_path / RunLock.NAME), "sleep", "60"],  # -o: sleep holds none
                              start_new_session=True)
     try:
-        deadline = 50
-        while deadline and subprocess.run(["flock", "-n", str(tmp_path / RunLock.NAME), "true"]).returncode == 0:
-            deadline -= 1  # until the other process has its lock
-            subprocess.run(["sleep", "0.1"])
+        wait_until(locked=True, tries=50)  # until the other process has its lock
         with pytest.raises(ConfigError, match="in use by a live run"):
             RunLock.take(str(tmp_path))
     finally:
@@ -113,10 +116,7 @@ def test_a_live_run_is_locked_and_a_killed_ones_lock_is_not_stale(tmp_path):
         other.wait()
     # the kernel drops the lock when the last process holding the file is gone; flock's child (killed between its
     # fork and its close, under load) can outlive flock's own wait by a moment, so wait for that (bounded)
-    deadline = 100
-    while deadline and subprocess.run(["flock", "-n", str(tmp_path / RunLock.NAME), "true"]).returncode != 0:
-        deadline -= 1
-        subprocess.run(["sleep", "0.1"])
+    wait_until(locked=False, tries=100)
     assert (tmp_path / RunLock.NAME).exists()
     RunLock.take(str(tmp_path)).release()
 

@@ -60,13 +60,15 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
                             pi_file=not METHOD_SPECS[Method(cfg.method)].every_block, rank=job.rank,
                             block_names=[b.name for b in engine.blocks], start=engine.step_count,
                             run_config=to_dict(cfg))
-            if engine.step_count == 0 and cfg.on_divergence == "rollback":
-                engine.gather_persistent()  # before any forward: the regions a checkpoint reads
-            if engine.step_count == 0 and job.evaluator.should_eval(0):
-                zero_shot(job, record, watch)  # the dev rule's reference, in checkpoint-0's watch state
-            if engine.step_count == 0 and cfg.on_divergence == "rollback":
-                manager.save_initial(engine)  # checkpoint-0: a run that diverges early returns here
-            elif cfg.on_divergence == "rollback":
+            rollback = cfg.on_divergence == "rollback"
+            if engine.step_count == 0:
+                if rollback:
+                    engine.gather_persistent()  # before any forward: the regions a checkpoint reads
+                if job.evaluator.should_eval(0):
+                    zero_shot(job, record, watch)  # the dev rule's reference, in checkpoint-0's watch state
+                if rollback:
+                    manager.save_initial(engine)  # checkpoint-0: a run that diverges early returns here
+            elif rollback:
                 manager.keep_initial()  # a resumed run: its first start's checkpoint-0, if there
             try:
                 with record.progress():
