@@ -210,6 +210,37 @@ def test_the_dev_rule_reads_the_zero_shot_loss_and_returns_to_before_the_first_s
     assert again.counted == 20
 
 
+def test_a_run_whose_best_dev_is_no_better_than_zero_shot_is_said_to_be():
+    """The end-of-run warning (issue 57's noisy task: MeZO ends above its zero-shot dev loss): by the best-dev metric,
+    in its direction; nothing where there was no zero-shot evaluation (an older checkpoint's run) or no best."""
+    from curvzo_ds.checkpoint.manager import CheckpointManager
+    from curvzo_ds.train.divergence import no_gain
+
+    def manager(metric, greater_is_better):
+        return CheckpointManager("/nonexistent", metric=metric, greater_is_better=greater_is_better)
+
+    zero, best = {"loss": 0.581, "accuracy": 0.69}, {"step": 800, "metrics": {"loss": 0.593, "accuracy": 0.70}}
+    reason = no_gain(manager("loss", False), zero, best)
+    assert ("best dev evaluation (step 800: loss 0.593, accuracy 0.7) is no better by loss than the zero-shot one "
+            "(before the first step: loss 0.581, accuracy 0.69)") in reason
+    assert "\n" not in reason and "learning_rate" in reason
+    assert no_gain(manager("accuracy", True), zero, best) is None  # better by the metric the best was chosen by
+    assert no_gain(manager("loss", False), zero, {"step": 800, "metrics": {"loss": 0.57}}) is None
+    # a tie in the metric: the lower dev loss decides, as it does between checkpoints
+    tie = {"step": 8, "metrics": {"loss": 0.6, "accuracy": 0.69}}
+    assert "no better by accuracy" in no_gain(manager("accuracy", True), zero, tie)
+    assert no_gain(manager("accuracy", True), zero, {"step": 8, "metrics": {"loss": 0.5, "accuracy": 0.69}}) is None
+    assert no_gain(manager("loss", False), None, best) is None and no_gain(manager("loss", False), zero, None) is None
+    # the zero-shot metrics are the watch's (a checkpoint component): kept across a resume, None from an old one
+    watch = DivergenceWatch()
+    watch.zero_shot = zero
+    again = DivergenceWatch()
+    again.load_state_dict(watch.state_dict())
+    assert again.zero_shot == zero
+    again.load_state_dict({k: v for k, v in watch.state_dict().items() if k != "zero_shot"})
+    assert again.zero_shot is None
+
+
 def test_the_watch_floor_keeps_a_near_zero_loss_from_stopping_on_noise():
     watch = DivergenceWatch()
     for step, loss in enumerate([0.7] + [0.01] * 50 + [0.1, 0.12, 0.1] * 30, 1):  # noise far above 2x the low

@@ -102,17 +102,19 @@ class CheckpointManager:
         return cls(checkpoint_cfg.output_dir, save_steps=checkpoint_cfg.save_steps,
                    save_total_limit=checkpoint_cfg.save_total_limit, **options)
 
-    def is_better(self, metrics: dict) -> bool:
+    def is_better(self, metrics: dict, than: dict | None = None) -> bool:
+        """Whether the evaluation `metrics` is better than the best so far (or than the evaluation `than`)."""
         value = metrics.get(self.metric) if self.metric else None
         if value is None:
             return False
-        if self.best is None:
+        reference = than if than is not None else self.best and self.best["metrics"]
+        if reference is None:
             return True
-        best = self.best["metrics"].get(self.metric)
+        best = reference.get(self.metric)
         if best is None:
             return True
         if value == best:  # a tie (F1 or accuracy on a small dev set often ties): the lower dev loss is better
-            loss, best_loss = metrics.get("loss"), self.best["metrics"].get("loss")
+            loss, best_loss = metrics.get("loss"), reference.get("loss")
             return _finite(loss) and (not _finite(best_loss) or loss < best_loss)
         return value > best if self.greater_is_better else value < best
 

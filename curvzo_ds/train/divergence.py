@@ -43,11 +43,11 @@ FLOOR = 0.25  # the train reference is at least FLOOR x the first step's loss
 
 class DivergenceWatch:
     """The detector's state (a checkpoint component): the steps counted, the train losses' running mean, its lowest
-    value and the step of it, the first loss; the best dev loss (the zero-shot one included) and its step.
-    `good_step()`: the last step before the run went bad."""
+    value and the step of it, the first loss; the best dev loss (the zero-shot one included) and its step; the
+    zero-shot dev metrics (summary.json's `zero_shot_dev`). `good_step()`: the last step before the run went bad."""
 
     def __init__(self):
-        self.first = self.mean = self.lowest = self.best_dev = None
+        self.first = self.mean = self.lowest = self.best_dev = self.zero_shot = None
         self.counted = self.lowest_step = self.best_dev_step = 0
 
     def observe_step(self, step: int, loss: float | None) -> str | None:
@@ -87,10 +87,10 @@ class DivergenceWatch:
 
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("first", "mean", "lowest", "lowest_step", "best_dev", "best_dev_step",
-                                              "counted")}
+                                              "counted", "zero_shot")}
 
     def load_state_dict(self, state: dict) -> None:
-        for k in ("first", "mean", "lowest", "best_dev"):
+        for k in ("first", "mean", "lowest", "best_dev", "zero_shot"):  # zero_shot: None in an older checkpoint
             setattr(self, k, state.get(k))
         self.lowest_step, self.best_dev_step = int(state.get("lowest_step", 0)), int(state.get("best_dev_step", 0))
         # a checkpoint of the old rule (no count): its mean is past any warm-up
@@ -103,6 +103,7 @@ def zero_shot(job, record, watch: DivergenceWatch) -> None:
     (there is nothing to roll back to); the run's own steps meet it."""
     dev = job.evaluator.evaluate("dev", 0)
     record.evaluation(0, "dev", dev)
+    watch.zero_shot = dict(dev)
     log.info("step 0: dev %s (before the first step: the zero-shot reference of the divergence watch)",
              fmt_metrics(dev))
     reason = watch.observe_dev(0, dev.get("loss"))
@@ -161,3 +162,14 @@ def recover(job, manager, record, clock, watch: DivergenceWatch, reason: str, st
                 "(rollback %d of at most %d)", step, reason, target, engine.step_count, new_lr, rate.rollbacks,
                 cfg.max_rollbacks)
     record.rollback(step, engine.step_count, new_lr, rate.rollbacks, reason)
+
+
+def no_gain(manager, zero: dict | None, best: dict | None) -> str | None:
+    """Why the run's best dev evaluation is no better than the zero-shot one (by the manager's best-dev rule), or
+    None: the end-of-run warning that training made the base model worse on dev (on noisy train labels it does,
+    MeZO's too: experiments/RESULTS.md, issue 57's noisy task)."""
+    if not zero or not best or not manager.metric or manager.is_better(best["metrics"], than=zero):
+        return None
+    return (f"the best dev evaluation (step {best['step']}: {fmt_metrics(best['metrics'])}) is no better by "
+            f"{manager.metric} than the zero-shot one (before the first step: {fmt_metrics(zero)}): the base model is "
+            "the better one on dev. Lower learning_rate or max_steps, or check the train labels (noisy labels do this)")

@@ -23,7 +23,7 @@ from curvzo_ds.errors import ConfigError
 from curvzo_ds.shard.digest import params_digest
 from curvzo_ds.shard.distributed import launcher_kind
 from curvzo_ds.train.build import Job, build
-from curvzo_ds.train.divergence import DivergenceWatch, zero_shot
+from curvzo_ds.train.divergence import DivergenceWatch, no_gain, zero_shot
 from curvzo_ds.train.logs import RunLog, log_to_file
 from curvzo_ds.train.loop import Clock, final_evaluations, train_loop, with_digest
 from curvzo_ds.train.outputs import (
@@ -80,8 +80,12 @@ def run_train(cfg: TrainConfig, resume: str | bool | None = None) -> dict:
                 manager.maybe_save(engine, last=True)
             step = engine.step_count  # the weights' steps: the best checkpoint may be loaded below to evaluate test
             digest, counts = params_digest(engine.entries, job.topology.job), end_counts(engine)
+            counts["zero_shot_dev"] = watch.zero_shot  # the dev metrics before the first step (None: none taken)
             final, best, test = final_evaluations(job, manager, record)
             best = with_digest(job, best, step, digest)
+            reason = no_gain(manager, counts["zero_shot_dev"], best)
+            if reason and job.rank == 0:
+                log.warning("%s", reason)
             manager.drop_initial(job.rank)  # the run is over: checkpoint-0 was its fallback only
             record.close()
             return write_summary(job, manager, step, digest, final, best, test, time.time() - started, counts)
