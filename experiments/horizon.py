@@ -55,7 +55,11 @@ ARMS.update({"mezo-lora": dict(method="mezo", lora=True), "std-auto-plateau-lora
                                                                                          lora=True)})
 RHOS = (0.02, 0.04, 0.08, 0.16, 0.32)  # auto_walk_fraction's lattice (x2) on the small model
 ARMS.update({f"std-rho-{rho:g}": dict(STD_AUTO, auto_walk_fraction=rho) for rho in RHOS})
-RATES = {"small": {"mezo": 1e-4, "rloo-8": 4e-4}, "small-rho": {"mezo": 1e-4}, "small-rho-400": {"mezo": 1e-4},
+FIXED = (1.13e-2, 2.26e-2, 5.66e-3)  # loss_std at a fixed rate under plateau: where is the rate a rule should find?
+ARMS.update({f"std-{eta:g}-plateau": dict(RLOO8, step_normalization="loss_std", learning_rate=eta,
+                                           lr_scheduler_type="plateau") for eta in FIXED})
+RATES = {"small": {"mezo": 1e-4, "rloo-8": 4e-4}, "small-rho": {"mezo": 1e-4}, "small-rate": {},
+         "small-rho-400": {"mezo": 1e-4},
          # mezo-lora: MeZO's LoRA rate (the CLI's preset 5e-5, MeZO's paper)
          "smollm": {"mezo": {"sentiment": 1.41e-4, "topic": 7.07e-5}, "rloo-8": {"sentiment": 8e-4, "topic": 4e-4},
                     "mezo-lora": 5e-5},
@@ -70,6 +74,9 @@ CONFIGS = {
     # issue 47's horizon (400 forwards) and at 16,000: does the best rho stay where SmolLM2's lattice put it?
     "small-rho": dict(model="pipeline", cells=[("sentiment", "clean")], horizon=16000, eval_every=800, seeds=[0, 1],
                       first_seeds=1, arms=["mezo", "mezo-3e-4"] + [f"std-rho-{rho:g}" for rho in RHOS[1:]]),
+    "small-rate": dict(model="pipeline", cells=[("sentiment", "clean"), ("sentiment", "noisy")], horizon=16000,
+                       eval_every=800, seeds=[0, 1], first_seeds=1,
+                       arms=[f"std-{eta:g}-plateau" for eta in FIXED]),
     "small-rho-400": dict(model="pipeline", cells=[("sentiment", "clean")], horizon=400, eval_every=40,
                           seeds=[0, 1, 2], first_seeds=3, arms=["mezo"] + [f"std-rho-{rho:g}" for rho in RHOS]),
     "smollm": dict(model="smollm", cells=[("sentiment", "noisy"), ("sentiment", "clean"), ("topic", "clean")],
