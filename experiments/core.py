@@ -232,7 +232,8 @@ def _train(run, steps: int, per_step: int, points: dict[int, list[str]], oracle_
     return dict(curve=curve, step_seconds=step_seconds / max(1, len(budgets)),
                 budget_mean=float(np.mean(budgets)) if budgets else None,
                 param_fraction_mean=float(np.mean(fractions)) if fractions else None, blocks=engine.num_blocks,
-                params=engine.num_params)
+                params=engine.num_params, learning_rate_chosen=engine.rate.base,
+                rate_reason=engine.rate.reason)
 
 
 def every(forwards: int, horizon: int, splits: tuple[str, ...] = ("dev",)) -> dict[int, list[str]]:

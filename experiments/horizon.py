@@ -98,14 +98,25 @@ def rate_of(config: str, arm: str, task: str) -> float | None:
 
 
 def settings_of(config: str, model: str, task: str, variant: str, arm: str, seed: int) -> dict:
-    from curvzo_ds.algo.rate import AUTO_WALK_FRACTION
-
     plan = CONFIGS[config]
-    auto = dict(auto_fraction=ARMS[arm].get("auto_walk_fraction", AUTO_WALK_FRACTION)
-                ) if ARMS[arm].get("learning_rate") == "auto" else {}
     return dict(protocol="horizon", config=config, model=os.path.basename(os.path.normpath(model)), task=task,
                 variant=variant, arm=arm, spec=ARMS[arm], lr=rate_of(config, arm, task), seed=seed,
-                horizon=plan["horizon"], eval_every=plan["eval_every"], **auto)
+                horizon=plan["horizon"], eval_every=plan["eval_every"], **auto_settings(arm))
+
+
+def auto_settings(arm: str) -> dict:
+    """What decides an `auto` arm's rate, part of its settings (so a run of another rule is another run): the line
+    rule's fraction and probes (algo/rate.py), or, for the rows that still name `auto_walk_fraction`, the walk rule's
+    rho (the rule before 2026-11-29 22:00, whose runs these settings keep finding; this checkout cannot run them)."""
+    from curvzo_ds.algo.rate import AUTO_RATE_FRACTION, AUTO_RATE_PROBES
+
+    spec = ARMS[arm]
+    if spec.get("learning_rate") != "auto":
+        return {}
+    if "auto_walk_fraction" in spec:
+        return dict(auto_fraction=spec["auto_walk_fraction"])
+    return dict(auto_rule="line", auto_rate_fraction=spec.get("auto_rate_fraction", AUTO_RATE_FRACTION),
+                auto_rate_probes=spec.get("auto_rate_probes", AUTO_RATE_PROBES))
 
 
 def plan_runs(config: str) -> list[tuple[str, str, str, int]]:
@@ -195,8 +206,16 @@ def load_runs(out: str, config: str) -> dict:
             run = json.load(f)
         s = run["settings"]
         if s.get("protocol") == "horizon" and s["config"] == config:
-            runs.setdefault((s["task"], s["variant"], s["arm"]), []).append(run)
+            runs.setdefault((s["task"], s["variant"], arm_label(s)), []).append(run)
     return {k: sorted(v, key=lambda r: r["settings"]["seed"]) for k, v in runs.items()}
+
+
+def arm_label(s: dict) -> str:
+    """A run's arm in the report: its row's name, with " (walk rule)" for an `auto` row's run of the rate rule before
+    the line rule (its settings hold that rule's rho, `auto_fraction`, where the row's now hold the line rule's)."""
+    if s["arm"] in ARMS and "auto_fraction" in s and auto_settings(s["arm"]).get("auto_rule") == "line":
+        return f"{s['arm']} (walk rule)"
+    return s["arm"]
 
 
 def curves(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
@@ -247,7 +266,7 @@ def report(out: str, config: str) -> list[str]:
                   "| arm | seeds | diverged | final dev loss | tail mean log dev loss - MeZO's | time-warp, not "
                   "extrapolated (reached/points) | old time-warp | test accuracy - MeZO's | rule |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        for arm in arms:
+        for arm in arms + [f"{a} (walk rule)" for a in arms if (task, variant, f"{a} (walk rule)") in runs]:
             mine = runs.get((task, variant, arm), [])
             if not mine or arm == reference or not mezo:
                 lines.append(f"| {arm} | {len(mine)} | | | | | | | |")

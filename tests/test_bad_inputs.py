@@ -344,7 +344,7 @@ BATCHED = [
      "difference=central", {}),
     ("loss-std-with-central", ["train", "--set", "step_normalization=loss_std"],
      "step_normalization=loss_std needs difference=rloo", {}),
-    ("auto-walk-fraction-zero", ["train", "--set", "auto_walk_fraction=0"], "auto_walk_fraction=0.0 is invalid", {}),
+    ("auto-rate-fraction-zero", ["train", "--set", "auto_rate_fraction=0"], "auto_rate_fraction=0.0 is invalid", {}),
     ("on-divergence-unknown", ["train", "--set", "on_divergence=ignore"], "on_divergence='ignore' is invalid", {}),
     ("max-rollbacks-negative", ["train", "--set", "max_rollbacks=-1"], "max_rollbacks=-1 is invalid", {}),
     # issue 58's perturbation

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from curvzo_ds.algo.differences import RMS_CLIP, RMS_RATE, FiniteDifference
-from curvzo_ds.algo.rate import AUTO_WALK_FRACTION, Rate, auto_rate, lr_at, step_rms
+from curvzo_ds.algo.rate import Rate, line_rate, line_tau, lr_at, step_rms
 from curvzo_ds.config.schema import TrainConfig, ZOConfig
 from curvzo_ds.engine import ZOEngine
 from curvzo_ds.errors import ConfigError
@@ -64,16 +64,18 @@ def test_loss_std_steps_have_rms_eta_over_sqrt_q_minus_1_exactly(q):
         assert math.sqrt(sum(c * c for c in coefs)) == pytest.approx(step_rms("loss_std", q), rel=1e-12)
 
 
-def test_auto_rate_is_the_walk_formula_rounded_to_three_digits():
-    eta = auto_rate(0.04, "loss_std", 8, 250)
-    assert eta == float(f"{AUTO_WALK_FRACTION * 0.04 * math.sqrt(7 / 250):.3g}")
-    assert auto_rate(0.04, "loss_std", 8, 1000) == pytest.approx(eta / 2, rel=5e-3)  # eta ~ 1 / sqrt(T), 3 digits
-    assert auto_rate(0.04, "running_rms", 1, 250) == float(f"{AUTO_WALK_FRACTION * 0.04 / math.sqrt(250):.3g}")
-    with pytest.raises(ValueError, match="not all zero"):
-        auto_rate(0.0, "loss_std", 8, 10)
+def test_line_rate_is_a_fraction_of_the_ratio_of_summed_slopes_and_curvatures():
+    eta, reason = line_rate([2.0, 4.0], [100.0, 300.0], 0.25)
+    assert eta == 0.25 * 6 / 400 and "0.25 x the greedy rate 0.015" in reason and "2 train batches" in reason
+    assert line_rate([1.0], [3.0], 1.0)[0] == 0.333  # 3 significant digits: the value the log shows
+    assert line_tau("loss_std", 8, 1e-3) == pytest.approx(3e-3 * math.sqrt(7))  # 3 eps per coordinate
+    for slopes, curvatures in (([-1.0, 0.5], [1.0, 1.0]), ([1.0], [-2.0]), ([0.0], [0.0]), ([float("nan")], [1.0])):
+        with pytest.raises(ConfigError, match="a rate needs a falling, convex line") as e:
+            line_rate(slopes, curvatures)
+        assert "\n" not in str(e.value)
 
 
-def test_an_engine_with_auto_chooses_its_rate_from_the_weights_at_the_first_step():
+def quadratic_problem():
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 1)
     x, y = torch.randn(8, 16), torch.randn(8, 1)
@@ -81,22 +83,64 @@ def test_an_engine_with_auto_chooses_its_rate_from_the_weights_at_the_first_step
     def loss(m, batch):
         return torch.nn.functional.mse_loss(m(batch[0]), batch[1]), 1
 
-    rms = math.sqrt(sum(float(p.detach().square().sum()) for p in model.parameters()) / 17)
+    return model, loss, (x, y)
+
+
+def test_auto_measures_the_greedy_rate_along_the_step_direction_and_leaves_the_weights_where_they_were():
+    """On a quadratic loss the line's three points give its slope and curvature exactly: with one probe and fraction
+    1 the rate is <g, u> / u^T H u for the direction u the probe moved along (recovered from the weights at the
+    points it measured), computed here by autograd. The weights end where they started (to rounding), and the
+    estimator's state (loss_std's running sigma) is as before."""
+    model, loss, batch = quadratic_problem()
+    engine = ZOEngine(model, loss, ZOConfig(method="mezo", learning_rate="auto", difference="rloo", num_directions=4,
+                                            step_normalization="loss_std", auto_rate_probes=1,
+                                            auto_rate_fraction=1.0, zo_eps=1e-3))
+    params = list(model.parameters())
+    start = [p.detach().clone() for p in params]
+    seen, measure = [], engine.loss
+    engine.loss = lambda b: seen.append(torch.cat([p.detach().reshape(-1).clone() for p in params])) or measure(b)
+    eta = engine.choose_rate([batch])
+    assert len(seen) == 3 and engine.estimator.sigma_mean is None
+    tau = line_tau("loss_std", 4, 1e-3)
+    u = (seen[2] - seen[1]) / (2 * tau)  # the points: w, w - tau u, w + tau u
+    assert torch.allclose(seen[0] - tau * u, seen[1], atol=1e-6)
+    w = seen[0].clone().requires_grad_(True)
+
+    def f(flat):
+        return torch.nn.functional.mse_loss(batch[0] @ flat[:16] + flat[16], batch[1][:, 0])
+
+    g = torch.autograd.grad(f(w), w)[0]
+    hu = torch.autograd.functional.hvp(f, w.detach(), u)[1]
+    assert eta == pytest.approx(float(g @ u) / float(u @ hu), rel=2e-3)
+    assert all(torch.allclose(p, s, atol=1e-6) for p, s in zip(params, start))
+    assert engine.state_dict()["rate"]["learning_rate_chosen"] == eta
+
+
+def test_an_engine_with_auto_chooses_at_its_first_step_and_a_resumed_one_keeps_its_rate():
+    model, loss, batch = quadratic_problem()
     engine = ZOEngine(model, loss, ZOConfig(method="mezo", learning_rate="auto", step_normalization="running_rms",
-                                            max_steps=40, zo_eps=1e-3))
+                                            zo_eps=1e-3, auto_rate_probes=2))
     assert engine.rate.needs_choice
-    r = engine.step((x, y))
-    assert r.learning_rate == auto_rate(rms, "running_rms", 1, 40)
-    assert engine.state_dict()["rate"]["learning_rate_chosen"] == r.learning_rate
-    # a resumed engine keeps the checkpoint's rate, whatever its own weights are now (here twice as large)
-    bigger = copy.deepcopy(model)
+    r = engine.step(batch)
+    assert r.learning_rate == engine.state_dict()["rate"]["learning_rate_chosen"] > 0
+    assert engine.estimator.rms is not None  # the step's own s_0, not the probes' (they leave the state as it was)
+    bigger = copy.deepcopy(model)  # a resumed engine keeps the checkpoint's rate, whatever its weights are now
     with torch.no_grad():
         for p in bigger.parameters():
             p.mul_(2)
     other = ZOEngine(bigger, loss, ZOConfig(method="mezo", learning_rate="auto", zo_eps=1e-3,
-                                            step_normalization="running_rms", max_steps=40))
+                                            step_normalization="running_rms"))
     other.load_state_dict(engine.state_dict())
-    assert not other.rate.needs_choice and other.step((x, y)).learning_rate == r.learning_rate
+    assert not other.rate.needs_choice and other.step(batch).learning_rate == r.learning_rate
+
+
+def test_auto_refuses_a_loss_that_does_not_move_along_the_step_in_one_line():
+    model = torch.nn.Linear(4, 1)
+    engine = ZOEngine(model, lambda m, b: (m.weight.sum() * 0 + 1.0, 1),
+                      ZOConfig(method="mezo", learning_rate="auto", step_normalization="running_rms", zo_eps=1e-3,
+                               auto_rate_probes=2))
+    with pytest.raises(ConfigError, match="learning_rate=auto: along the step's direction on the first 2 batches"):
+        engine.step(None)
 
 
 # ------------------------------------------------------------------------------------------------- running_rms
@@ -133,7 +177,10 @@ def test_running_rms_zero_and_non_finite_deltas_leave_no_state():
 # ------------------------------------------------------------------------------------------------- the refusals
 @pytest.mark.parametrize("keys,says", [
     ({"learning_rate": "auto"}, "learning_rate=auto needs a normalised step"),
-    ({"learning_rate": "auto", "step_normalization": "running_rms", "max_steps": 0}, "needs max_steps > 0"),
+    ({"learning_rate": "auto", "step_normalization": "running_rms", "auto_rate_probes": 0},
+     "auto_rate_probes=0 is invalid"),
+    ({"learning_rate": "auto", "step_normalization": "running_rms", "auto_rate_fraction": -1.0},
+     "auto_rate_fraction=-1.0 is invalid"),
     ({"step_normalization": "running_rms", "difference": "rloo", "num_directions": 4}, "needs difference=central"),
     ({"step_normalization": "loss_std"}, "needs difference=rloo"),
     ({"lr_scheduler_type": "cosine"}, "constant, linear, plateau"),
@@ -288,21 +335,3 @@ def test_the_rollback_target_is_the_newest_checkpoint_at_or_before_the_good_step
     assert rollback_target(str(tmp_path), 20).endswith("checkpoint-20")
     assert rollback_target(str(tmp_path), 3).endswith("checkpoint-0")
     assert rollback_target(str(tmp_path / "none"), 3) is None
-
-
-def test_the_weights_rms_is_the_same_at_every_thread_count():
-    """sum_of_squares' rows are one thread's reduction each, and math.fsum adds them in no order: the same bits at 1
-    and 4 threads (learning_rate auto's input, the same at every world size), and the exact value to 1e-15."""
-    from curvzo_ds.shard.digest import sum_of_squares
-
-    t = torch.randn(3 * (1 << 20) + 17, generator=torch.Generator().manual_seed(0))
-    threads = torch.get_num_threads()
-    try:
-        got = []
-        for n in (1, 4):
-            torch.set_num_threads(n)
-            got.append(math.fsum(sum_of_squares(t)))
-    finally:
-        torch.set_num_threads(threads)
-    assert got[0] == got[1]
-    assert got[0] == pytest.approx(math.fsum(x * x for x in t.double().tolist()), rel=1e-15)

@@ -55,14 +55,15 @@ SCENARIOS = [
                                                            "difference": "rloo", "step_normalization": "loss_std"}},
     {"name": "rloo_std_replicas", "steps": 8, "n_micro": 2, "shard_group_size": 1,
      "zo": {**ZO, "method": "mezo", "num_directions": 6, "difference": "rloo", "step_normalization": "loss_std"}},
-    # issue 57: learning_rate auto (the weights' RMS over the full tensors, so the same rate at every world size)
-    # with loss_std, and the control running_rms (MeZO's Delta over its running RMS), alone and with a plateau
-    # schedule (no evaluation here: the cut is the CLI's, tests/test_horizon.py).
-    {"name": "rloo_std_auto", "steps": 8, "n_micro": 3,
-     "zo": {**ZO, "method": "mezo", "num_directions": 4, "difference": "rloo", "step_normalization": "loss_std",
-            "learning_rate": "auto", "max_steps": 8}},
+    # issue 57: learning_rate auto (the line probe's losses all-reduced like a step's, so the same rate at every
+    # world size) with loss_std and replica groups of one rank, and with the control running_rms (MeZO's Delta over
+    # its running RMS) under ZeRO-3 (no evaluation here: the plateau's cut is the CLI's, tests/test_horizon.py).
+    {"name": "rloo_std_auto", "steps": 8, "n_micro": 2, "shard_group_size": 1,
+     "zo": {**ZO, "method": "mezo", "num_directions": 6, "difference": "rloo", "step_normalization": "loss_std",
+            "learning_rate": "auto", "auto_rate_probes": 2}},
     {"name": "running_rms_auto", "steps": 10, "n_micro": 3,
-     "zo": {**ZO, "method": "mezo", "step_normalization": "running_rms", "learning_rate": "auto", "max_steps": 10}},
+     "zo": {**ZO, "method": "mezo", "step_normalization": "running_rms", "learning_rate": "auto",
+            "auto_rate_probes": 2}},
     {"name": "running_rms_curvzo", "steps": 10, "n_micro": 2,
      "zo": {**ZO, "method": "curvzo", "num_directions": 2, "step_normalization": "running_rms"}},
     {"name": "disagree", "steps": 0, "n_micro": 1, "disagree": "seed", "min_world": 2, "zo": ZO},

@@ -1,8 +1,8 @@
 """The learning rate of a step (docs/algorithm.md, "The rate of a normalised step"): the schedule (`constant`,
 `linear`, `plateau`), the base rate that `learning_rate: auto` chooses, and the factors that the plateau rule and a
 divergence rollback multiply in. Pure Python floats: every rank computes the same values from the same inputs (the
-dev loss, which evaluation gives every rank identically; the weights' RMS, taken over the full tensors), so the
-rate is the same at every world size and after a resume (the state is saved in checkpoints).
+dev loss, which evaluation gives every rank identically; the line probe's losses, all-reduced like a step's), so
+the rate is the same at every world size and after a resume (the state is saved in checkpoints).
 """
 
 from __future__ import annotations
@@ -25,12 +25,15 @@ class Schedule(str, enum.Enum):
 
 
 AUTO = "auto"
-# learning_rate: auto holds the per-coordinate random walk of the whole horizon at this fraction of the trainable
-# weights' root mean square (the default of the `auto_walk_fraction` key). 0.08: issue 47's lattice chose
-# eta = 5.66e-3 for 50 steps of q = 8 on SmolLM2-135M (weights' RMS 0.183) on both of its tasks, which is 0.083;
-# docs/algorithm.md and experiments/RESULTS.md ("The horizon protocol") have its check on experiments/pipeline.py's
-# model and at other horizons.
-AUTO_WALK_FRACTION = 0.08
+# learning_rate: auto (docs/algorithm.md, "The rate of a normalised step"): eta = AUTO_RATE_FRACTION x the greedy
+# rate along the step's own direction u, measured before the first step on AUTO_RATE_PROBES directions (each on
+# its own train batch) from the batch loss at w and at w -+ tau u: eta_line = sum_k slope_k / sum_k curvature_k.
+# 0.25: that greedy rate, measured so, was 0.019 on SmolLM2-135M (`sentiment`) and 0.022 on experiments/pipeline.py's
+# model, where the rates that worked were 5.66e-3 on both (issue 47's lattice at 400 forwards; the small model over
+# 16,000 forwards): 1/4 of it. experiments/RESULTS.md ("The line rule") has the measurements.
+AUTO_RATE_FRACTION = 0.25
+AUTO_RATE_PROBES = 8
+LINE_SPAN = 3.0  # the line's points w -+ tau u lie LINE_SPAN x zo_eps from w per coordinate (RMS)
 
 
 def lr_at(step: int, base_lr: float, schedule: str, max_steps: int) -> float:
@@ -55,17 +58,28 @@ def step_rms(step_normalization: str, num_directions: int) -> float:
     raise ValueError(f"learning_rate=auto needs a normalised step, not step_normalization={step_normalization}")
 
 
-def auto_rate(weights_rms: float, step_normalization: str, num_directions: int, horizon: int,
-              fraction: float = AUTO_WALK_FRACTION) -> float:
-    """eta such that the per-coordinate random walk of `horizon` steps, eta step_rms sqrt(horizon), is `fraction`
-    of the weights' RMS: eta = fraction rms(w) / (step_rms sqrt(horizon)), rounded to 3 significant digits (so the
-    value a log shows is the value used). A normalised step has a fixed length, so a fixed eta does not converge:
-    the horizon sets it (eta ~ 1/sqrt(T), the standard rate of a method with a known horizon)."""
-    if not (weights_rms > 0 and math.isfinite(weights_rms)):
-        raise ConfigError(f"learning_rate=auto: the trainable weights' RMS is {weights_rms}; it needs weights that are "
-                         "not all zero (set learning_rate to a number)")
-    eta = fraction * weights_rms / (step_rms(step_normalization, num_directions) * math.sqrt(max(horizon, 1)))
-    return float(f"{eta:.3g}")
+def line_tau(step_normalization: str, num_directions: int, eps: float) -> float:
+    """The line probe's tau: the points w -+ tau u lie LINE_SPAN eps from w per coordinate (u's RMS is step_rms),
+    far enough that the curvature along u shows above the loss's rounding, near enough to stay on one parabola."""
+    return LINE_SPAN * eps / step_rms(step_normalization, num_directions)
+
+
+def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AUTO_RATE_FRACTION) -> tuple[float, str]:
+    """(eta, reason): eta = fraction x sum(slopes) / sum(curvatures), rounded to 3 significant digits (so the value a
+    log shows is the value used). slope_k = -(d/ds) L(w - s u_k) and curvature_k = (d/ds)^2 L(w - s u_k) at s = 0 on
+    probe k's batch: the ratio of their sums is the rate that lowers those batches' loss most in one step (a ratio
+    of means, steadier than a mean of ratios where one curvature is near 0). Refused, in one line, where the
+    directions do not descend or the loss is not convex along them (no greedy rate exists)."""
+    a, c = sum(slopes), sum(curvatures)
+    if not (math.isfinite(a) and math.isfinite(c) and a > 0 and c > 0):
+        raise ConfigError(f"learning_rate=auto: along the step's direction on the first {len(slopes)} batches the loss "
+                         f"has slope {-a / max(len(slopes), 1):.4g} and curvature {c / max(len(slopes), 1):.4g} "
+                         "per probe; a rate needs a falling, convex line (raise zo_eps if the losses barely differ, "
+                         "or set learning_rate to a number)")
+    eta = float(f"{fraction * a / c:.3g}")
+    return eta, (f"{fraction:g} x the greedy rate {a / c:.4g} along the step's direction, measured on "
+                 f"{len(slopes)} train batches before the first step (mean slope {a / len(slopes):.4g}, "
+                 f"curvature {c / len(slopes):.4g})")
 
 
 class Rate:
@@ -100,7 +114,7 @@ class Rate:
 
     def at(self, step: int) -> float:
         if self.base is None:
-            raise RuntimeError("learning_rate=auto has not chosen its rate yet (the engine does at its first step)")
+            raise RuntimeError("learning_rate=auto has not chosen its rate yet (engine.choose_rate, or the first step)")
         return lr_at(step, self.base, self.schedule.value, self.max_steps) * self.plateau_scale * self.rollback_scale
 
     def observe_dev(self, step: int, loss: float | None) -> bool:

@@ -103,7 +103,7 @@ class ZOConfig:
     seed: int = key(42, "seeds the noise, the block masks, the data order and the demo model")
     learning_rate: float | str = key(1e-6, "MeZO's for full fine-tuning (the CLI's presets: demo 3e-4, demo "
                                            "LoRA 1e-2, full 1e-6, LoRA 5e-5); auto with a step_normalization: "
-                                           "chosen from the weights' RMS and the horizon max_steps "
+                                           "measured along the step's direction before the first step "
                                            "(docs/algorithm.md)")
     zo_eps: float = key(1e-3, "perturbation scale (the CLI's presets: demo 1e-2, full 1e-3, LoRA 1e-2)")
     weight_decay: float = key(0.0, "MeZO-style decay of matrices (never biases or norms), scaled by 1/pi")
@@ -111,11 +111,13 @@ class ZOConfig:
                                              "plateau_factor after plateau_patience evaluations without a lower dev "
                                              "loss; the CLI needs eval_steps > 0; in Python, call "
                                              "engine.rate.observe_dev)")
-    auto_walk_fraction: float = key(0.08, "learning_rate auto: rho, the per-coordinate walk of the whole horizon as a "
-                                          "fraction of the trainable weights' RMS (docs/algorithm.md)")
+    auto_rate_fraction: float = key(0.25, "learning_rate auto: eta is this fraction of the greedy rate measured along "
+                                          "the step's direction before the first step (docs/algorithm.md)")
+    auto_rate_probes: int = key(8, "learning_rate auto: the directions (each on its own train batch, q + 3 forwards "
+                                   "each) that measure that rate")
     plateau_factor: float = key(0.5, "lr_scheduler_type=plateau: the rate's factor at each plateau, in (0, 1)")
     plateau_patience: int = key(3, "lr_scheduler_type=plateau: dev evaluations without a lower dev loss before a cut")
-    max_steps: int = key(0, "the horizon of a linear schedule and of learning_rate auto (0: none); the CLI trains "
+    max_steps: int = key(0, "the horizon of a linear schedule (0: none); the CLI trains "
                             "this many steps (presets: demo 300, otherwise 20000, the paper)")
     # The adaptive budget (Eq. 20): B = B_min + (B_max - B_min)(alpha d_eff/G + (1-alpha) H).
     budget_min: float = key(0.1, "fraction of G")
@@ -186,7 +188,8 @@ class ZOConfig:
         need(_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a number >= 0")
         need(self.lr_scheduler_type in SCHEDULES, "lr_scheduler_type", ", ".join(SCHEDULES))
         need(_finite(self.plateau_factor) and 0 < self.plateau_factor < 1, "plateau_factor", "a number in (0, 1)")
-        need(_finite(self.auto_walk_fraction) and self.auto_walk_fraction > 0, "auto_walk_fraction", "a number > 0")
+        need(_finite(self.auto_rate_fraction) and self.auto_rate_fraction > 0, "auto_rate_fraction", "a number > 0")
+        need(_posint(self.auto_rate_probes), "auto_rate_probes", "an integer >= 1")
         need(_posint(self.plateau_patience), "plateau_patience", "an integer >= 1")
         if self.lr_scheduler_type == "linear" and self.max_steps == 0:
             raise ConfigError("lr_scheduler_type=linear needs max_steps > 0, the step at which the learning rate "
@@ -194,10 +197,6 @@ class ZOConfig:
                               "lr_scheduler_type=constant")
         if self.max_steps is not None:
             need(isinstance(self.max_steps, int) and self.max_steps >= 0, "max_steps", "an integer >= 0")
-        if self.learning_rate == AUTO and self.max_steps == 0:
-            raise ConfigError("learning_rate=auto needs max_steps > 0, the horizon its rate is chosen for (a "
-                              "normalised step has a fixed length, so the rate depends on how many steps it takes): "
-                              "set max_steps, or give learning_rate a number")
         for key in ("budget_min", "budget_max", "budget"):
             need(_finite(getattr(self, key)) and 0 < getattr(self, key) <= 1, key,
                  "a fraction of the number of blocks G in (0, 1]")
@@ -270,8 +269,8 @@ class TrainConfig(ZOConfig):
     # None: filled from a preset (resolve_presets) once the model and LoRA setting are known.
     learning_rate: float | str | None = key(None, "preset: demo 3e-4 (LoRA 1e-2), full 1e-6 (MeZO), LoRA 5e-5 "
                                                   "(MeZO); with a step_normalization 1e-3 (eta, a step length in "
-                                                  "units of z), or auto: chosen by the run from the weights' RMS "
-                                                  "and max_steps (docs/algorithm.md)")
+                                                  "units of z), or auto: measured by the run along its step's "
+                                                  "direction before the first step (docs/algorithm.md)")
     zo_eps: float | None = key(None, "perturbation scale; preset: demo 1e-2, full 1e-3, LoRA 1e-2 (MeZO)")
     max_steps: int | None = key(None, "training steps; preset: demo 300, otherwise 20000 (the paper)")
     rate_correction: str | None = key(None, "max_weight (the learning rate times min_i pi_i each step: stable "

@@ -15,8 +15,8 @@ from curvzo_ds.config.schema import TrainConfig
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     # The zeroth-order step: SPSA, its schedule, the blocks and the precision of the update.
-    "engine": ("seed", "learning_rate", "zo_eps", "weight_decay", "lr_scheduler_type", "auto_walk_fraction",
-               "plateau_factor", "plateau_patience", "max_steps",
+    "engine": ("seed", "learning_rate", "zo_eps", "weight_decay", "lr_scheduler_type", "auto_rate_fraction",
+               "auto_rate_probes", "plateau_factor", "plateau_patience", "max_steps",
                "block_granularity", "block_chunk_size", "fp32_master_weights", "num_directions", "difference",
                "step_normalization", "perturbation", "static_mask", "static_mask_batches", "max_consecutive_skips"),
     # Which blocks a step perturbs: the method, the budget rule and the curvature scores.

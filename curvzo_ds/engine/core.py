@@ -15,7 +15,7 @@ import torch
 
 from curvzo_ds.algo.differences import Estimate, FiniteDifference
 from curvzo_ds.algo.estimators import Perturbation
-from curvzo_ds.algo.rate import Rate, auto_rate
+from curvzo_ds.algo.rate import Rate, line_rate, line_tau
 from curvzo_ds.algo.sampling import METHOD_SPECS, CurvZOSampler, Method, StepPlan
 from curvzo_ds.config.resolve import engine_config
 from curvzo_ds.config.schema import ZOConfig
@@ -27,7 +27,6 @@ from curvzo_ds.errors import NonFiniteLossError
 from curvzo_ds.noise.gaussian import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
 from curvzo_ds.shard import ds_compat
 from curvzo_ds.shard.comm import Comm
-from curvzo_ds.shard.digest import weights_rms
 from curvzo_ds.shard.distributed import Topology, check_ranks_agree
 from curvzo_ds.shard.forwards import Reduced, check_batch, eval_mode, reduce_step, run_forwards, slot_count
 from curvzo_ds.shard.mask import MaskedPerturber, StaticMask
@@ -160,8 +159,8 @@ class ZOEngine(EngineState):
         `stop_requested` (the CLI's pre-emption flag): summed over the ranks in the step's own all-reduce, so that
         every rank learns at the same step that one of them was asked to stop (`StepResult.stop`)."""
         self._check_step(batch)
-        if self.rate.needs_choice:  # learning_rate: auto, at a fresh run's first step (a resumed run has its own)
-            self.choose_rate()
+        if self.rate.needs_choice:  # learning_rate: auto, where no one chose before the first step (the CLI does)
+            self.choose_rate([batch])
         plan = self.sampler.plan(self.step_count)
         lr = self.rate.at(self.step_count) * plan.rate_scale
         info = self._describe(plan, lr)
@@ -181,15 +180,40 @@ class ZOEngine(EngineState):
         self._end_step(plan, est.score_deltas, red.block_sq)  # the scores
         return StepResult(plan.step + 1, est.loss, est.loss_plus, est.loss_minus, est.delta, **info)
 
-    def choose_rate(self) -> float:
-        """learning_rate: auto (algo/rate.py's `auto_rate`): the trainable weights' RMS, measured now over the full
-        tensors (collective), and the horizon max_steps give eta. Called by the first step; recorded in the state."""
-        cfg = self.cfg
-        rms = weights_rms(self.entries, self.topology.job)
-        eta = auto_rate(rms, cfg.step_normalization, cfg.num_directions, cfg.max_steps, cfg.auto_walk_fraction)
-        self.rate.choose(eta, f"the per-coordinate walk of max_steps={cfg.max_steps} steps held to "
-                              f"auto_walk_fraction={cfg.auto_walk_fraction:g} of the trainable weights' RMS {rms:.4g} "
-                              f"({cfg.step_normalization}, num_directions={cfg.num_directions})")
+    def choose_rate(self, batches: list) -> float:
+        """learning_rate: auto (docs/algorithm.md, "The rate of a normalised step"): before the first step, for each
+        of `cfg.auto_rate_probes` probes k (batch k mod len(batches)), the step's own direction u_k (the first
+        step's mask, probe k's own noise: the keys of step -1 - k, which no step uses) from its q forwards; the
+        batch loss at w, w - tau u_k and w + tau u_k gives the slope and curvature of the line; eta is
+        algo/rate.py's `line_rate` of them. The weights come back to w (each move rounds once, as the chain's do)
+        and the estimator's state is left as it was. Collective; q + 3 forwards a probe; recorded in the state.
+        The CLI calls it with the first train batches; step() calls it with its own batch if no one has."""
+        cfg, q = self.cfg, self.cfg.num_directions
+        tau = line_tau(cfg.step_normalization, q, cfg.zo_eps)
+        saved = self.estimator.state_dict()
+        first = self.sampler.plan(self.step_count)
+        slopes, curvatures = [], []
+        for k in range(cfg.auto_rate_probes):
+            batch = batches[k % len(batches)]
+            plan = dataclasses.replace(first, step=-1 - k)
+            base = self.loss(batch)
+            evals, moved, at = self._perturb_and_forward(plan, batch)
+            red = self._reduce(evals, batch, moved)
+            est = self.estimator.estimate(red.losses)
+            if not est.finite:
+                self.perturber.move(at, None)
+                continue
+            coefs, keep = self.sampler.direction_updates(plan, est.deltas, tau)
+            self.perturber.update(coefs, keep, at, 0.0)  # w - tau u
+            down = self.loss(batch)
+            self.perturber.update([-2 * c for c in coefs], keep, None, 0.0)  # w + tau u
+            up = self.loss(batch)
+            self.perturber.update(coefs, keep, None, 0.0)  # w
+            slopes.append((up - down) / (2 * tau))
+            curvatures.append((up + down - 2 * base) / tau ** 2)
+        self.estimator.load_state_dict(saved)
+        eta, reason = line_rate(slopes, curvatures, cfg.auto_rate_fraction)
+        self.rate.choose(eta, reason)
         return eta
 
     def _check_step(self, batch) -> None:

@@ -142,7 +142,8 @@ def build(cfg: TrainConfig) -> Job:
 def build_plain(cfg: TrainConfig, sampler: Callable | None = None) -> Job:
     """A one-process Job on a plain model (no DeepSpeed, no process group, on the CPU), built from the same presets,
     splits, micro-batches and loss as `build`, so that its steps are those of a one-rank training run. A static
-    mask (static_mask=true) is fitted here, as `curvzo-ds train` fits it before step 1. `sampler`: ZOEngine's (what
+    mask (static_mask=true) is fitted here, and learning_rate auto's rate chosen, as `curvzo-ds train` does before
+    step 1. `sampler`: ZOEngine's (what
     makes the engine's sampler; None: CurvZOSampler)."""
     cfg = resolve(cfg)
     task, tokenizer, train_data, eval_data = load_data(section(cfg, "data"), section(cfg, "model"), cfg.seed)
@@ -156,6 +157,8 @@ def build_plain(cfg: TrainConfig, sampler: Callable | None = None) -> Job:
               keep_alive)
     if cfg.static_mask:
         engine.fit_static_mask([job.batch(t) for t in range(cfg.static_mask_batches)])
+    if engine.rate.needs_choice:  # learning_rate: auto, on the first train batches as `curvzo-ds train` measures it
+        engine.choose_rate([job.batch(t) for t in range(cfg.auto_rate_probes)])
     return job
 
 

@@ -116,6 +116,8 @@ def start(job: Job, manager: CheckpointManager, resume) -> tuple[str | None, Run
             log.warning("--resume: %s holds no run yet, starting from step 0", cfg.output_dir)
         if cfg.static_mask and engine.static_mask is None:  # a resumed run has the checkpoint's mask
             engine.fit_static_mask([job.batch(t) for t in range(cfg.static_mask_batches)])
+        if engine.rate.needs_choice:  # learning_rate: auto (a resumed run has the checkpoint's rate)
+            engine.choose_rate([job.batch(t) for t in range(cfg.auto_rate_probes)])
         if job.rank == 0:
             write_config(cfg)
     except BaseException:
