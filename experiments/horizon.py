@@ -173,8 +173,9 @@ def one_run(setup: Setup, out: str, task: str, variant: str, arm: str, seed: int
     return result
 
 
-def work(config: str, out: str, cache: str, model: str | None, log: Log) -> None:
-    """Run what the plan lists and no other worker holds, one at a time, until nothing is left."""
+def work(config: str, out: str, cache: str, model: str | None, log: Log, arms: list[str] | None = None) -> None:
+    """Run what the plan lists (of `arms` only, where given) and no other worker holds, one at a time, until
+    nothing is left."""
     import torch
 
     torch.set_num_threads(1)
@@ -182,6 +183,8 @@ def work(config: str, out: str, cache: str, model: str | None, log: Log) -> None
     with tempfile.TemporaryDirectory(prefix="horizon-") as tmp:
         setup = Setup(config, cache, model, tmp, log)
         for task, variant, arm, seed in plan_runs(config):
+            if arms and arm not in arms:
+                continue
             settings = settings_of(config, setup.model, task, variant, arm, seed)
             if cached(out, settings)[1] is not None:
                 continue
@@ -292,6 +295,7 @@ def main(argv=None) -> None:
     parser.add_argument("--cache", help="where the model is kept (default: ~/.cache/curvzo_ds/pipeline or "
                                         "real_model)")
     parser.add_argument("--model", help="a model directory instead (the test's tiny Llama)")
+    parser.add_argument("--arms", nargs="+", help="--work: only these arms of the plan (default: all)")
     stage = parser.add_mutually_exclusive_group(required=True)
     stage.add_argument("--work", action="store_true")
     stage.add_argument("--plan", action="store_true")
@@ -304,7 +308,7 @@ def main(argv=None) -> None:
     os.makedirs(cache, exist_ok=True)
     log = Log(os.path.join(out, "progress.log"))
     if args.work:
-        work(args.config, out, cache, args.model, log)
+        work(args.config, out, cache, args.model, log, args.arms)
     if args.plan:
         done = load_runs(out, args.config)
         missing = [r for r in plan_runs(args.config)

@@ -1,0 +1,62 @@
+"""What `learning_rate: auto`'s line rule measures on a model (docs/algorithm.md, "The rate of a normalised step"):
+the greedy rate along the step's own direction before the first step (algo/rate.py's `line_rate` at fraction 1),
+per seed, for loss_std RLOO-8 and for running_rms, with the rate the rule then takes (x auto_rate_fraction).
+
+    nice -n 19 python -m experiments.line_rate --config small                  # experiments/pipeline.py's model
+    nice -n 19 python -m experiments.line_rate --config smollm --tasks sentiment topic   # SmolLM2-135M
+
+The runs are built as experiments/horizon.py builds them (its Setup and base configs); nothing is trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import tempfile
+
+from experiments.core import Log, arm_config
+from experiments.horizon import ARMS, Setup
+
+
+def greedy_rate(setup: Setup, task: str, arm: str, seed: int) -> tuple[float, str]:
+    """(the greedy rate, the rule's reason) of `arm` on `task` at `seed`: PlainRun chooses it at fraction 1."""
+    from curvzo_ds.train.plain import PlainRun
+
+    base = setup.base(setup.model, setup.task_dir(task), 1e-3, seed, 1)
+    cfg = dataclasses.replace(arm_config(base, ARMS[arm]), auto_rate_fraction=1.0)
+    run = PlainRun(cfg)
+    return run.engine.rate.base, run.engine.rate.reason
+
+
+def main(argv=None) -> None:
+    from curvzo_ds.algo.rate import AUTO_RATE_FRACTION
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=["small", "smollm", "ci"], default="small")
+    parser.add_argument("--tasks", nargs="+", default=["sentiment"])
+    parser.add_argument("--arms", nargs="+", default=["std-auto-plateau", "rms-auto-plateau"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--model", help="a model directory instead (the test's tiny Llama)")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    logging.getLogger("curvzo_ds").setLevel(logging.WARNING)
+    cache = os.path.expanduser("~/.cache/curvzo_ds/" + ("real_model" if args.config == "smollm" else "pipeline"))
+    with tempfile.TemporaryDirectory(prefix="line-rate-") as tmp:
+        setup = Setup(args.config, cache, args.model, tmp, Log(os.path.join(tmp, "log")))
+        print("| task | arm | seed | greedy rate (fraction 1) | the rule's rate | slope, curvature (means) |")
+        print("|---|---|---|---|---|---|")
+        for task in args.tasks:
+            for arm in args.arms:
+                for seed in args.seeds:
+                    eta, reason = greedy_rate(setup, task, arm, seed)
+                    means = reason.split("(mean ")[1].rstrip(")")
+                    print(f"| {task} | {arm} | {seed} | {eta:.3g} | {float(f'{AUTO_RATE_FRACTION * eta:.3g}'):.3g} "
+                          f"| {means} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
