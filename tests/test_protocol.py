@@ -310,7 +310,15 @@ def test_the_horizon_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, c
     assert all(len(v) == 2 for v in runs.values())
     auto = runs[("sentiment", "noisy", "std-auto-plateau")][0]
     assert [c["forwards"] for c in auto["curve"]] == [0, 16, 32] and auto["curve"][-1]["learning_rate"] > 0
+    assert auto["settings"]["auto_rule"] == "line" and auto["learning_rate_chosen"] == auto["curve"][1]["learning_rate"]
+    assert "the greedy rate" in auto["rate_reason"]
     text = capsys.readouterr().out
     assert "| std-auto-plateau | 2 |" in text and "| rms-auto-plateau | 2 |" in text
     H.main(["--config", "ci", "--plan", "--out", str(out)])
     assert "nothing missing" in capsys.readouterr().out
+    # experiments/line_rate.py: the rule's measurement per seed, and the rate it takes (a quarter, 3 digits)
+    from experiments import line_rate
+
+    line_rate.main(["--config", "ci", "--model", tiny_model, "--seeds", "0", "--arms", "std-auto-plateau"])
+    row = capsys.readouterr().out.strip().splitlines()[-1].split(" | ")
+    assert row[1:3] == ["std-auto-plateau", "0"] and float(row[4]) == float(f"{0.25 * float(row[3]):.3g}")
