@@ -248,11 +248,10 @@ def warp_interpolated_from_means(f_arm, y_arm, f_mezo, y_mezo, grid) -> np.ndarr
         k = np.where(np.isfinite(targets) & (targets >= y_arm[:, :1]), np.nan, k)
     if not k.size:
         return np.full(len(y_arm), np.nan)
-    kept = np.isfinite(k) | np.isinf(k)  # nan: a point left out; a row with none left is nan (no "empty mean")
     with np.errstate(divide="ignore"):
-        logs = np.where(kept, np.log(np.where(kept, k, 1.0)), 0.0)
-    n = kept.sum(1)
-    return np.where(n > 0, np.exp(logs.sum(1) / np.maximum(n, 1)), np.nan)
+        logs = np.log(k)  # nan: a point left out; a row with none left is nan (nansum: no "empty mean" warning)
+    n = (~np.isnan(logs)).sum(1)
+    return np.where(n > 0, np.exp(np.nansum(logs, 1) / np.maximum(n, 1)), np.nan)
 
 
 def warp_interpolated(f_arm, arm_curves, f_mezo, mezo_curves, grid, resamples: int = RESAMPLES,
