@@ -73,6 +73,8 @@ def test_line_rate_is_a_fraction_of_the_ratio_of_summed_slopes_and_curvatures():
         with pytest.raises(ConfigError, match="a rate needs a falling, convex line") as e:
             line_rate(slopes, curvatures)
         assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="every probe's loss was non-finite"):
+        line_rate([], [])
 
 
 def quadratic_problem():

@@ -70,10 +70,13 @@ def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AU
     probe k's batch: the ratio of their sums is the rate that lowers those batches' loss most in one step (a ratio
     of means, steadier than a mean of ratios where one curvature is near 0). Refused, in one line, where the
     directions do not descend or the loss is not convex along them (no greedy rate exists)."""
+    if not slopes:
+        raise ConfigError("learning_rate=auto: every probe's loss was non-finite, so no rate could be measured (check "
+                          "the model's dtype and zo_eps, or set learning_rate to a number)")
     a, c = sum(slopes), sum(curvatures)
     if not (math.isfinite(a) and math.isfinite(c) and a > 0 and c > 0):
         raise ConfigError(f"learning_rate=auto: along the step's direction on the first {len(slopes)} batches the loss "
-                         f"has slope {-a / max(len(slopes), 1):.4g} and curvature {c / max(len(slopes), 1):.4g} "
+                         f"has slope {a / len(slopes):.4g} and curvature {c / len(slopes):.4g} "
                          "per probe; a rate needs a falling, convex line (raise zo_eps if the losses barely differ, "
                          "or set learning_rate to a number)")
     eta = float(f"{fraction * a / c:.3g}")

@@ -190,7 +190,9 @@ class ZOEngine(EngineState):
         The CLI calls it with the first train batches; step() calls it with its own batch if no one has."""
         cfg, q = self.cfg, self.cfg.num_directions
         tau = line_tau(cfg.step_normalization, q, cfg.zo_eps)
-        saved = self.estimator.state_dict()
+        log.info("learning_rate auto: measuring the rate along the step's direction on %d probes (%d forwards each)",
+                 cfg.auto_rate_probes, self.estimator.spec.forwards(q) + 3)
+        saved, timer, self.timer = self.estimator.state_dict(), self.timer, None  # no step's profile counts them
         first = self.sampler.plan(self.step_count)
         slopes, curvatures = [], []
         for k in range(cfg.auto_rate_probes):
@@ -212,6 +214,7 @@ class ZOEngine(EngineState):
             slopes.append((up - down) / (2 * tau))
             curvatures.append((up + down - 2 * base) / tau ** 2)
         self.estimator.load_state_dict(saved)
+        self.timer = timer
         eta, reason = line_rate(slopes, curvatures, cfg.auto_rate_fraction)
         self.rate.choose(eta, reason)
         return eta
