@@ -55,7 +55,7 @@ ARMS.update({"mezo-lora": dict(method="mezo", lora=True), "std-auto-plateau-lora
                                                                                          lora=True)})
 RHOS = (0.02, 0.04, 0.08, 0.16, 0.32)  # auto_walk_fraction's lattice (x2) on the small model
 ARMS.update({f"std-rho-{rho:g}": dict(STD_AUTO, auto_walk_fraction=rho) for rho in RHOS})
-FIXED = (1.13e-2, 2.26e-2, 5.66e-3)  # loss_std at a fixed rate under plateau: where is the rate a rule should find?
+FIXED = (1.13e-2, 2.83e-3, 5.66e-3)  # loss_std at a fixed rate under plateau: where is the rate a rule should find?
 ARMS.update({f"std-{eta:g}-plateau": dict(RLOO8, step_normalization="loss_std", learning_rate=eta,
                                            lr_scheduler_type="plateau") for eta in FIXED})
 RATES = {"small": {"mezo": 1e-4, "rloo-8": 4e-4}, "small-rho": {"mezo": 1e-4}, "small-rate": {},

@@ -20,24 +20,26 @@ from experiments.core import Log, arm_config
 from experiments.horizon import ARMS, Setup
 
 
-def greedy_rate(setup: Setup, task: str, arm: str, seed: int) -> tuple[float, str]:
-    """(the greedy rate, the rule's reason) of `arm` on `task` at `seed`: PlainRun chooses it at fraction 1."""
+def greedy_rate(setup: Setup, task: str, arm: str, seed: int, probes: int) -> tuple[float, str]:
+    """(the greedy rate, the rule's reason) of `arm` on `task` at `seed` over `probes` probes: PlainRun chooses it
+    at fraction 1."""
     from curvzo_ds.train.plain import PlainRun
 
     base = setup.base(setup.model, setup.task_dir(task), 1e-3, seed, 1)
-    cfg = dataclasses.replace(arm_config(base, ARMS[arm]), auto_rate_fraction=1.0)
+    cfg = dataclasses.replace(arm_config(base, ARMS[arm]), auto_rate_fraction=1.0, auto_rate_probes=probes)
     run = PlainRun(cfg)
     return run.engine.rate.base, run.engine.rate.reason
 
 
 def main(argv=None) -> None:
-    from curvzo_ds.algo.rate import AUTO_RATE_FRACTION
+    from curvzo_ds.algo.rate import AUTO_RATE_FRACTION, AUTO_RATE_PROBES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=["small", "smollm", "ci"], default="small")
     parser.add_argument("--tasks", nargs="+", default=["sentiment"])
     parser.add_argument("--arms", nargs="+", default=["std-auto-plateau", "rms-auto-plateau"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--probes", type=int, default=AUTO_RATE_PROBES)
     parser.add_argument("--model", help="a model directory instead (the test's tiny Llama)")
     args = parser.parse_args(argv)
     import torch
@@ -47,15 +49,15 @@ def main(argv=None) -> None:
     cache = os.path.expanduser("~/.cache/curvzo_ds/" + ("real_model" if args.config == "smollm" else "pipeline"))
     with tempfile.TemporaryDirectory(prefix="line-rate-") as tmp:
         setup = Setup(args.config, cache, args.model, tmp, Log(os.path.join(tmp, "log")))
-        print("| task | arm | seed | greedy rate (fraction 1) | the rule's rate | slope, curvature (means) |")
-        print("|---|---|---|---|---|---|")
+        print("| task | arm | seed | probes | greedy rate (fraction 1) | the rule's rate | slope, curvature (means) |")
+        print("|---|---|---|---|---|---|---|")
         for task in args.tasks:
             for arm in args.arms:
                 for seed in args.seeds:
-                    eta, reason = greedy_rate(setup, task, arm, seed)
+                    eta, reason = greedy_rate(setup, task, arm, seed, args.probes)
                     means = reason.split("(mean ")[1].rstrip(")")
-                    print(f"| {task} | {arm} | {seed} | {eta:.3g} | {float(f'{AUTO_RATE_FRACTION * eta:.3g}'):.3g} "
-                          f"| {means} |", flush=True)
+                    rule = float(f"{AUTO_RATE_FRACTION * eta:.3g}")
+                    print(f"| {task} | {arm} | {seed} | {args.probes} | {eta:.3g} | {rule:.3g} | {means} |", flush=True)
 
 
 if __name__ == "__main__":

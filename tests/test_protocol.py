@@ -316,9 +316,12 @@ def test_the_horizon_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, c
     assert "| std-auto-plateau | 2 |" in text and "| rms-auto-plateau | 2 |" in text
     H.main(["--config", "ci", "--plan", "--out", str(out)])
     assert "nothing missing" in capsys.readouterr().out
-    # experiments/line_rate.py: the rule's measurement per seed, and the rate it takes (a quarter, 3 digits)
+    # experiments/line_rate.py: the rule's measurement per seed, and the rate it takes (its fraction, 3 digits)
     from experiments import line_rate
 
     line_rate.main(["--config", "ci", "--model", tiny_model, "--seeds", "0", "--arms", "std-auto-plateau"])
     row = capsys.readouterr().out.strip().splitlines()[-1].split(" | ")
-    assert row[1:3] == ["std-auto-plateau", "0"] and float(row[4]) == float(f"{0.25 * float(row[3]):.3g}")
+    from curvzo_ds.algo.rate import AUTO_RATE_FRACTION, AUTO_RATE_PROBES
+
+    assert row[1:4] == ["std-auto-plateau", "0", str(AUTO_RATE_PROBES)]
+    assert float(row[5]) == float(f"{AUTO_RATE_FRACTION * float(row[4]):.3g}")

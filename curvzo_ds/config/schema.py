@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from curvzo_ds.algo.differences import DIFFERENCE_SPECS, Difference, StepNormalization
 from curvzo_ds.algo.estimators import ESTIMATORS, Perturbation
-from curvzo_ds.algo.rate import AUTO, Schedule
+from curvzo_ds.algo.rate import AUTO, AUTO_RATE_FRACTION, AUTO_RATE_PROBES, Schedule
 from curvzo_ds.algo.sampling import Method
 from curvzo_ds.config.ds_policy import REFUSAL_BY_KEY
 from curvzo_ds.config.quantization import NEEDS_LORA, NEEDS_STAGE_0, QUANTIZATIONS, VALUES_TEXT, quantization_lacks
@@ -111,10 +111,11 @@ class ZOConfig:
                                              "plateau_factor after plateau_patience evaluations without a lower dev "
                                              "loss; the CLI needs eval_steps > 0; in Python, call "
                                              "engine.rate.observe_dev)")
-    auto_rate_fraction: float = key(0.25, "learning_rate auto: eta is this fraction of the greedy rate measured along "
-                                          "the step's direction before the first step (docs/algorithm.md)")
-    auto_rate_probes: int = key(8, "learning_rate auto: the directions (each on its own train batch, q + 3 forwards "
-                                   "each) that measure that rate")
+    auto_rate_fraction: float = key(AUTO_RATE_FRACTION, "learning_rate auto: eta is this fraction of the greedy "
+                                                        "rate measured along the step's direction before the first "
+                                                        "step (docs/algorithm.md)")
+    auto_rate_probes: int = key(AUTO_RATE_PROBES, "learning_rate auto: the directions (each on its own train batch, "
+                                                  "q + 3 forwards each) that measure that rate")
     plateau_factor: float = key(0.5, "lr_scheduler_type=plateau: the rate's factor at each plateau, in (0, 1)")
     plateau_patience: int = key(3, "lr_scheduler_type=plateau: dev evaluations without a lower dev loss before a cut")
     max_steps: int = key(0, "the horizon of a linear schedule (0: none); the CLI trains "
