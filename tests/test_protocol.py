@@ -301,8 +301,11 @@ def test_the_horizon_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, c
 
     out = tmp_path / "h"
     threads = torch.get_num_threads()
+    common = ["--config", "ci", "--work", "--model", tiny_model, "--out", str(out), "--cache", str(tmp_path)]
     try:
-        H.main(["--config", "ci", "--work", "--model", tiny_model, "--out", str(out), "--cache", str(tmp_path)])
+        H.main([*common, "--arms", "mezo"])  # a worker given arms runs only theirs
+        assert sorted(H.load_runs(str(out), "ci")) == [("sentiment", "noisy", "mezo")]
+        H.main(common)
     finally:
         torch.set_num_threads(threads)
     runs = H.load_runs(str(out), "ci")
