@@ -1,6 +1,6 @@
 """What `learning_rate: auto`'s line rule measures on a model (docs/algorithm.md, "The rate of a normalised step"):
-the greedy rate along the step's own direction before the first step (algo/rate.py's `line_rate` at fraction 1),
-per seed, for loss_std RLOO-8 and for running_rms, with the rate the rule then takes (x auto_rate_fraction).
+the greedy rate along the step's own direction before the first step (algo/rate.py's `line_rate`), per seed, for
+loss_std RLOO-8 and for running_rms, and the rate the rule takes from it (x auto_rate_fraction), as the engine chose.
 
     nice -n 19 python -m experiments.line_rate --config small                  # experiments/pipeline.py's model
     nice -n 19 python -m experiments.line_rate --config smollm --tasks sentiment topic   # SmolLM2-135M
@@ -20,19 +20,19 @@ from experiments.core import Log, arm_config
 from experiments.horizon import ARMS, Setup
 
 
-def greedy_rate(setup: Setup, task: str, arm: str, seed: int, probes: int) -> tuple[float, str]:
-    """(the greedy rate, the rule's reason) of `arm` on `task` at `seed` over `probes` probes: PlainRun chooses it
-    at fraction 1."""
+def chosen_rate(setup: Setup, task: str, arm: str, seed: int, probes: int) -> tuple[float, float, str]:
+    """(the greedy rate, the rate the rule chose, its reason) of `arm` on `task` at `seed` over `probes` probes, as
+    PlainRun's engine chose it at the default auto_rate_fraction."""
     from curvzo_ds.train.plain import PlainRun
 
     base = setup.base(setup.model, setup.task_dir(task), 1e-3, seed, 1)
-    cfg = dataclasses.replace(arm_config(base, ARMS[arm]), auto_rate_fraction=1.0, auto_rate_probes=probes)
-    run = PlainRun(cfg)
-    return run.engine.rate.base, run.engine.rate.reason
+    run = PlainRun(dataclasses.replace(arm_config(base, ARMS[arm]), auto_rate_probes=probes))
+    rate = run.engine.rate
+    return float(rate.reason.split("the greedy rate ")[1].split()[0]), rate.base, rate.reason
 
 
 def main(argv=None) -> None:
-    from curvzo_ds.algo.rate import AUTO_RATE_FRACTION, AUTO_RATE_PROBES
+    from curvzo_ds.algo.rate import AUTO_RATE_PROBES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=["small", "smollm", "ci"], default="small")
@@ -49,15 +49,15 @@ def main(argv=None) -> None:
     cache = os.path.expanduser("~/.cache/curvzo_ds/" + ("real_model" if args.config == "smollm" else "pipeline"))
     with tempfile.TemporaryDirectory(prefix="line-rate-") as tmp:
         setup = Setup(args.config, cache, args.model, tmp, Log(os.path.join(tmp, "log")))
-        print("| task | arm | seed | probes | greedy rate (fraction 1) | the rule's rate | slope, curvature (means) |")
+        print("| task | arm | seed | probes | greedy rate | the rule's rate | slope, curvature (means) |")
         print("|---|---|---|---|---|---|---|")
         for task in args.tasks:
             for arm in args.arms:
                 for seed in args.seeds:
-                    eta, reason = greedy_rate(setup, task, arm, seed, args.probes)
+                    greedy, rule, reason = chosen_rate(setup, task, arm, seed, args.probes)
                     means = reason.split("(mean ")[1].rstrip(")")
-                    rule = float(f"{AUTO_RATE_FRACTION * eta:.3g}")
-                    print(f"| {task} | {arm} | {seed} | {args.probes} | {eta:.3g} | {rule:.3g} | {means} |", flush=True)
+                    print(f"| {task} | {arm} | {seed} | {args.probes} | {greedy:.4g} | {rule:.3g} | {means} |",
+                          flush=True)
 
 
 if __name__ == "__main__":

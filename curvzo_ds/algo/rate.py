@@ -77,13 +77,13 @@ def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AU
                           "the model's dtype and zo_eps, or set learning_rate to a number)")
     a, c = sum(slopes), sum(curvatures)
     if not (math.isfinite(a) and math.isfinite(c) and a > 0 and c > 0):
-        raise ConfigError(f"learning_rate=auto: along the step's direction on the first {len(slopes)} batches the loss "
+        raise ConfigError(f"learning_rate=auto: along the step's direction on {len(slopes)} probes the loss "
                          f"has slope {a / len(slopes):.4g} and curvature {c / len(slopes):.4g} "
-                         "per probe; a rate needs a falling, convex line (raise zo_eps if the losses barely differ, "
-                         "or set learning_rate to a number)")
+                         "per probe; a rate needs a falling, convex line (raise zo_eps if the losses barely differ: "
+                         "a bf16 model's loss can be too coarse for it; or set learning_rate to a number)")
     eta = float(f"{fraction * a / c:.3g}")
     return eta, (f"{fraction:g} x the greedy rate {a / c:.4g} along the step's direction, measured on "
-                 f"{len(slopes)} train batches before the first step (mean slope {a / len(slopes):.4g}, "
+                 f"{len(slopes)} probes before the first step (mean slope {a / len(slopes):.4g}, "
                  f"curvature {c / len(slopes):.4g})")
 
 

@@ -115,7 +115,7 @@ class ZOConfig:
                                                         "rate measured along the step's direction before the first "
                                                         "step (docs/algorithm.md)")
     auto_rate_probes: int = key(AUTO_RATE_PROBES, "learning_rate auto: the directions (each on its own train batch, "
-                                                  "q + 3 forwards each) that measure that rate")
+                                                  "a step's forwards + 3 each) that measure that rate")
     plateau_factor: float = key(0.5, "lr_scheduler_type=plateau: the rate's factor at each plateau, in (0, 1)")
     plateau_patience: int = key(3, "lr_scheduler_type=plateau: dev evaluations without a lower dev loss before a cut")
     max_steps: int = key(0, "the horizon of a linear schedule (0: none); the CLI trains "

@@ -23,7 +23,7 @@ from curvzo_ds.config.sections import section
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.engine.result import LossFn, StepResult, StepTimer
 from curvzo_ds.engine.state import EngineState
-from curvzo_ds.errors import NonFiniteLossError
+from curvzo_ds.errors import ConfigError, NonFiniteLossError
 from curvzo_ds.noise.gaussian import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
 from curvzo_ds.shard import ds_compat
 from curvzo_ds.shard.comm import Comm
@@ -180,42 +180,57 @@ class ZOEngine(EngineState):
         self._end_step(plan, est.score_deltas, red.block_sq)  # the scores
         return StepResult(plan.step + 1, est.loss, est.loss_plus, est.loss_minus, est.delta, **info)
 
+    @torch.no_grad()
     def choose_rate(self, batches: list) -> float:
         """learning_rate: auto (docs/algorithm.md, "The rate of a normalised step"): before the first step, for each
-        of `cfg.auto_rate_probes` probes k (batch k mod len(batches)), the step's own direction u_k (the first
-        step's mask, probe k's own noise: the keys of step -1 - k, which no step uses) from its q forwards; the
-        batch loss at w, w - tau u_k and w + tau u_k gives the slope and curvature of the line; eta is
-        algo/rate.py's `line_rate` of them. The weights come back to w (each move rounds once, as the chain's do)
-        and the estimator's state is left as it was. Collective; q + 3 forwards a probe; recorded in the state.
-        The CLI calls it with the first train batches; step() calls it with its own batch if no one has."""
+        of `cfg.auto_rate_probes` probes k (batch k mod len(batches)), the step's own direction u_k per unit rate
+        (the first step's plan, probe k's own noise: the keys of step -1 - k, which no step uses) from its forwards;
+        the batch loss at w, w - tau u_k and w + tau u_k gives the slope and curvature of the line; eta is
+        algo/rate.py's `line_rate` of them, decided on job rank 0 and broadcast. The weights come back to w (values
+        kept in a copy of w are written from it) and the estimator's state is left as it was. Collective; the
+        step's forwards + 3 a probe; recorded in the state. The CLI calls it with the first train batches; step()
+        calls it with its own batch where no one has."""
         cfg, q = self.cfg, self.cfg.num_directions
         tau = line_tau(cfg.step_normalization, q, cfg.zo_eps)
         log.info("learning_rate auto: measuring the rate along the step's direction on %d probes (%d forwards each)",
                  cfg.auto_rate_probes, self.estimator.spec.forwards(q) + 3)
         saved, timer, self.timer = self.estimator.state_dict(), self.timer, None  # no step's profile counts them
         first = self.sampler.plan(self.step_count)
+        self.last_mask = first.mask
         slopes, curvatures = [], []
         for k in range(cfg.auto_rate_probes):
             batch = batches[k % len(batches)]
             plan = dataclasses.replace(first, step=-1 - k)
             base = self.loss(batch)
             evals, moved, at = self._perturb_and_forward(plan, batch)
-            red = self._reduce(evals, batch, moved)
-            est = self.estimator.estimate(red.losses)
+            est = self.estimator.estimate(self._reduce(evals, batch, moved).losses)
             if not est.finite:
                 self.perturber.move(at, None)
                 continue
-            coefs, keep = self.sampler.direction_updates(plan, est.deltas, tau)
-            self.perturber.update(coefs, keep, at, 0.0)  # w - tau u
+            unit, keep = self.sampler.direction_updates(plan, est.deltas, plan.rate_scale)  # u: the step at rate 1
+            self.perturber.update([tau * c for c in unit], keep, at, 0.0, keep_copies=True)  # w - tau u
             down = self.loss(batch)
-            self.perturber.update([-2 * c for c in coefs], keep, None, 0.0)  # w + tau u
+            self.perturber.line(unit, tau, -tau)  # w + tau u
             up = self.loss(batch)
-            self.perturber.update(coefs, keep, None, 0.0)  # w
-            slopes.append((up - down) / (2 * tau))
-            curvatures.append((up + down - 2 * base) / tau ** 2)
+            self.perturber.line(unit, -tau, 0.0)  # w
+            if all(math.isfinite(x) for x in (base, down, up)):
+                slopes.append((up - down) / (2 * tau))
+                curvatures.append((up + down - 2 * base) / tau ** 2)
         self.estimator.load_state_dict(saved)
         self.timer = timer
-        eta, reason = line_rate(slopes, curvatures, cfg.auto_rate_fraction)
+        job = self.topology.job
+        try:
+            chosen = line_rate(slopes, curvatures, cfg.auto_rate_fraction) if job.rank == 0 else None
+        except ConfigError as e:
+            chosen = str(e)
+        chosen = job.broadcast_object(chosen)  # every rank takes rank 0's rate (or its refusal)
+        if isinstance(chosen, str):
+            raise ConfigError(chosen)
+        eta, reason = chosen
+        if eta / cfg.auto_rate_fraction > 20 * tau:
+            log.warning("learning_rate auto: the greedy rate %.4g is %.0fx the probe's span tau=%.3g: the line was "
+                        "measured at +-tau only, so check the first evaluations (or set learning_rate)",
+                        eta / cfg.auto_rate_fraction, eta / cfg.auto_rate_fraction / tau, tau)
         self.rate.choose(eta, reason)
         return eta
 

@@ -148,6 +148,7 @@ class MaskedPerturber(StepPasses):
         self.entries = mask.entries
         self.used = [i for i, idx in enumerate(mask.index) if len(idx)]
         self.values = [self._read(i) for i in self.used]  # fp32 w at the selected elements
+        self._kept: list[torch.Tensor] | None = None  # w during learning_rate auto's probe (`line`)
         self._step = -1
         self._z: dict[int, list[torch.Tensor]] = {}
 
@@ -211,16 +212,29 @@ class MaskedPerturber(StepPasses):
         for j in range(len(self.used)):
             self._write(j, self.values[j] if to is None else self.values[j] + to[1] * self._noise(to[0])[j])
 
-    def update(self, coefs: list[torch.Tensor], keep: torch.Tensor, at, weight_decay: float) -> None:
+    def update(self, coefs: list[torch.Tensor], keep: torch.Tensor, at, weight_decay: float,
+               keep_copies: bool = False) -> None:
         """w <- keep w - sum_d coef_d z_d at the selected elements (decay on matrices only), then write w (`at` needs
         no undoing: see move). With method mezo every block has the same coefficients (pi = 1), so block 0's serve
         every tensor."""
+        if keep_copies:  # learning_rate auto's probe: w is kept for `line`
+            self._kept = [v.clone() for v in self.values]
         for j, i in enumerate(self.used):
             if weight_decay and self.entries[i].decay:
                 self.values[j].mul_(float(keep[0]))
             for d, coef_d in enumerate(coefs):
                 self.values[j].sub_(float(coef_d[0]) * self._noise(d)[j])
             self._write(j, self.values[j])
+
+    def line(self, coefs: list[torch.Tensor], at: float, to: float) -> None:
+        """Write w - to u from the fp32 w that `update(..., keep_copies=True)` kept (exact at every point, as
+        `move`); at to = 0, w itself again."""
+        for j in range(len(self.used)):
+            u = sum(float(c[0]) * self._noise(d)[j] for d, c in enumerate(coefs))
+            self.values[j] = self._kept[j] - to * u if to else self._kept[j]
+            self._write(j, self.values[j])
+        if to == 0:
+            self._kept = None
 
     def owned_low_precision(self) -> list:
         return []

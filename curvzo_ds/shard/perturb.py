@@ -65,8 +65,16 @@ class StepPasses(abc.ABC):
         of `to`'s direction."""
 
     @abc.abstractmethod
-    def update(self, coefs: list[torch.Tensor], keep: torch.Tensor, at: Point, weight_decay: float) -> None:
-        """From the point `at`: w <- keep_i w - sum_d coef_d,i z_d (coefs: one [G] per direction), in one pass."""
+    def update(self, coefs: list[torch.Tensor], keep: torch.Tensor, at: Point, weight_decay: float,
+               keep_copies: bool = False) -> None:
+        """From the point `at`: w <- keep_i w - sum_d coef_d,i z_d (coefs: one [G] per direction), in one pass.
+        `keep_copies`: the step's copies of w stay for `line` (the probe's points)."""
+
+    @abc.abstractmethod
+    def line(self, coefs: list[torch.Tensor], at: float, to: float) -> None:
+        """learning_rate auto's probe (engine/core.py, `choose_rate`): from w - at u to w - to u, u = sum_d coef_d z_d,
+        after an `update(..., keep_copies=True)` put the weights at w - at u; to = 0 ends the probe at w. A value
+        kept in a copy of w is written from it (one rounding from w at every point)."""
 
     @abc.abstractmethod
     def owned_low_precision(self) -> list[tuple[int, torch.Tensor]]:
@@ -217,7 +225,8 @@ class Perturber(StepPasses):
                 work.append((s, 1.0, [-frm[1], to[1]], [frm[0], to[0]], False))
         return self._run([work], stats)
 
-    def update(self, coefs: list[torch.Tensor], keep: torch.Tensor, at: Point, weight_decay: float) -> None:
+    def update(self, coefs: list[torch.Tensor], keep: torch.Tensor, at: Point, weight_decay: float,
+               keep_copies: bool = False) -> None:
         """w <- keep_i w - sum_d coef_d,i z_d for the selected blocks (the sampler's Eq. 28 coefficients, one [G] per
         direction), from the point `at`, in one pass: rows edited in place add -keep a z of `at` in the same pass
         (the coefficient of that direction's key); rows kept in fp32 update the master copy in place and then write
@@ -242,7 +251,26 @@ class Perturber(StepPasses):
                 alphas[:, at[0]] -= scale * at[1]
             first.append((rows, scale, alphas, list(range(q)), False))
         self._run([first, copies], False)
-        self._copies, self._copied = {}, None
+        if not keep_copies:
+            self._copies, self._copied = {}, None
+
+    def line(self, coefs: list[torch.Tensor], at: float, to: float) -> None:
+        """From w - at u to w - to u in one pass, as `update` walks its rows: rows written from the step's copy of w
+        (bf16/fp16 edited in place) get w - to u, rows edited in place (fp32, and the fp32 master copies, whose
+        stored copies are then written from them) add -(to - at) u. At to = 0 the copies are dropped."""
+        self._refresh()
+        by_block = np.stack([c.numpy() for c in coefs], axis=1)  # [G, q]
+        first, copies = [], []
+        for i, s in enumerate(self._selected):
+            if s.group.kind == "master":
+                copies.append((s, 1.0, [0.0], [0], True))
+                continue
+            rows = self._copies.get(i, s)
+            step = to if rows is not s else to - at
+            first.append((rows, 1.0, -step * by_block[rows.group.block[rows.index]], list(range(len(coefs))), False))
+        self._run([first, copies], False)
+        if to == 0:
+            self._copies, self._copied = {}, None
 
     def owned_low_precision(self) -> list[tuple[int, torch.Tensor]]:
         """(block, view) of the owned bf16/fp16 copies edited without an fp32 copy: where +eps z can vanish."""
