@@ -104,6 +104,9 @@ def settings_of(config: str, model: str, task: str, variant: str, arm: str, seed
                 horizon=plan["horizon"], eval_every=plan["eval_every"], **auto_settings(arm))
 
 
+AUTO_RULE = "line-upper"  # the line rule dividing by the curvature's upper bound ("line": by its mean, until 23:10)
+
+
 def auto_settings(arm: str) -> dict:
     """What decides an `auto` arm's rate, part of its settings (so a run of another rule is another run): the line
     rule's fraction and probes (algo/rate.py), or, for the rows that still name `auto_walk_fraction`, the walk rule's
@@ -115,7 +118,7 @@ def auto_settings(arm: str) -> dict:
         return {}
     if "auto_walk_fraction" in spec:
         return dict(auto_fraction=spec["auto_walk_fraction"])
-    return dict(auto_rule="line", auto_rate_fraction=spec.get("auto_rate_fraction", AUTO_RATE_FRACTION),
+    return dict(auto_rule=AUTO_RULE, auto_rate_fraction=spec.get("auto_rate_fraction", AUTO_RATE_FRACTION),
                 auto_rate_probes=spec.get("auto_rate_probes", AUTO_RATE_PROBES))
 
 
@@ -214,11 +217,18 @@ def load_runs(out: str, config: str) -> dict:
 
 
 def arm_label(s: dict) -> str:
-    """A run's arm in the report: its row's name, with " (walk rule)" for an `auto` row's run of the rate rule before
-    the line rule (its settings hold that rule's rho, `auto_fraction`, where the row's now hold the line rule's)."""
-    if s["arm"] in ARMS and "auto_fraction" in s and auto_settings(s["arm"]).get("auto_rule") == "line":
-        return f"{s['arm']} (walk rule)"
-    return s["arm"]
+    """A run's arm in the report: its row's name, or, for an `auto` row's run of an earlier rate rule than the one
+    its settings would now hold, the name with that rule's: " (walk rule)" (the walk rule's rho, `auto_fraction`),
+    " (line rule, mean curvature)"."""
+    arm = s["arm"]
+    if arm not in ARMS or ARMS[arm].get("learning_rate") != "auto":
+        return arm
+    mine = {k: s[k] for k in ("auto_fraction", "auto_rule", "auto_rate_fraction", "auto_rate_probes") if k in s}
+    if mine == auto_settings(arm):
+        return arm
+    if "auto_fraction" in mine:
+        return f"{arm} (walk rule)"
+    return f"{arm} (line rule, mean curvature)" if mine.get("auto_rule") == "line" else f"{arm} ({mine})"
 
 
 def curves(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
@@ -269,7 +279,9 @@ def report(out: str, config: str) -> list[str]:
                   "| arm | seeds | diverged | final dev loss | tail mean log dev loss - MeZO's | time-warp, not "
                   "extrapolated (reached/points) | old time-warp | test accuracy - MeZO's | rule |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        for arm in arms + [f"{a} (walk rule)" for a in arms if (task, variant, f"{a} (walk rule)") in runs]:
+        older = sorted(k[2] for k in runs if k[:2] == (task, variant) and k[2] not in arms and
+                       k[2].split(" (")[0] in arms)
+        for arm in arms + older:
             mine = runs.get((task, variant, arm), [])
             if not mine or arm == reference or not mezo:
                 lines.append(f"| {arm} | {len(mine)} | | | | | | | |")

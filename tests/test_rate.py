@@ -65,9 +65,13 @@ def test_loss_std_steps_have_rms_eta_over_sqrt_q_minus_1_exactly(q):
 
 
 def test_line_rate_is_a_fraction_of_the_ratio_of_summed_slopes_and_curvatures():
+    # mean slope 3 over the curvature's upper bound: mean 200 + 2 standard errors (sd 141.42 / sqrt 2 = 100) = 400
     eta, reason = line_rate([2.0, 4.0], [100.0, 300.0], 0.25)
-    assert eta == 0.25 * 6 / 400 and "0.25 x the greedy rate 0.015" in reason and "2 probes" in reason
-    assert line_rate([1.0], [3.0], 1.0)[0] == 0.333  # 3 significant digits: the value the log shows
+    assert eta == float(f"{0.25 * 3 / 400:.3g}") and "0.25 x the greedy rate 0.0075" in reason and "2 probes" in reason
+    assert "curvature 200 +- 100, its upper bound 400 taken" in reason
+    assert line_rate([1.0], [3.0], 1.0)[0] == 0.333  # one probe: no spread to add; 3 significant digits
+    # probes that disagree about the curvature give a smaller rate than probes that agree on the same mean
+    assert line_rate([1.0] * 4, [50.0, 150.0, 50.0, 150.0])[0] < line_rate([1.0] * 4, [100.0] * 4)[0]
     assert line_tau("loss_std", 8, 1e-3) == pytest.approx(3e-3 * math.sqrt(7))  # 3 eps per coordinate
     for slopes, curvatures in (([-1.0, 0.5], [1.0, 1.0]), ([1.0], [-2.0]), ([0.0], [0.0]), ([float("nan")], [1.0])):
         with pytest.raises(ConfigError, match="a rate needs a falling, convex line") as e:

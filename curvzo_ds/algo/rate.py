@@ -27,12 +27,13 @@ class Schedule(str, enum.Enum):
 AUTO = "auto"
 # learning_rate: auto (docs/algorithm.md, "The rate of a normalised step"): eta = AUTO_RATE_FRACTION x the greedy
 # rate along the step's own direction u, measured before the first step on AUTO_RATE_PROBES directions (each on
-# its own train batch) from the batch loss at w and at w -+ tau u: eta_line = sum_k slope_k / sum_k curvature_k.
-# 0.2: on experiments/pipeline.py's model that greedy rate is 0.027-0.032 (4 seeds, 32 probes), and over 16,000
-# forwards 5.66e-3 (about a fifth) beat MeZO while 1.13e-2 (about 2/5) did not and did harm on noisy labels; on
-# SmolLM2-135M issue 47's lattice chose 5.66e-3 at 400 forwards where the greedy rate is about 0.02 (`sentiment`)
-# and 0.05 (`topic`). 16 probes: 8 gave 0.023-0.043 on the small model's 4 seeds. experiments/RESULTS.md ("The
-# line rule") has the measurements.
+# its own train batch) from the batch loss at w and at w -+ tau u: the mean slope over the curvature's upper bound.
+# 0.2: on experiments/pipeline.py's model the greedy rate by the mean curvature is 0.027-0.032 (4 seeds, 32 probes),
+# and over 16,000 forwards 5.66e-3 (about a fifth) beat MeZO while 1.13e-2 (about 2/5) did not and did harm on
+# noisy labels; on SmolLM2-135M issue 47's lattice chose 5.66e-3 at 400 forwards where that rate is about 0.02
+# (`sentiment`) and 0.05 (`topic`). The curvature's upper bound (since the noisy-label runs, where the mean alone
+# gave 9.3e-3 and 1.75e-2) lowers it where the probes disagree. 16 probes: 8 gave 0.023-0.043 on the small
+# model's 4 seeds. experiments/RESULTS.md ("The line rule") has the measurements.
 AUTO_RATE_FRACTION = 0.2
 AUTO_RATE_PROBES = 16
 LINE_SPAN = 3.0  # the line's points w -+ tau u lie LINE_SPAN x zo_eps from w per coordinate (RMS)
@@ -67,24 +68,29 @@ def line_tau(step_normalization: str, num_directions: int, eps: float) -> float:
 
 
 def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AUTO_RATE_FRACTION) -> tuple[float, str]:
-    """(eta, reason): eta = fraction x sum(slopes) / sum(curvatures), rounded to 3 significant digits (so the value a
-    log shows is the value used). slope_k = -(d/ds) L(w - s u_k) and curvature_k = (d/ds)^2 L(w - s u_k) at s = 0 on
-    probe k's batch: the ratio of their sums is the rate that lowers those batches' loss most in one step (a ratio
-    of means, steadier than a mean of ratios where one curvature is near 0). Refused, in one line, where the
-    directions do not descend or the loss is not convex along them (no greedy rate exists)."""
+    """(eta, reason): eta = fraction x mean(slopes) / (mean(curvatures) + 2 se), rounded to 3 significant digits (so
+    the value a log shows is the value used). slope_k = -(d/ds) L(w - s u_k) and curvature_k = (d/ds)^2 L(w - s u_k)
+    at s = 0 on probe k's batch. The curvature along a step's direction varies far more from probe to probe than
+    the slope (its standard deviation is the size of its mean for RLOO-8 on a small model, several times it for a
+    single direction, and label noise lowers its mean): its upper 95% bound (mean + 2 standard errors, over 2 or
+    more probes) is what the rule divides by, so that a curvature the probes do not resolve gives a smaller rate,
+    never a larger one. Refused, in one line, where the directions do not descend or the line is not convex."""
     if not slopes:
         raise ConfigError("learning_rate=auto: every probe's loss was non-finite, so no rate could be measured (check "
                           "the model's dtype and zo_eps, or set learning_rate to a number)")
-    a, c = sum(slopes), sum(curvatures)
+    n = len(slopes)
+    a, c = sum(slopes) / n, sum(curvatures) / n
+    se = math.sqrt(sum((x - c) ** 2 for x in curvatures) / (n - 1) / n) if n > 1 else 0.0
     if not (math.isfinite(a) and math.isfinite(c) and a > 0 and c > 0):
-        raise ConfigError(f"learning_rate=auto: along the step's direction on {len(slopes)} probes the loss "
-                         f"has slope {a / len(slopes):.4g} and curvature {c / len(slopes):.4g} "
-                         "per probe; a rate needs a falling, convex line (raise zo_eps if the losses barely differ: "
-                         "a bf16 model's loss can be too coarse for it; or set learning_rate to a number)")
-    eta = float(f"{fraction * a / c:.3g}")
-    return eta, (f"{fraction:g} x the greedy rate {a / c:.4g} along the step's direction, measured on "
-                 f"{len(slopes)} probes before the first step (mean slope {a / len(slopes):.4g}, "
-                 f"curvature {c / len(slopes):.4g})")
+        raise ConfigError(f"learning_rate=auto: along the step's direction on {n} probes the loss has slope {a:.4g} "
+                          f"and curvature {c:.4g} per probe; a rate needs a falling, convex line (raise zo_eps if the "
+                          "losses barely differ: a bf16 model's loss can be too coarse for it; or set learning_rate "
+                          "to a number)")
+    greedy = a / (c + 2 * se)
+    eta = float(f"{fraction * greedy:.3g}")
+    return eta, (f"{fraction:g} x the greedy rate {greedy:.4g} along the step's direction, measured on {n} probes "
+                 f"before the first step (mean slope {a:.4g}, curvature {c:.4g} +- {se:.3g}, its upper bound "
+                 f"{c + 2 * se:.4g} taken)")
 
 
 class Rate:
