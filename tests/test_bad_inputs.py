@@ -331,8 +331,8 @@ BATCHED = [
     # issue 57's rate and issue 59's divergence keys
     ("auto-rate-unnormalised", ["train", "--set", "learning_rate=auto"],
      "learning_rate=auto needs a normalised step", {}),
-    ("auto-rate-no-horizon", ["train", "--set", "learning_rate=auto", "--set", "step_normalization=running_rms",
-                              "--set", "max_steps=0"], "learning_rate=auto needs max_steps > 0", {}),
+    ("auto-rate-no-probes", ["train", "--set", "learning_rate=auto", "--set", "step_normalization=running_rms",
+                             "--set", "auto_rate_probes=0"], "auto_rate_probes=0 is invalid", {}),
     ("auto-rate-misspelt", ["train", "--set", "learning_rate=automatic"], "learning_rate='automatic' is invalid", {}),
     ("plateau-without-evaluations", ["train", "--set", "lr_scheduler_type=plateau", "--set", "eval_steps=0"],
      "lr_scheduler_type=plateau needs evaluations during the run", {}),
