@@ -1,8 +1,8 @@
 """The learning rate of a step (docs/algorithm.md, "The rate of a normalised step"): the schedule (`constant`,
 `linear`, `plateau`), the base rate that `learning_rate: auto` chooses, and the factors that the plateau rule and a
 divergence rollback multiply in. Pure Python floats: every rank computes the same values from the same inputs (the
-dev loss, which evaluation gives every rank identically; the line probe's losses, all-reduced like a step's), so
-the rate is the same at every world size and after a resume (the state is saved in checkpoints).
+dev loss, which evaluation gives every rank identically; the line probe's rate, which job rank 0 decides and
+broadcasts), so the rate is the same at every world size and after a resume (the state is saved in checkpoints).
 """
 
 from __future__ import annotations
