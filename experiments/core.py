@@ -165,7 +165,7 @@ VARIANTS = {"label_noise": label_noise}  # a task variant: (task directory, its 
 
 
 def run_curve(config, arm: dict, evaluation_points_in_forwards: dict[int, list[str]], *, variant: dict | None = None,
-              subset: dict | None = None, test: bool = True, name: str = "this arm") -> dict:
+              subset: dict | None = None, test: bool = True, name: str = "this arm", device: str = "cpu") -> dict:
     """One run of `arm` (a row of config keys, and EXTRA_KEYS) on `config` (the task, model, data, rate, seed), through
     the project's own ZO step (`PlainRun`), to the last evaluation point.
 
@@ -174,8 +174,9 @@ def run_curve(config, arm: dict, evaluation_points_in_forwards: dict[int, list[s
     `subset_accuracy`); each point a multiple of the arm's forwards per step. The last point is the horizon:
     max_steps = horizon / forwards per step. A non-finite loss at a point ends the run there (the rest of its
     curve is missing). `variant`: {name: value} of `VARIANTS`, applied to the task directory. `test`: the test
-    split at the end. Returns the curve ({step, forwards, ...} per point), test, seconds per step (the steps alone),
-    set-up seconds, the mean budget B/G and parameter fraction, the number of blocks and parameters.
+    split at the end. `device`: where the model runs ("cpu", or "cuda" on a GPU). Returns the device, the curve
+    ({step, forwards, ...} per point), test, seconds per step (the steps alone), set-up seconds, the mean budget
+    B/G and parameter fraction, the number of blocks and parameters.
     """
     from curvzo_ds.train.plain import PlainRun
 
@@ -192,12 +193,21 @@ def run_curve(config, arm: dict, evaluation_points_in_forwards: dict[int, list[s
             task = VARIANTS[key](task, value, tmp)
         cfg = dataclasses.replace(arm_config(config, arm, name), task=task, max_steps=steps)
         setup = time.time()
-        run = PlainRun(cfg, sampler=OracleSampler if "oracle_every" in arm else None)  # fits a static mask
+        # PlainRun fits a static mask and chooses learning_rate auto's rate
+        run = PlainRun(cfg, sampler=OracleSampler if "oracle_every" in arm else None, device=device)
         setup = time.time() - setup
         if subset is not None:
             add_dev_subset(run, "subset", subset["size"], subset["seed"])
-        return dict(_train(run, steps, per_step, points, arm.get("oracle_every")),
+        return dict(_train(run, steps, per_step, points, arm.get("oracle_every")), device=device_name(device),
                     **(dict(test=run.evaluate("test")) if test else {}), setup_seconds=setup)
+
+
+def device_name(device: str) -> str:
+    """"cpu", or the GPU's name after the device ("cuda: NVIDIA H200"): a run records where it ran."""
+    import torch
+
+    device = torch.device(device)
+    return device.type if device.type != "cuda" else f"cuda: {torch.cuda.get_device_name(device)}"
 
 
 def _train(run, steps: int, per_step: int, points: dict[int, list[str]], oracle_every: int | None) -> dict:

@@ -33,6 +33,7 @@ import tempfile
 
 import numpy as np
 
+from curvzo_ds.errors import ConfigError
 from experiments import verdict as V
 from experiments.core import Log, cached, digest, every, record_run, run_curve
 from experiments.stats import mean_sd
@@ -159,7 +160,8 @@ class Setup:
         return self.tasks[task]
 
 
-def one_run(setup: Setup, out: str, task: str, variant: str, arm: str, seed: int, log: Log) -> dict:
+def one_run(setup: Setup, out: str, task: str, variant: str, arm: str, seed: int, log: Log,
+            device: str = "cpu") -> dict:
     config = setup.config
     plan = CONFIGS[config]
     settings = settings_of(config, setup.model, task, variant, arm, seed)
@@ -167,18 +169,29 @@ def one_run(setup: Setup, out: str, task: str, variant: str, arm: str, seed: int
     if done is not None:
         return done
     base = setup.base(setup.model, setup.task_dir(task), settings["lr"] or 1e-3, seed, 1)
-    result = record_run(path, settings, lambda: run_curve(
-        base, ARMS[arm], every(plan["eval_every"], plan["horizon"]), variant=NOISY if variant == "noisy" else None,
-        name=arm))
+
+    def train() -> dict:
+        try:
+            return run_curve(base, ARMS[arm], every(plan["eval_every"], plan["horizon"]), name=arm, device=device,
+                             variant=NOISY if variant == "noisy" else None)
+        except ConfigError as e:  # an `auto` rate the rule refuses on this seed: an outcome, kept like a run's
+            return dict(refused=str(e), curve=[], test={})
+
+    result = record_run(path, settings, train)
+    if "refused" in result:
+        log(f"{task}/{variant} {arm} seed {seed}: refused: {result['refused']}")
+        return result
     last = result["curve"][-1]
     log(f"{task}/{variant} {arm} seed {seed}: dev loss {last.get('loss')}, test {result['test'].get('accuracy')} "
         f"({result['seconds']:.0f}s)")
     return result
 
 
-def work(config: str, out: str, cache: str, model: str | None, log: Log, arms: list[str] | None = None) -> None:
+def work(config: str, out: str, cache: str, model: str | None, log: Log, arms: list[str] | None = None,
+         device: str = "cpu") -> None:
     """Run what the plan lists (of `arms` only, where given) and no other worker holds, one at a time, until
-    nothing is left."""
+    nothing is left, on `device` (a run's cache key leaves it out: a run on a GPU is the same run to rounding, and
+    records where it ran)."""
     import torch
 
     torch.set_num_threads(1)
@@ -197,7 +210,7 @@ def work(config: str, out: str, cache: str, model: str | None, log: Log, arms: l
                 except BlockingIOError:
                     continue  # another worker runs it
                 if cached(out, settings)[1] is None:
-                    one_run(setup, out, task, variant, arm, seed, log)
+                    one_run(setup, out, task, variant, arm, seed, log, device)
 
 
 # ------------------------------------------------------------------------------------------------------ the report
@@ -212,7 +225,8 @@ def load_runs(out: str, config: str) -> dict:
             run = json.load(f)
         s = run["settings"]
         if s.get("protocol") == "horizon" and s["config"] == config:
-            runs.setdefault((s["task"], s["variant"], arm_label(s)), []).append(run)
+            runs.setdefault((s["task"], s["variant"], arm_label(s) + (" (refused)" if "refused" in run else "")),
+                            []).append(run)
     return {k: sorted(v, key=lambda r: r["settings"]["seed"]) for k, v in runs.items()}
 
 
@@ -283,6 +297,10 @@ def report(out: str, config: str) -> list[str]:
                        k[2].split(" (")[0] in arms)
         for arm in arms + older:
             mine = runs.get((task, variant, arm), [])
+            if arm.endswith(" (refused)"):  # the seeds whose auto rate the rule refused (no curve)
+                seeds = ", ".join(str(r["settings"]["seed"]) for r in mine)
+                lines.append(f"| {arm} | {len(mine)} | | | | | | | seeds {seeds} |")
+                continue
             if not mine or arm == reference or not mezo:
                 lines.append(f"| {arm} | {len(mine)} | | | | | | | |")
                 continue
@@ -308,6 +326,7 @@ def main(argv=None) -> None:
                                         "real_model)")
     parser.add_argument("--model", help="a model directory instead (the test's tiny Llama)")
     parser.add_argument("--arms", nargs="+", help="--work: only these arms of the plan (default: all)")
+    parser.add_argument("--device", default="cpu", help="--work: where the runs go (cpu, or cuda on a GPU)")
     stage = parser.add_mutually_exclusive_group(required=True)
     stage.add_argument("--work", action="store_true")
     stage.add_argument("--plan", action="store_true")
@@ -320,7 +339,7 @@ def main(argv=None) -> None:
     os.makedirs(cache, exist_ok=True)
     log = Log(os.path.join(out, "progress.log"))
     if args.work:
-        work(args.config, out, cache, args.model, log, args.arms)
+        work(args.config, out, cache, args.model, log, args.arms, args.device)
     if args.plan:
         done = load_runs(out, args.config)
         missing = [r for r in plan_runs(args.config)

@@ -139,18 +139,22 @@ def build(cfg: TrainConfig) -> Job:
                device, keep_alive, layout.record())
 
 
-def build_plain(cfg: TrainConfig, sampler: Callable | None = None) -> Job:
-    """A one-process Job on a plain model (no DeepSpeed, no process group, on the CPU), built from the same presets,
-    splits, micro-batches and loss as `build`, so that its steps are those of a one-rank training run. A static
-    mask (static_mask=true) is fitted here, and learning_rate auto's rate chosen, as `curvzo-ds train` does before
-    step 1. `sampler`: ZOEngine's (what
-    makes the engine's sampler; None: CurvZOSampler)."""
+def build_plain(cfg: TrainConfig, sampler: Callable | None = None, device: str | torch.device = "cpu") -> Job:
+    """A one-process Job on a plain model (no DeepSpeed, no process group), built from the same presets, splits,
+    micro-batches and loss as `build`, so that its steps are those of a one-rank training run. A static mask
+    (static_mask=true) is fitted here, and learning_rate auto's rate chosen, as `curvzo-ds train` does before
+    step 1. `sampler`: ZOEngine's (what makes the engine's sampler; None: CurvZOSampler). `device`: where the
+    model, the batches and the noise live (the CPU unless told, e.g. "cuda" for experiments/ on a GPU)."""
     cfg = resolve(cfg)
+    device = torch.device(device)
     task, tokenizer, train_data, eval_data = load_data(section(cfg, "data"), section(cfg, "model"), cfg.seed)
     model, keep_alive = build_model(section(cfg, "model"), cfg.seed, {})
     loss = D.loss_fn_for(task, section(cfg, "data"), tokenizer)
-    engine = engine_for(model, loss, zo_part(cfg), sampler=sampler)
-    device = torch.device("cpu")
+    if device.type != "cpu":
+        model.to(device)
+        engine = engine_for(model, lambda m, mb: loss(m, D.to_device(mb, device)), zo_part(cfg), sampler=sampler)
+    else:
+        engine = engine_for(model, loss, zo_part(cfg), sampler=sampler)
     evaluator = Evaluator.of(section(cfg, "eval"), section(cfg, "data"), model, task, tokenizer, eval_data,
                              Comm(None), device, loss)
     job = Job(cfg, None, None, task, tokenizer, train_data, eval_data, model, loss, engine, evaluator, device,

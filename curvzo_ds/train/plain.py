@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from curvzo_ds import data as D
 from curvzo_ds.algo.sampling import CurvZOSampler
 from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.data.stream import MicroBatches
@@ -22,12 +23,13 @@ class PlainRun:
     `block_energy`, the first-order ground truth of a batch.
     """
 
-    def __init__(self, cfg: TrainConfig, sampler: Callable[..., CurvZOSampler] | None = None):
+    def __init__(self, cfg: TrainConfig, sampler: Callable[..., CurvZOSampler] | None = None,
+                 device: str | torch.device = "cpu"):
         # Imported here: the CLI imports commands/diagnose.py, which imports this module, to build its parser, and
         # the build brings transformers and DeepSpeed.
         from curvzo_ds.train.build import build_plain
 
-        self.job = job = build_plain(cfg, sampler=sampler)
+        self.job = job = build_plain(cfg, sampler=sampler, device=device)
         self.cfg, self.task, self.tokenizer = job.cfg, job.task, job.tokenizer
         self.train_data, self.eval_data = job.train_data, job.eval_data
         self.model, self.loss, self.engine = job.model, job.loss, job.engine
@@ -48,7 +50,7 @@ class PlainRun:
         module = self.model
         module.zero_grad(set_to_none=True)
         with eval_mode(module), torch.enable_grad():
-            sums = [self.loss(module, mb) for mb in batch.items]
+            sums = [self.loss(module, D.to_device(mb, self.job.device)) for mb in batch.items]
             (sum(s for s, _ in sums) / sum(float(c) for _, c in sums)).backward()
         entries = self.engine.entries
         out = torch.zeros(self.engine.num_blocks, dtype=torch.float64)
@@ -56,6 +58,6 @@ class PlainRun:
             for ei, lo, hi in block.segments:
                 grad = entries[ei].param.grad
                 if grad is not None:
-                    out[b] += grad.detach().reshape(-1)[lo:hi].double().pow(2).sum()
+                    out[b] += grad.detach().reshape(-1)[lo:hi].double().pow(2).sum().item()
         module.zero_grad(set_to_none=True)
         return out
