@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from curvzo_ds.config.schema import TrainConfig
+from curvzo_ds.errors import ConfigError
 from experiments import protocol as P
 from experiments import rate_rule as RU
 from experiments.report import report_lines
@@ -293,7 +294,7 @@ def test_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_the_horizon_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys):
+def test_the_horizon_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, capsys, monkeypatch):
     """experiments/horizon.py --work and --report at its `ci` config (32 forwards, the noisy cell, MeZO and the two
     auto arms with the plateau schedule, 2 seeds): every planned run is cached with its curve, an auto arm's chosen
     rate is recorded at each evaluation point, and the report has a row per arm against MeZO."""
@@ -319,6 +320,23 @@ def test_the_horizon_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, c
     assert "| std-auto-plateau | 2 |" in text and "| rms-auto-plateau | 2 |" in text
     H.main(["--config", "ci", "--plan", "--out", str(out)])
     assert "nothing missing" in capsys.readouterr().out
+    assert auto["device"] == "cpu"  # a run records where it ran (--device cuda on a GPU)
+    # a seed whose auto rate the rule refuses is an outcome: kept as a run (no curve), listed, never run again
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise ConfigError("learning_rate=auto: ... a rate needs a falling, convex line")
+
+    monkeypatch.setattr(H, "run_curve", refuse)
+    log = H.Log(str(tmp_path / "log"))
+    setup = H.Setup("ci", str(tmp_path), tiny_model, str(tmp_path), log)
+    for _ in range(2):
+        H.one_run(setup, str(out), "sentiment", "noisy", "rms-auto-plateau", 7, log)
+    assert len(calls) == 1
+    (refused,) = H.load_runs(str(out), "ci")[("sentiment", "noisy", "rms-auto-plateau (refused)")]
+    assert refused["settings"]["seed"] == 7 and "convex line" in refused["refused"]
+    assert "| rms-auto-plateau (refused) | 1 | | | | | | | seeds 7 |" in H.report(str(out), "ci")
     # experiments/line_rate.py: the rule's measurement per seed, and the rate it takes (its fraction, 3 digits)
     from experiments import line_rate
 
