@@ -243,7 +243,7 @@ def _train(run, steps: int, per_step: int, points: dict[int, list[str]], oracle_
                 budget_mean=float(np.mean(budgets)) if budgets else None,
                 param_fraction_mean=float(np.mean(fractions)) if fractions else None, blocks=engine.num_blocks,
                 params=engine.num_params, learning_rate_chosen=engine.rate.base,
-                rate_reason=engine.rate.reason)
+                learning_rate_greedy=engine.rate.greedy, rate_reason=engine.rate.reason)
 
 
 def every(forwards: int, horizon: int, splits: tuple[str, ...] = ("dev",)) -> dict[int, list[str]]:

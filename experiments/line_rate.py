@@ -28,7 +28,7 @@ def chosen_rate(setup: Setup, task: str, arm: str, seed: int, probes: int) -> tu
     base = setup.base(setup.model, setup.task_dir(task), 1e-3, seed, 1)
     run = PlainRun(dataclasses.replace(arm_config(base, ARMS[arm]), auto_rate_probes=probes))
     rate = run.engine.rate
-    return float(rate.reason.split("the greedy rate ")[1].split()[0]), rate.base, rate.reason
+    return rate.greedy, rate.base, rate.reason
 
 
 def main(argv=None) -> None:

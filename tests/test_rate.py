@@ -39,13 +39,13 @@ def test_constant_and_linear_ignore_the_dev_loss():
 
 def test_the_rate_state_round_trips_and_a_rollback_halves_it():
     rate = Rate("auto", "plateau", 100, plateau_patience=1)
-    rate.choose(2e-3, "test")
+    rate.choose(2e-3, "test", greedy=1e-2)
     rate.observe_dev(1, 1.0)
     rate.observe_dev(2, 1.1)  # a cut
     rate.rolled_back()
     again = Rate("auto", "plateau", 100, plateau_patience=1)
     again.load_state_dict(rate.state_dict())
-    assert again.at(3) == rate.at(3) == 2e-3 * 0.5 * 0.5 and again.rollbacks == 1
+    assert again.at(3) == rate.at(3) == 2e-3 * 0.5 * 0.5 and again.rollbacks == 1 and again.greedy == 1e-2
     assert Rate(1e-3, "constant", 0).state_dict()["learning_rate_chosen"] == 1e-3
     old = Rate(1e-3, "constant", 0)
     old.load_state_dict({})  # a checkpoint from before the rate state: the key's rate, no cuts
@@ -66,8 +66,9 @@ def test_loss_std_steps_have_rms_eta_over_sqrt_q_minus_1_exactly(q):
 
 def test_line_rate_is_a_fraction_of_the_ratio_of_summed_slopes_and_curvatures():
     # mean slope 3 over the curvature's upper bound: mean 200 + 2 standard errors (sd 141.42 / sqrt 2 = 100) = 400
-    eta, reason = line_rate([2.0, 4.0], [100.0, 300.0], 0.25)
-    assert eta == float(f"{0.25 * 3 / 400:.3g}") and "0.25 x the greedy rate 0.0075" in reason and "2 probes" in reason
+    eta, greedy, reason = line_rate([2.0, 4.0], [100.0, 300.0], 0.25)
+    assert greedy == 3 / 400 and eta == float(f"{0.25 * greedy:.3g}")
+    assert "0.25 x the greedy rate 0.0075" in reason and "2 probes" in reason
     assert "curvature 200 +- 100, its upper bound 400 taken" in reason
     assert line_rate([1.0], [3.0], 1.0)[0] == 0.333  # one probe: no spread to add; 3 significant digits
     # probes that disagree about the curvature give a smaller rate than probes that agree on the same mean
@@ -173,6 +174,7 @@ def test_an_engine_with_auto_chooses_at_its_first_step_and_a_resumed_one_keeps_i
                                             step_normalization="running_rms"))
     other.load_state_dict(engine.state_dict())
     assert not other.rate.needs_choice and other.step(batch).learning_rate == r.learning_rate
+    assert other.rate.greedy == engine.rate.greedy and r.learning_rate == float(f"{0.2 * engine.rate.greedy:.3g}")
 
 
 def test_auto_refuses_a_loss_that_does_not_move_along_the_step_in_one_line():

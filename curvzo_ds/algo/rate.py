@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from typing import NamedTuple
 
 from curvzo_ds.errors import ConfigError
 
@@ -67,14 +68,21 @@ def line_tau(step_normalization: str, num_directions: int, eps: float) -> float:
     return LINE_SPAN * eps / step_rms(step_normalization, num_directions)
 
 
-def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AUTO_RATE_FRACTION) -> tuple[float, str]:
-    """(eta, reason): eta = fraction x mean(slopes) / (mean(curvatures) + 2 se), rounded to 3 significant digits (so
-    the value a log shows is the value used). slope_k = -(d/ds) L(w - s u_k) and curvature_k = (d/ds)^2 L(w - s u_k)
-    at s = 0 on probe k's batch. The curvature along a step's direction varies far more from probe to probe than
-    the slope (its standard deviation is the size of its mean for RLOO-8 on a small model, several times it for a
-    single direction, and label noise lowers its mean): its upper 95% bound (mean + 2 standard errors, over 2 or
-    more probes) is what the rule divides by, so that a curvature the probes do not resolve gives a smaller rate,
-    never a larger one. Refused, in one line, where the directions do not descend or the line is not convex."""
+class LineRate(NamedTuple):
+    eta: float  # the rate taken: fraction x greedy, 3 significant digits
+    greedy: float  # the greedy rate along the line, mean slope / the curvature's upper bound
+    reason: str
+
+
+def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AUTO_RATE_FRACTION) -> LineRate:
+    """(eta, greedy, reason): eta = fraction x greedy, greedy = mean(slopes) / (mean(curvatures) + 2 se), eta rounded to
+    3 significant digits (so the value a log shows is the value used). slope_k = -(d/ds) L(w - s u_k) and curvature_k
+    = (d/ds)^2 L(w - s u_k) at s = 0 on probe k's batch. The curvature along a step's direction varies far more from
+    probe to probe than the slope (its standard deviation is the size of its mean for RLOO-8 on a small model,
+    several times it for a single direction, and label noise lowers its mean): its upper 95% bound (mean + 2 standard
+    errors, over 2 or more probes) is what the rule divides by, so that a curvature the probes do not resolve gives a
+    smaller rate, never a larger one. Refused, in one line, where the directions do not descend or the line is not
+    convex."""
     if not slopes:
         raise ConfigError("learning_rate=auto: every probe's loss was non-finite, so no rate could be measured (check "
                           "the model's dtype and zo_eps, or set learning_rate to a number)")
@@ -88,9 +96,9 @@ def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AU
                           "to a number)")
     greedy = a / (c + 2 * se)
     eta = float(f"{fraction * greedy:.3g}")
-    return eta, (f"{fraction:g} x the greedy rate {greedy:.4g} along the step's direction, measured on {n} probes "
-                 f"before the first step (mean slope {a:.4g}, curvature {c:.4g} +- {se:.3g}, its upper bound "
-                 f"{c + 2 * se:.4g} taken)")
+    return LineRate(eta, greedy, f"{fraction:g} x the greedy rate {greedy:.4g} along the step's direction, measured "
+                    f"on {n} probes before the first step (mean slope {a:.4g}, curvature {c:.4g} +- {se:.3g}, its "
+                    f"upper bound {c + 2 * se:.4g} taken)")
 
 
 class Rate:
@@ -113,14 +121,15 @@ class Rate:
         self.plateau_factor, self.plateau_patience = plateau_factor, plateau_patience
         self.plateau_scale, self.best_dev, self.evals_since_best = 1.0, None, 0
         self.rollback_scale, self.rollbacks = 1.0, 0
-        self.reason = "the learning_rate key"
+        self.reason, self.greedy = "the learning_rate key", None
 
     @property
     def needs_choice(self) -> bool:
         return self.base is None
 
-    def choose(self, value: float, reason: str) -> None:
-        self.base, self.reason = value, reason
+    def choose(self, value: float, reason: str, greedy: float | None = None) -> None:
+        """learning_rate auto's rate, its reason and the greedy rate it is a fraction of."""
+        self.base, self.reason, self.greedy = value, reason, greedy
         log.info("learning_rate auto: %g (%s)", value, reason)
 
     def at(self, step: int) -> float:
@@ -154,6 +163,7 @@ class Rate:
 
     def state_dict(self) -> dict:
         return {"learning_rate_chosen": self.base, "learning_rate_reason": self.reason,
+                "learning_rate_greedy": self.greedy,
                 "plateau_scale": self.plateau_scale, "best_dev_loss": self.best_dev,
                 "evals_since_best": self.evals_since_best, **self.carry()}
 
@@ -161,6 +171,7 @@ class Rate:
         """A checkpoint's rate state (one from before these fields: the key's rate, no cuts)."""
         if state.get("learning_rate_chosen") is not None and self.auto:
             self.base, self.reason = float(state["learning_rate_chosen"]), state.get("learning_rate_reason", "")
+            self.greedy = state.get("learning_rate_greedy")
         self.plateau_scale = float(state.get("plateau_scale", 1.0))
         self.best_dev = state.get("best_dev_loss")
         self.evals_since_best = int(state.get("evals_since_best", 0))

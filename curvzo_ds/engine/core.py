@@ -226,13 +226,12 @@ class ZOEngine(EngineState):
         chosen = job.broadcast_object(chosen)  # every rank takes rank 0's rate (or its refusal)
         if isinstance(chosen, str):
             raise ConfigError(chosen)
-        eta, reason = chosen
-        if eta / cfg.auto_rate_fraction > 20 * tau:
+        if chosen.greedy > 20 * tau:
             log.warning("learning_rate auto: the greedy rate %.4g is %.0fx the probe's span tau=%.3g: the line was "
                         "measured at +-tau only, so check the first evaluations (or set learning_rate)",
-                        eta / cfg.auto_rate_fraction, eta / cfg.auto_rate_fraction / tau, tau)
-        self.rate.choose(eta, reason)
-        return eta
+                        chosen.greedy, chosen.greedy / tau, tau)
+        self.rate.choose(chosen.eta, chosen.reason, chosen.greedy)
+        return chosen.eta
 
     def _check_step(self, batch) -> None:
         check_batch(batch)

@@ -34,6 +34,7 @@ over the weights (the copy pass included).
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -237,22 +238,16 @@ class Perturber(StepPasses):
         q = len(coefs)
         by_block = np.stack([c.numpy() for c in coefs], axis=1)  # [G, q]
         keep_of_block = keep.numpy()
-        first, copies = [], []
-        for i, s in enumerate(self._selected):
-            g = s.group
-            if g.kind == "master":
-                copies.append((s, 1.0, [0.0], [0], True))
-                continue
-            rows = self._copies.get(i, s)
+
+        def item(rows: StepRows, in_place: bool) -> tuple:
             block = rows.group.block[rows.index]
             scale = np.where(rows.group.decay[rows.index] & bool(weight_decay), keep_of_block[block], 1.0)
             alphas = -by_block[block]
-            if rows is s and g.kind == "direct" and at is not None:
+            if in_place and rows.group.kind == "direct" and at is not None:
                 alphas[:, at[0]] -= scale * at[1]
-            first.append((rows, scale, alphas, list(range(q)), False))
-        self._run([first, copies], False)
-        if not keep_copies:
-            self._copies, self._copied = {}, None
+            return rows, scale, alphas, list(range(q)), False
+
+        self._write_rows(item, drop_copies=not keep_copies)
 
     def line(self, coefs: list[torch.Tensor], at: float, to: float) -> None:
         """From w - at u to w - to u in one pass, as `update` walks its rows: rows written from the step's copy of w
@@ -260,16 +255,26 @@ class Perturber(StepPasses):
         stored copies are then written from them) add -(to - at) u. At to = 0 the copies are dropped."""
         self._refresh()
         by_block = np.stack([c.numpy() for c in coefs], axis=1)  # [G, q]
+
+        def item(rows: StepRows, in_place: bool) -> tuple:
+            step = to - at if in_place else to
+            return rows, 1.0, -step * by_block[rows.group.block[rows.index]], list(range(len(coefs))), False
+
+        self._write_rows(item, drop_copies=to == 0)
+
+    def _write_rows(self, item: Callable[[StepRows, bool], tuple], drop_copies: bool) -> None:
+        """The pass of `update` and `line` over the selected rows: each target's rows (or the step's copy of them,
+        which is then the source; `item` is told whether the rows are edited in place) get `item`'s work, then the
+        fp32 master copies write their stored copies (a copy pass). `drop_copies`: the step's copies end here."""
         first, copies = [], []
         for i, s in enumerate(self._selected):
             if s.group.kind == "master":
                 copies.append((s, 1.0, [0.0], [0], True))
                 continue
             rows = self._copies.get(i, s)
-            step = to if rows is not s else to - at
-            first.append((rows, 1.0, -step * by_block[rows.group.block[rows.index]], list(range(len(coefs))), False))
+            first.append(item(rows, rows is s))
         self._run([first, copies], False)
-        if to == 0:
+        if drop_copies:
             self._copies, self._copied = {}, None
 
     def owned_low_precision(self) -> list[tuple[int, torch.Tensor]]:
