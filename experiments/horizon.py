@@ -6,6 +6,7 @@ the control `running_rms`, MeZO, plain RLOO-8 and the preset as it was (a fixed 
     python -m experiments.horizon --config small --plan                 # the runs still missing
     python -m experiments.horizon --config small --report               # the tables, from the cached runs
     python -m experiments.horizon --config ci --work --out /tmp/x       # the test's: a tiny model, 32 forwards
+    python -m experiments.horizon --config smollm --work --device cuda  # on a GPU (tools/gpu_horizon.sh: a lent one)
 
 Configs: `small` is experiments/pipeline.py's pre-trained model (about 1M parameters, 3000 steps of pre-training, as
 experiments/calibrate.py) on `sentiment`, 16,000 forwards, the full dev set every 800; `smollm` is SmolLM2-135M
@@ -36,7 +37,6 @@ import numpy as np
 from curvzo_ds.errors import ConfigError
 from experiments import verdict as V
 from experiments.core import Log, cached, digest, every, record_run, run_curve
-from experiments.stats import mean_sd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RLOO8 = dict(method="mezo", difference="rloo", num_directions=8)
@@ -268,7 +268,7 @@ def compare(arm_runs: list[dict], mezo_runs: list[dict], horizon: int, eval_ever
     return dict(tail=V.welch(tails, mezo_tails), warp=V.warp_interpolated(fa, ya, fm, ym, grid),
                 old=None if ((how == 1) | (how == 2)).all() else old["factor"],
                 old_extrapolated=old["extrapolated"], test=V.welch(acc, mezo_acc),
-                final=mean_sd([r["curve"][-1].get("loss") for r in arm_runs]),
+                final=" / ".join(f"{r['curve'][-1].get('loss'):.3g}" for r in arm_runs),  # per seed (decades apart)
                 diverged=sum(diverged(r) for r in arm_runs), seeds=len(arm_runs))
 
 
@@ -290,8 +290,8 @@ def report(out: str, config: str) -> list[str]:
     for (task, variant), arms, reference in sections:
         mezo = runs.get((task, variant, reference), [])
         lines += [f"**{task}, {variant}** ({reference}: {len(mezo)} seeds)", "",
-                  "| arm | seeds | diverged | final dev loss | tail mean log dev loss - MeZO's | time-warp, not "
-                  "extrapolated (reached/points) | old time-warp | test accuracy - MeZO's | rule |",
+                  "| arm | seeds | diverged | final dev loss (per seed) | tail mean log dev loss - MeZO's | time-warp, "
+                  "not extrapolated (reached/points) | old time-warp | test accuracy - MeZO's | rule |",
                   "|---|---|---|---|---|---|---|---|---|"]
         older = sorted(k[2] for k in runs if k[:2] == (task, variant) and k[2] not in arms and
                        k[2].split(" (")[0] in arms)
@@ -301,12 +301,19 @@ def report(out: str, config: str) -> list[str]:
                 seeds = ", ".join(str(r["settings"]["seed"]) for r in mine)
                 lines.append(f"| {arm} | {len(mine)} | | | | | | | seeds {seeds} |")
                 continue
+            if arm == reference and mine:  # its own figures: the others' columns are differences from them
+                finals = " / ".join(f"{r['curve'][-1].get('loss'):.3g}" for r in mine)
+                tests = " / ".join(f"{r['test'].get('accuracy'):.3f}" for r in mine)
+                lines.append(f"| {arm} | {len(mine)} | {sum(diverged(r) for r in mine)} | {finals} | | | | "
+                             f"test accuracy {tests} | |")
+                continue
             if not mine or arm == reference or not mezo:
                 lines.append(f"| {arm} | {len(mine)} | | | | | | | |")
                 continue
             c = compare(mine, mezo, plan["horizon"], plan["eval_every"])
             w = c["warp"]
-            warp = ("refused (no point reached)" if w["factor"] is None else
+            warp = ("refused (MeZO's mean curve never below the zero-shot loss: no point to reach)" if not w["points"]
+                    else "refused (no point reached)" if w["factor"] is None else
                     f"x{w['factor']:.2f} [{w['low']:.2f}, {w['high']:.2f}] ({w['reached']}/{w['points']})")
             old = "refused (every point extrapolated or capped)" if c["old"] is None else f"x{c['old']:.2f}" + (
                 " (extrapolated)" if c["old_extrapolated"] else "")
