@@ -36,7 +36,7 @@ import numpy as np
 
 from curvzo_ds.errors import ConfigError
 from experiments import verdict as V
-from experiments.core import Log, cached, digest, every, record_run, run_curve
+from experiments.core import Log, cached, digest, every, forwards_per_step, record_run, run_curve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RLOO8 = dict(method="mezo", difference="rloo", num_directions=8)
@@ -255,12 +255,25 @@ def diverged(run: dict) -> bool:
     return last is None or not math.isfinite(last) or (first is not None and last > first)
 
 
+def probe_forwards(settings: dict) -> int:
+    """The forwards an `auto` run spent choosing its rate before its first step: auto_rate_probes x (a step's
+    forwards + 3), as engine/core.py's `choose_rate` takes them (176 for RLOO-8 at 16 probes, 80 for MeZO's two);
+    0 for a run at a given rate (and for the walk rule's, which probed nothing). Not on its curve's axis."""
+    if settings["spec"].get("learning_rate") != "auto" or "auto_rate_probes" not in settings:
+        return 0
+    return settings["auto_rate_probes"] * (forwards_per_step(settings["spec"]) + 3)
+
+
 def compare(arm_runs: list[dict], mezo_runs: list[dict], horizon: int, eval_every: int) -> dict:
+    """The arm against MeZO. The time-warp factors count the arm's probe forwards (its curve moved right by them);
+    the tail means read each curve at its own forwards."""
     fa, ya = curves(arm_runs)
     fm, ym = curves(mezo_runs)
     grid = [f for f in range(horizon // 2, horizon + 1, eval_every)]
     tails = [V.tail_mean(fa, [p.get("loss") for p in r["curve"]], horizon) for r in arm_runs]
     mezo_tails = [V.tail_mean(fm, [p.get("loss") for p in r["curve"]], horizon) for r in mezo_runs]
+    shift = probe_forwards(arm_runs[0]["settings"])
+    fa = fa + shift
     old = V.warp(fa, ya, fm, ym, horizon)
     how = V.warp_from_means(fa, V.mean_curve(ya)[None], fm, V.mean_curve(ym)[None], horizon)["how"][0]
     acc = [r["test"].get("accuracy") for r in arm_runs]
@@ -269,7 +282,7 @@ def compare(arm_runs: list[dict], mezo_runs: list[dict], horizon: int, eval_ever
                 old=None if ((how == 1) | (how == 2)).all() else old["factor"],
                 old_extrapolated=old["extrapolated"], test=V.welch(acc, mezo_acc),
                 final=" / ".join(f"{r['curve'][-1].get('loss'):.3g}" for r in arm_runs),  # per seed (decades apart)
-                diverged=sum(diverged(r) for r in arm_runs), seeds=len(arm_runs))
+                diverged=sum(diverged(r) for r in arm_runs), seeds=len(arm_runs), probe_forwards=shift)
 
 
 def interval(d: dict, fmt: str = "{:+.3f}") -> str:
@@ -314,7 +327,8 @@ def report(out: str, config: str) -> list[str]:
             w = c["warp"]
             warp = ("refused (MeZO's mean curve never below the zero-shot loss: no point to reach)" if not w["points"]
                     else "refused (no point reached)" if w["factor"] is None else
-                    f"x{w['factor']:.2f} [{w['low']:.2f}, {w['high']:.2f}] ({w['reached']}/{w['points']})")
+                    f"x{w['factor']:.2f} [{w['low']:.2f}, {w['high']:.2f}] ({w['reached']}/{w['points']})"
+                    + (f", its {c['probe_forwards']} probe forwards counted" if c["probe_forwards"] else ""))
             old = "refused (every point extrapolated or capped)" if c["old"] is None else f"x{c['old']:.2f}" + (
                 " (extrapolated)" if c["old_extrapolated"] else "")
             ok = (w["factor"] is not None and w["high"] <= V.THRESHOLD and math.isfinite(c["test"]["low"])

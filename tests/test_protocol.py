@@ -321,6 +321,12 @@ def test_the_horizon_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, c
     H.main(["--config", "ci", "--plan", "--out", str(out)])
     assert "nothing missing" in capsys.readouterr().out
     assert auto["device"] == "cpu"  # a run records where it ran (--device cuda on a GPU)
+    from curvzo_ds.algo.rate import AUTO_RATE_PROBES
+
+    # the forwards the rule spent before step 1 count in the time-warp: a probe is a step's forwards and 3 more
+    assert H.probe_forwards(auto["settings"]) == AUTO_RATE_PROBES * (8 + 3)
+    assert H.probe_forwards(runs[("sentiment", "noisy", "rms-auto-plateau")][0]["settings"]) == AUTO_RATE_PROBES * 5
+    assert H.probe_forwards(runs[("sentiment", "noisy", "mezo")][0]["settings"]) == 0
     # a seed whose auto rate the rule refuses is an outcome: kept as a run (no curve), listed, never run again
     calls = []
 
