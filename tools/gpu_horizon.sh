@@ -9,9 +9,13 @@
 #   2. carry [".gpu/part2", ".gpu/digest"]: `SECONDS_LEFT=560 bash tools/gpu_horizon.sh run`  rebuilds the GGUF,
 #      checks its sha256 and the converted weights' digest, then runs WORKERS workers (default 10) on the one GPU
 #      until the plan is done or the time is up: the decision arms first (mezo, std-auto-plateau,
-#      rms-auto-plateau), then the rest (preset-fixed, the LoRA cell). Every run is cached as on the CPU
+#      rms-auto-plateau), then the rest (preset-fixed, the LoRA cell), skipping the runs committed in
+#      experiments/results/horizon-smollm/runs/ (they travel with the tree). Every run is cached as on the CPU
 #      (experiments/horizon.py); $OUT/runs.tar holds the finished runs and progress.log, refreshed every 15 s, so a
-#      call stopped at its limit keeps them. Here: `tar -xf runs.tar -C experiments/results/horizon-smollm`.
+#      call stopped at its limit keeps them. Here: `tar -xf runs.tar -C /tmp/g`, copy /tmp/g/runs/*.json to
+#      experiments/results/horizon-smollm/runs/ and append /tmp/g/progress.log (marked as the GPU's) to its log.
+# Sizes: call 1 carries 64.2 MB with the tree (the limit is 64 MiB = 67.1 MB), call 2 60.1 MB. On 2026-11-30 the
+# start and call 1 took 101 s of device time, call 2 576 s (10 runs; benchmarks/RESULTS.md has the throughput).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -51,7 +55,8 @@ stash)
 transformers.__version__, 'deepspeed', deepspeed.__version__, 'peft', peft.__version__, 'triton', triton.__version__)"
     } 2>&1 | grep -v Warning | tee -a "$OUT/stash.txt"
     start=$(date +%s)
-    timeout 200 python3 -m experiments.horizon --config ci --work --device "${DEVICE:-cuda}" --out /tmp/ci-out \
+    timeout 200 python3 -m experiments.horizon --config ci --work --device "${DEVICE:-cuda}" \
+        --arms mezo std-auto-plateau --out /tmp/ci-out \
         --cache /tmp/ci-cache > "$OUT/smoke.txt" 2>&1
     echo "smoke (ci config on cuda): exit $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/stash.txt"
     tail -25 "$OUT/smoke.txt"
@@ -81,7 +86,9 @@ print(f"converted in {time.time() - start:.0f} s; weights digest {h.hexdigest()[
 EOF
     snapshot() { tar -cf "$OUT/runs.tmp" -C "$RUNS" runs progress.log gpu.log workers 2>/dev/null
                  mv "$OUT/runs.tmp" "$OUT/runs.tar"; }
-    mkdir -p "$RUNS/workers"
+    mkdir -p "$RUNS/workers" "$RUNS/runs"
+    cp experiments/results/horizon-smollm/runs/*.json "$RUNS/runs/" 2>/dev/null  # the committed runs: not rerun
+    echo "runs already cached: $(ls "$RUNS/runs" | wc -l)" | tee -a "$OUT/convert.txt"
     (while sleep 15; do nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader \
         >> "$RUNS/gpu.log" 2>&1; snapshot; done) &
     loop=$!
