@@ -43,3 +43,8 @@ class Diverged(RunEnded):
 
 class ConfigError(ValueError):
     """A bad configuration value. The message names the key, the value and the fix."""
+
+
+class RateRefused(ConfigError):
+    """learning_rate=auto measured no rate it can serve (algo/rate.py's `line_rate`): set learning_rate to a number
+    or change what the message names."""

@@ -34,7 +34,7 @@ import tempfile
 
 import numpy as np
 
-from curvzo_ds.errors import ConfigError
+from curvzo_ds.errors import RateRefused
 from experiments import verdict as V
 from experiments.core import Log, cached, digest, every, forwards_per_step, record_run, run_curve
 
@@ -174,7 +174,7 @@ def one_run(setup: Setup, out: str, task: str, variant: str, arm: str, seed: int
         try:
             return run_curve(base, ARMS[arm], every(plan["eval_every"], plan["horizon"]), name=arm, device=device,
                              variant=NOISY if variant == "noisy" else None)
-        except ConfigError as e:  # an `auto` rate the rule refuses on this seed: an outcome, kept like a run's
+        except RateRefused as e:  # an `auto` rate the rule refuses on this seed: an outcome, kept like a run's
             return dict(refused=str(e), curve=[], test={})
 
     result = record_run(path, settings, train)
@@ -264,6 +264,12 @@ def probe_forwards(settings: dict) -> int:
     return settings["auto_rate_probes"] * (forwards_per_step(settings["spec"]) + 3)
 
 
+def finals(runs: list[dict]) -> str:
+    """The final dev loss of each seed (they span decades; "-" where the run ended non-finite)."""
+    losses = [r["curve"][-1].get("loss") for r in runs]
+    return " / ".join("-" if v is None else f"{v:.3g}" for v in losses)
+
+
 def compare(arm_runs: list[dict], mezo_runs: list[dict], horizon: int, eval_every: int) -> dict:
     """The arm against MeZO. The time-warp factors count the arm's probe forwards (its curve moved right by them);
     the tail means read each curve at its own forwards."""
@@ -281,7 +287,7 @@ def compare(arm_runs: list[dict], mezo_runs: list[dict], horizon: int, eval_ever
     return dict(tail=V.welch(tails, mezo_tails), warp=V.warp_interpolated(fa, ya, fm, ym, grid),
                 old=None if ((how == 1) | (how == 2)).all() else old["factor"],
                 old_extrapolated=old["extrapolated"], test=V.welch(acc, mezo_acc),
-                final=" / ".join(f"{r['curve'][-1].get('loss'):.3g}" for r in arm_runs),  # per seed (decades apart)
+                final=finals(arm_runs),
                 diverged=sum(diverged(r) for r in arm_runs), seeds=len(arm_runs), probe_forwards=shift)
 
 
@@ -315,9 +321,8 @@ def report(out: str, config: str) -> list[str]:
                 lines.append(f"| {arm} | {len(mine)} | | | | | | | seeds {seeds} |")
                 continue
             if arm == reference and mine:  # its own figures: the others' columns are differences from them
-                finals = " / ".join(f"{r['curve'][-1].get('loss'):.3g}" for r in mine)
                 tests = " / ".join(f"{r['test'].get('accuracy'):.3f}" for r in mine)
-                lines.append(f"| {arm} | {len(mine)} | {sum(diverged(r) for r in mine)} | {finals} | | | | "
+                lines.append(f"| {arm} | {len(mine)} | {sum(diverged(r) for r in mine)} | {finals(mine)} | | | | "
                              f"test accuracy {tests} | |")
                 continue
             if not mine or arm == reference or not mezo:
@@ -331,10 +336,12 @@ def report(out: str, config: str) -> list[str]:
                     + (f", its {c['probe_forwards']} probe forwards counted" if c["probe_forwards"] else ""))
             old = "refused (every point extrapolated or capped)" if c["old"] is None else f"x{c['old']:.2f}" + (
                 " (extrapolated)" if c["old_extrapolated"] else "")
+            refused = len(runs.get((task, variant, f"{arm} (refused)"), []))
             ok = (w["factor"] is not None and w["high"] <= V.THRESHOLD and math.isfinite(c["test"]["low"])
-                  and c["test"]["low"] >= -0.01)
+                  and c["test"]["low"] >= -0.01 and not refused)
             lines.append(f"| {arm} | {c['seeds']} | {c['diverged']} | {c['final']} | {interval(c['tail'], '{:+.2f}')}"
-                         f" | {warp} | {old} | {interval(c['test'])} | {'passes' if ok else 'no'} |")
+                         f" | {warp} | {old} | {interval(c['test'])} | {'passes' if ok else 'no'}"
+                         + (f" ({refused} refused)" if refused else "") + " |")
         lines.append("")
     return lines
 
@@ -363,8 +370,9 @@ def main(argv=None) -> None:
         work(args.config, out, cache, args.model, log, args.arms, args.device)
     if args.plan:
         done = load_runs(out, args.config)
-        missing = [r for r in plan_runs(args.config)
-                   if r[3] not in [x["settings"]["seed"] for x in done.get(r[:3], [])]]
+        missing = [r for r in plan_runs(args.config)  # a refused run is done (it is never rerun)
+                   if r[3] not in [x["settings"]["seed"] for x in
+                                   done.get(r[:3], []) + done.get((r[0], r[1], f"{r[2]} (refused)"), [])]]
         print("\n".join(" ".join(map(str, r)) for r in missing) or "nothing missing")
     if args.report or args.work:
         lines = report(out, args.config)

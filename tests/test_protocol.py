@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from curvzo_ds.config.schema import TrainConfig
-from curvzo_ds.errors import ConfigError
+from curvzo_ds.errors import RateRefused
 from experiments import protocol as P
 from experiments import rate_rule as RU
 from experiments.report import report_lines
@@ -327,22 +327,28 @@ def test_the_horizon_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, c
     assert H.probe_forwards(auto["settings"]) == AUTO_RATE_PROBES * (8 + 3)
     assert H.probe_forwards(runs[("sentiment", "noisy", "rms-auto-plateau")][0]["settings"]) == AUTO_RATE_PROBES * 5
     assert H.probe_forwards(runs[("sentiment", "noisy", "mezo")][0]["settings"]) == 0
-    # a seed whose auto rate the rule refuses is an outcome: kept as a run (no curve), listed, never run again
+    # a seed whose auto rate the rule refuses is an outcome: kept as a run (no curve), listed, never run again, and
+    # done for --plan (here rms-auto-plateau's seed 1, its run's cache removed)
     calls = []
 
     def refuse(*args, **kwargs):
         calls.append(1)
-        raise ConfigError("learning_rate=auto: ... a rate needs a falling, convex line")
+        raise RateRefused("learning_rate=auto: ... a rate needs a falling, convex line")
 
     monkeypatch.setattr(H, "run_curve", refuse)
     log = H.Log(str(tmp_path / "log"))
     setup = H.Setup("ci", str(tmp_path), tiny_model, str(tmp_path), log)
+    os.remove(H.cached(str(out), H.settings_of("ci", tiny_model, "sentiment", "noisy", "rms-auto-plateau", 1))[0])
     for _ in range(2):
-        H.one_run(setup, str(out), "sentiment", "noisy", "rms-auto-plateau", 7, log)
+        H.one_run(setup, str(out), "sentiment", "noisy", "rms-auto-plateau", 1, log)
     assert len(calls) == 1
     (refused,) = H.load_runs(str(out), "ci")[("sentiment", "noisy", "rms-auto-plateau (refused)")]
-    assert refused["settings"]["seed"] == 7 and "convex line" in refused["refused"]
-    assert "| rms-auto-plateau (refused) | 1 | | | | | | | seeds 7 |" in H.report(str(out), "ci")
+    assert refused["settings"]["seed"] == 1 and "convex line" in refused["refused"]
+    table = H.report(str(out), "ci")
+    assert "| rms-auto-plateau (refused) | 1 | | | | | | | seeds 1 |" in table
+    assert any(row.startswith("| rms-auto-plateau | 1 |") and row.endswith("| no (1 refused) |") for row in table)
+    H.main(["--config", "ci", "--plan", "--out", str(out)])
+    assert "nothing missing" in capsys.readouterr().out
     # experiments/line_rate.py: the rule's measurement per seed, and the rate it takes (its fraction, 3 digits)
     from experiments import line_rate
 

@@ -61,7 +61,7 @@ transformers.__version__, 'deepspeed', deepspeed.__version__, 'peft', peft.__ver
     echo "smoke (ci config on cuda): exit $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/stash.txt"
     tail -25 "$OUT/smoke.txt"
     python3 -c "import json,glob; [print(json.load(open(f)).get('device'), json.load(open(f))['settings']['arm'],
-json.load(open(f))['curve'][-1].get('loss')) for f in glob.glob('/tmp/ci-out/runs/*.json')]" | tee -a "$OUT/stash.txt"
+(json.load(open(f))['curve'] or [{'loss': 'refused'}])[-1].get('loss')) for f in glob.glob('/tmp/ci-out/runs/*.json')]" | tee -a "$OUT/stash.txt"
     ;;
 run)
     t0=$(date +%s)
@@ -83,32 +83,36 @@ for k in sorted(sd):
 same = h.hexdigest() == sys.argv[2]
 print(f"converted in {time.time() - start:.0f} s; weights digest {h.hexdigest()[:16]}: "
       f"{'the same as on the CPU' if same else 'DIFFERS from the CPU conversion ' + sys.argv[2][:16]}")
+sys.exit(0 if same else 4)
 EOF
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "no runs: the model is not the CPU's (see above)"; exit 4; }
     snapshot() { tar -cf "$OUT/runs.tmp" -C "$RUNS" runs progress.log gpu.log workers 2>/dev/null
                  mv "$OUT/runs.tmp" "$OUT/runs.tar"; }
     mkdir -p "$RUNS/workers" "$RUNS/runs"
     cp experiments/results/horizon-smollm/runs/*.json "$RUNS/runs/" 2>/dev/null  # the committed runs: not rerun
-    echo "runs already cached: $(ls "$RUNS/runs" | wc -l)" | tee -a "$OUT/convert.txt"
-    (while sleep 15; do nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader \
+    before=$(ls "$RUNS/runs" | wc -l)
+    echo "runs already cached: $before" | tee -a "$OUT/convert.txt"
+    (trap 'exit 0' TERM; while sleep 15; do nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader \
         >> "$RUNS/gpu.log" 2>&1; snapshot; done) &
     loop=$!
     deadline=$(( t0 + left ))
     worker() {  # the decision arms first, then whatever the plan still lists
         local budget=$(( deadline - $(date +%s) ))
-        [ $budget -gt 30 ] && timeout $budget python3 -m experiments.horizon --config smollm --work --device "${DEVICE:-cuda}" \
+        [ $budget -gt 30 ] && timeout -k 10 $budget python3 -m experiments.horizon --config smollm --work --device "${DEVICE:-cuda}" \
             --out "$RUNS" --cache "$CACHE" --arms mezo std-auto-plateau rms-auto-plateau >> "$RUNS/workers/$1" 2>&1
         budget=$(( deadline - $(date +%s) ))
-        [ $budget -gt 30 ] && timeout $budget python3 -m experiments.horizon --config smollm --work --device "${DEVICE:-cuda}" \
+        [ $budget -gt 30 ] && timeout -k 10 $budget python3 -m experiments.horizon --config smollm --work --device "${DEVICE:-cuda}" \
             --out "$RUNS" --cache "$CACHE" >> "$RUNS/workers/$1" 2>&1
     }
     for i in $(seq "${WORKERS:-10}"); do worker "$i" & sleep 2; done
     while [ "$(jobs -rp | wc -l)" -gt 1 ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
     sleep 3
-    kill $loop 2>/dev/null
+    kill $loop 2>/dev/null; wait $loop 2>/dev/null  # its tar done before the last one starts
     snapshot
-    echo "runs finished: $(ls $RUNS/runs 2>/dev/null | wc -l) after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/convert.txt"
+    echo "runs finished here: $(( $(ls "$RUNS/runs" | wc -l) - before )) after $(( $(date +%s) - t0 )) s" \
+        | tee -a "$OUT/convert.txt"
     grep -h -i -m3 "error\|traceback" "$RUNS"/workers/* | head -20
-    tail -60 "$RUNS/progress.log"
+    tail -60 "$RUNS/progress.log" 2>/dev/null
     ;;
 *)
     echo "usage: tools/gpu_horizon.sh pack|stash|run" >&2; exit 2 ;;

@@ -12,7 +12,7 @@ import logging
 import math
 from typing import NamedTuple
 
-from curvzo_ds.errors import ConfigError
+from curvzo_ds.errors import RateRefused
 
 log = logging.getLogger("curvzo_ds")
 
@@ -84,13 +84,13 @@ def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AU
     smaller rate, never a larger one. Refused, in one line, where the directions do not descend or the line is not
     convex."""
     if not slopes:
-        raise ConfigError("learning_rate=auto: every probe's loss was non-finite, so no rate could be measured (check "
+        raise RateRefused("learning_rate=auto: every probe's loss was non-finite, so no rate could be measured (check "
                           "the model's dtype and zo_eps, or set learning_rate to a number)")
     n = len(slopes)
     a, c = sum(slopes) / n, sum(curvatures) / n
     se = math.sqrt(sum((x - c) ** 2 for x in curvatures) / (n - 1) / n) if n > 1 else 0.0
     if not (math.isfinite(a) and math.isfinite(c) and a > 0 and c > 0):
-        raise ConfigError(f"learning_rate=auto: along the step's direction on {n} probes the loss has slope {a:.4g} "
+        raise RateRefused(f"learning_rate=auto: along the step's direction on {n} probes the loss has slope {a:.4g} "
                           f"and curvature {c:.4g} per probe; a rate needs a falling, convex line (raise zo_eps if the "
                           "losses barely differ: a bf16 model's loss can be too coarse for it; or set learning_rate "
                           "to a number)")

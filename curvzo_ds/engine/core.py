@@ -23,7 +23,7 @@ from curvzo_ds.config.sections import section
 from curvzo_ds.data.stream import MicroBatches
 from curvzo_ds.engine.result import LossFn, StepResult, StepTimer
 from curvzo_ds.engine.state import EngineState
-from curvzo_ds.errors import ConfigError, NonFiniteLossError
+from curvzo_ds.errors import NonFiniteLossError, RateRefused
 from curvzo_ds.noise.gaussian import FIXED_POINT_BITS, MAX_ABS_Z, NoiseSource
 from curvzo_ds.shard import ds_compat
 from curvzo_ds.shard.comm import Comm
@@ -221,11 +221,11 @@ class ZOEngine(EngineState):
         job = self.topology.job
         try:
             chosen = line_rate(slopes, curvatures, cfg.auto_rate_fraction) if job.rank == 0 else None
-        except ConfigError as e:
+        except RateRefused as e:
             chosen = str(e)
         chosen = job.broadcast_object(chosen)  # every rank takes rank 0's rate (or its refusal)
         if isinstance(chosen, str):
-            raise ConfigError(chosen)
+            raise RateRefused(chosen)
         if chosen.greedy > 20 * tau:
             log.warning("learning_rate auto: the greedy rate %.4g is %.0fx the probe's span tau=%.3g: the line was "
                         "measured at +-tau only, so check the first evaluations (or set learning_rate)",

@@ -32,7 +32,9 @@ class PlainRun:
         self.job = job = build_plain(cfg, sampler=sampler, device=device)
         self.cfg, self.task, self.tokenizer = job.cfg, job.task, job.tokenizer
         self.train_data, self.eval_data = job.train_data, job.eval_data
-        self.model, self.loss, self.engine = job.model, job.loss, job.engine
+        self.model, self.engine = job.model, job.engine
+        # the loss of a micro-batch as the CPU holds it (moved to the model's device where that is another)
+        self.loss = job.loss if job.device.type == "cpu" else lambda m, mb: job.loss(m, D.to_device(mb, job.device))
 
     def batch(self, step: int) -> MicroBatches:
         return self.job.batch(step)
@@ -50,7 +52,7 @@ class PlainRun:
         module = self.model
         module.zero_grad(set_to_none=True)
         with eval_mode(module), torch.enable_grad():
-            sums = [self.loss(module, D.to_device(mb, self.job.device)) for mb in batch.items]
+            sums = [self.loss(module, mb) for mb in batch.items]
             (sum(s for s, _ in sums) / sum(float(c) for _, c in sums)).backward()
         entries = self.engine.entries
         out = torch.zeros(self.engine.num_blocks, dtype=torch.float64)
