@@ -214,6 +214,8 @@ def work(config: str, out: str, cache: str, model: str | None, log: Log, arms: l
 
 
 # ------------------------------------------------------------------------------------------------------ the report
+REFUSED = " (refused)"  # an arm's label for its runs whose auto rate the rule refused (no curve)
+
 def load_runs(out: str, config: str) -> dict:
     """{(task, variant, arm): [runs by seed]} of the cached runs of `config`."""
     import json
@@ -225,7 +227,7 @@ def load_runs(out: str, config: str) -> dict:
             run = json.load(f)
         s = run["settings"]
         if s.get("protocol") == "horizon" and s["config"] == config:
-            runs.setdefault((s["task"], s["variant"], arm_label(s) + (" (refused)" if "refused" in run else "")),
+            runs.setdefault((s["task"], s["variant"], arm_label(s) + (REFUSED if "refused" in run else "")),
                             []).append(run)
     return {k: sorted(v, key=lambda r: r["settings"]["seed"]) for k, v in runs.items()}
 
@@ -316,7 +318,7 @@ def report(out: str, config: str) -> list[str]:
                        k[2].split(" (")[0] in arms)
         for arm in arms + older:
             mine = runs.get((task, variant, arm), [])
-            if arm.endswith(" (refused)"):  # the seeds whose auto rate the rule refused (no curve)
+            if arm.endswith(REFUSED):  # the seeds whose auto rate the rule refused (no curve)
                 seeds = ", ".join(str(r["settings"]["seed"]) for r in mine)
                 lines.append(f"| {arm} | {len(mine)} | | | | | | | seeds {seeds} |")
                 continue
@@ -336,7 +338,7 @@ def report(out: str, config: str) -> list[str]:
                     + (f", its {c['probe_forwards']} probe forwards counted" if c["probe_forwards"] else ""))
             old = "refused (every point extrapolated or capped)" if c["old"] is None else f"x{c['old']:.2f}" + (
                 " (extrapolated)" if c["old_extrapolated"] else "")
-            refused = len(runs.get((task, variant, f"{arm} (refused)"), []))
+            refused = len(runs.get((task, variant, arm + REFUSED), []))
             ok = (w["factor"] is not None and w["high"] <= V.THRESHOLD and math.isfinite(c["test"]["low"])
                   and c["test"]["low"] >= -0.01 and not refused)
             lines.append(f"| {arm} | {c['seeds']} | {c['diverged']} | {c['final']} | {interval(c['tail'], '{:+.2f}')}"
@@ -372,7 +374,7 @@ def main(argv=None) -> None:
         done = load_runs(out, args.config)
         missing = [r for r in plan_runs(args.config)  # a refused run is done (it is never rerun)
                    if r[3] not in [x["settings"]["seed"] for x in
-                                   done.get(r[:3], []) + done.get((r[0], r[1], f"{r[2]} (refused)"), [])]]
+                                   done.get(r[:3], []) + done.get((r[0], r[1], r[2] + REFUSED), [])]]
         print("\n".join(" ".join(map(str, r)) for r in missing) or "nothing missing")
     if args.report or args.work:
         lines = report(out, args.config)

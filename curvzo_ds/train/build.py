@@ -150,11 +150,9 @@ def build_plain(cfg: TrainConfig, sampler: Callable | None = None, device: str |
     task, tokenizer, train_data, eval_data = load_data(section(cfg, "data"), section(cfg, "model"), cfg.seed)
     model, keep_alive = build_model(section(cfg, "model"), cfg.seed, {})
     loss = D.loss_fn_for(task, section(cfg, "data"), tokenizer)
-    if device.type != "cpu":
+    if device.type != "cpu":  # moved only when asked: a 4/8-bit base may refuse `.to`
         model.to(device)
-        engine = engine_for(model, lambda m, mb: loss(m, D.to_device(mb, device)), zo_part(cfg), sampler=sampler)
-    else:
-        engine = engine_for(model, loss, zo_part(cfg), sampler=sampler)
+    engine = engine_for(model, lambda m, mb: loss(m, D.to_device(mb, device)), zo_part(cfg), sampler=sampler)
     evaluator = Evaluator.of(section(cfg, "eval"), section(cfg, "data"), model, task, tokenizer, eval_data,
                              Comm(None), device, loss)
     job = Job(cfg, None, None, task, tokenizer, train_data, eval_data, model, loss, engine, evaluator, device,

@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import torch
 
-from curvzo_ds import data as D
 from curvzo_ds.algo.sampling import CurvZOSampler
 from curvzo_ds.config.schema import TrainConfig
 from curvzo_ds.data.stream import MicroBatches
@@ -33,8 +32,8 @@ class PlainRun:
         self.cfg, self.task, self.tokenizer = job.cfg, job.task, job.tokenizer
         self.train_data, self.eval_data = job.train_data, job.eval_data
         self.model, self.engine = job.model, job.engine
-        # the loss of a micro-batch as the CPU holds it (moved to the model's device where that is another)
-        self.loss = job.loss if job.device.type == "cpu" else lambda m, mb: job.loss(m, D.to_device(mb, job.device))
+        # the engine's loss: a micro-batch as the CPU holds it, moved to the model's device
+        self.loss = job.engine.loss_fn
 
     def batch(self, step: int) -> MicroBatches:
         return self.job.batch(step)
