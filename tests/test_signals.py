@@ -74,6 +74,17 @@ def test_a_rank_whose_launcher_is_gone_stops_and_one_started_alone_is_not_watche
     assert watched.reason() == f"because its launcher (pid {parent}) is gone"
 
 
+def test_a_rank_stopped_by_another_rank_names_its_own_launcher_gone_when_it_is(monkeypatch):
+    """CI's race (2026-11-30): torchrun killed, rank 1 saw it at its step boundary first, so rank 0 stopped on the
+    all-reduced request with no reason of its own and said "on a signal"; by its stop line its launcher is gone too."""
+    parent = os.getppid()
+    stopped_by_other = StopRequest(watch_parent=True)
+    assert stopped_by_other.reason() == "on another rank's request (a signal, or its launcher gone)"
+    monkeypatch.setattr(signals.os, "getppid", lambda: parent + 1)
+    assert stopped_by_other.reason() == f"because its launcher (pid {parent}) is gone"
+    assert StopRequest().reason() == "on another rank's request (a signal, or its launcher gone)"  # not watched
+
+
 def test_the_handlers_are_installed_for_the_body_only():
     before = {sig: signal.getsignal(sig) for sig in signals.SIGNALS}
     with StopRequest() as stop:

@@ -62,12 +62,19 @@ class StopRequest:
         return "SIGINT" if self.interrupted else signal.Signals(self.first).name
 
     def reason(self) -> str:
-        """Why this rank stops, for the stop line: `a signal (SIGINT)`, or its launcher gone."""
+        """Why this rank stops, for the stop line: `a signal (SIGINT)`, or its launcher gone. A rank stopped by another
+        rank's request looks at its own launcher again first: when another rank saw the launcher go at its step
+        boundary before this one did, this one's is gone too (a killed torchrun leaves every rank)."""
         if self.first is not None:
             return f"on a signal ({self.signal_name})"
+        self._notice_parent()
         if self.parent_gone is not None:
             return f"because its launcher (pid {self.parent_gone}) is gone"
-        return "on a signal (received by another rank)"
+        return "on another rank's request (a signal, or its launcher gone)"
+
+    def _notice_parent(self) -> None:
+        if self._parent is not None and self.parent_gone is None and os.getppid() != self._parent:
+            self.parent_gone = self._parent
 
     def _handle(self, signum, frame) -> None:
         # A flag, a time and one os.write: the handler may run between any two bytecodes of the main thread, in the
@@ -98,8 +105,7 @@ class StopRequest:
 
     def poll(self) -> None:
         """At a step boundary (the loop's): notice a launcher that is gone, and announce a new request once."""
-        if self._parent is not None and self.parent_gone is None and os.getppid() != self._parent:
-            self.parent_gone = self._parent
+        self._notice_parent()
         if self.requested and not self.announced:
             self.announced = True
             log.warning("%s: the run stops at the next step boundary, after saving a checkpoint%s",
