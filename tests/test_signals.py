@@ -79,10 +79,10 @@ def test_a_rank_stopped_by_another_rank_names_its_own_launcher_gone_when_it_is(m
     all-reduced request with no reason of its own and said "on a signal"; by its stop line its launcher is gone too."""
     parent = os.getppid()
     stopped_by_other = StopRequest(watch_parent=True)
-    assert stopped_by_other.reason() == "on another rank's request (a signal, or its launcher gone)"
+    assert stopped_by_other.reason() == "on a signal (received by another rank)"
     monkeypatch.setattr(signals.os, "getppid", lambda: parent + 1)
     assert stopped_by_other.reason() == f"because its launcher (pid {parent}) is gone"
-    assert StopRequest().reason() == "on another rank's request (a signal, or its launcher gone)"  # not watched
+    assert StopRequest().reason() == "on a signal (received by another rank)"  # not watched
 
 
 def test_the_handlers_are_installed_for_the_body_only():

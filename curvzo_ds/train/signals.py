@@ -70,7 +70,7 @@ class StopRequest:
         self._notice_parent()
         if self.parent_gone is not None:
             return f"because its launcher (pid {self.parent_gone}) is gone"
-        return "on another rank's request (a signal, or its launcher gone)"
+        return "on a signal (received by another rank)"
 
     def _notice_parent(self) -> None:
         if self._parent is not None and self.parent_gone is None and os.getppid() != self._parent:
