@@ -10,6 +10,7 @@ copy of the task directory, so the same arm runs on the plain and the varied tas
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -26,6 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from curvzo_ds.algo.sampling import CurvZOSampler
+from curvzo_ds.train.divergence import DivergenceWatch
 from experiments.verdict import add_dev_subset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -165,7 +167,8 @@ VARIANTS = {"label_noise": label_noise}  # a task variant: (task directory, its 
 
 
 def run_curve(config, arm: dict, evaluation_points_in_forwards: dict[int, list[str]], *, variant: dict | None = None,
-              subset: dict | None = None, test: bool = True, name: str = "this arm", device: str = "cpu") -> dict:
+              subset: dict | None = None, test: bool = True, name: str = "this arm", device: str = "cpu",
+              rollback: bool = False) -> dict:
     """One run of `arm` (a row of config keys, and EXTRA_KEYS) on `config` (the task, model, data, rate, seed), through
     the project's own ZO step (`PlainRun`), to the last evaluation point.
 
@@ -174,9 +177,10 @@ def run_curve(config, arm: dict, evaluation_points_in_forwards: dict[int, list[s
     `subset_accuracy`); each point a multiple of the arm's forwards per step. The last point is the horizon:
     max_steps = horizon / forwards per step. A non-finite loss at a point ends the run there (the rest of its
     curve is missing). `variant`: {name: value} of `VARIANTS`, applied to the task directory. `test`: the test
-    split at the end. `device`: where the model runs ("cpu", or "cuda" on a GPU). Returns the device, the curve
-    ({step, forwards, ...} per point), test, seconds per step (the steps alone), set-up seconds, the mean budget
-    B/G and parameter fraction, the number of blocks and parameters.
+    split at the end. `device`: where the model runs ("cpu", or "cuda" on a GPU). `rollback`: a diverging run goes
+    back as `curvzo-ds train`'s does (`_train`). Returns the device, the curve ({step, forwards, ...} per point),
+    test, seconds per step (the steps alone), set-up seconds, the mean budget B/G and parameter fraction, the number
+    of blocks and parameters, and with `rollback` the rollbacks.
     """
     from curvzo_ds.train.plain import PlainRun
 
@@ -198,7 +202,7 @@ def run_curve(config, arm: dict, evaluation_points_in_forwards: dict[int, list[s
         setup = time.time() - setup
         if subset is not None:
             add_dev_subset(run, "subset", subset["size"], subset["seed"])
-        return dict(_train(run, steps, per_step, points, arm.get("oracle_every")), device=device_name(device),
+        return dict(_train(run, steps, per_step, points, arm.get("oracle_every"), rollback), device=device_name(device),
                     **(dict(test=run.evaluate("test")) if test else {}), setup_seconds=setup)
 
 
@@ -210,13 +214,24 @@ def device_name(device: str) -> str:
     return device.type if device.type != "cuda" else f"cuda: {torch.cuda.get_device_name(device)}"
 
 
-def _train(run, steps: int, per_step: int, points: dict[int, list[str]], oracle_every: int | None) -> dict:
-    """run_curve's steps and evaluations."""
-    engine = run.engine
+def _train(run, steps: int, per_step: int, points: dict[int, list[str]], oracle_every: int | None,
+           rollback: bool = False) -> dict:
+    """run_curve's steps and evaluations.
 
-    def point(step: int) -> dict:
-        out = dict(step=step, forwards=step * per_step)
-        for split in points[step * per_step]:
+    `rollback`: the dev rule of `curvzo-ds train`'s divergence watch (train/divergence.py: a dev loss not finite, or
+    above 2x the larger of the best so far and a quarter of the zero-shot loss) at each evaluation; a run that meets
+    it goes back to the state of its best dev evaluation (the newest checkpoint the CLI's rollback could take) with
+    the rate halved, at most the config's max_rollbacks times, then stops as the CLI's does. The curve's `forwards`
+    count every forward spent, those of an abandoned stretch included (a user pays for them); its `step` is the
+    step the weights are at. (The CLI's train-loss rule is left out: runs cached without rollback keep no step losses,
+    and a run that never meets the dev rule is then this run step for step, so such a run stands for both.)"""
+    engine = run.engine
+    watch = DivergenceWatch() if rollback else None
+    rollbacks: list[dict] = []
+
+    def point(spent: int, step: int) -> dict:
+        out = dict(step=step, forwards=spent * per_step)
+        for split in points[spent * per_step]:
             out.update({f"{SPLIT_KEYS[split]}{k}": v for k, v in run.evaluate(split).items()})
         if "loss" in out and step > 0:  # lr_scheduler_type=plateau reads the dev loss of the evaluations during the
             engine.rate.observe_dev(step, out["loss"])  # run, as the CLI's loop does (none at step 0)
@@ -224,26 +239,65 @@ def _train(run, steps: int, per_step: int, points: dict[int, list[str]], oracle_
                 out["learning_rate"] = engine.rate.at(step)
         return out
 
-    curve = [point(0)] if 0 in points else []
+    def snapshot(step: int) -> dict:  # what a checkpoint holds: the weights, the engine's state, the watch's
+        return dict(step=step, weights=[p.detach().clone() for p in run.model.parameters()],
+                    engine=copy.deepcopy(engine.state_dict()), watch=copy.deepcopy(watch.state_dict()))
+
+    def restore(saved: dict) -> None:  # as train/divergence.py's `recover`: the rollback factor carried, then halved
+        import torch
+
+        carry = engine.rate.carry()
+        with torch.no_grad():
+            for p, w in zip(run.model.parameters(), saved["weights"]):
+                p.copy_(w)
+        engine.load_state_dict(copy.deepcopy(saved["engine"]))
+        engine.rate.load_state_dict({**engine.rate.state_dict(), **carry})
+        engine.rate.rolled_back()
+        watch.load_state_dict(copy.deepcopy(saved["watch"]))
+
+    curve = [point(0, 0)] if 0 in points else []
+    if watch is not None:
+        if curve:  # the zero-shot evaluation: the dev rule's reference and floor, as the CLI's `zero_shot`
+            watch.zero_shot = {"loss": curve[0].get("loss")}
+            watch.observe_dev(0, curve[0].get("loss"))
+        saved = snapshot(0)  # the CLI's checkpoint-0
     step_seconds, budgets, fractions = 0.0, [], []
-    for t in range(steps):
+    t = 0  # the step the weights are at; `spent` counts every step taken
+    for spent in range(1, steps + 1):
         batch = run.batch(t)
         start = time.time()
         if oracle_every and t % oracle_every == 0:
             engine.sampler.scores = run.block_energy(batch)
         r = engine.step(batch)
         step_seconds += time.time() - start
+        t += 1
         budgets.append(r.budget / engine.num_blocks)
         fractions.append(r.param_fraction)
-        if (t + 1) * per_step in points:
-            curve.append(point(t + 1))
-            if not all(v is not None and math.isfinite(v) for k, v in curve[-1].items() if k.endswith("loss")):
+        if spent * per_step not in points:
+            continue
+        curve.append(point(spent, t))
+        if watch is not None:
+            best = watch.best_dev_step
+            reason = watch.observe_dev(t, curve[-1].get("loss")) if "loss" in curve[-1] else None
+            if reason and engine.rate.rollbacks < run.cfg.max_rollbacks:
+                restore(saved)
+                t = saved["step"]
+                rollbacks.append(dict(forwards=spent * per_step, diverged_at=curve[-1]["step"], to_step=t,
+                                      learning_rate=engine.rate.at(t), reason=reason))
+                continue
+            if reason:  # its rollbacks spent: the run stops here, as the CLI's (exit code 4)
+                curve[-1]["diverged"] = reason
                 break
+            if watch.best_dev_step != best:  # a new best: the state a later rollback returns to
+                saved = snapshot(t)
+        if not all(v is not None and math.isfinite(v) for k, v in curve[-1].items() if k.endswith("loss")):
+            break
     return dict(curve=curve, step_seconds=step_seconds / max(1, len(budgets)),
                 budget_mean=float(np.mean(budgets)) if budgets else None,
                 param_fraction_mean=float(np.mean(fractions)) if fractions else None, blocks=engine.num_blocks,
                 params=engine.num_params, learning_rate_chosen=engine.rate.base,
-                learning_rate_greedy=engine.rate.greedy, rate_reason=engine.rate.reason)
+                learning_rate_greedy=engine.rate.greedy, rate_reason=engine.rate.reason,
+                **(dict(rollbacks=rollbacks) if rollback else {}))
 
 
 def every(forwards: int, horizon: int, splits: tuple[str, ...] = ("dev",)) -> dict[int, list[str]]:

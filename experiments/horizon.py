@@ -21,7 +21,11 @@ The report compares each arm with MeZO per task and variant, by verdict.py's met
 (Welch 95%), the time-warp factor that never extrapolates (`verdict.warp_interpolated`, F over the last half of the
 horizon on the evaluation grid, bootstrap 95%) beside the old one (refused where every point is extrapolated or
 capped), and the test accuracy difference (Welch 95%). The decision rule (issue 57, item 5): upper bound of the
-non-extrapolated factor <= 0.75 and the test accuracy difference's lower bound >= -0.01, on every SmolLM2 task.
+non-extrapolated factor <= 0.75 and the test accuracy difference's lower bound >= -0.01, on every SmolLM2 task; the
+report ends with the decision it gives (running_rms first, then the auto normalised step, else `mezo` stays),
+provisional while a cell lacks seeds. The rule counts every seed; where `curvzo-ds train` would have rolled one of
+MeZO's seeds back (`unstable`: its divergence rule's dev test), a second table compares against MeZO's other seeds,
+for information, as issue 47's report did beside its rule.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import tempfile
 import numpy as np
 
 from curvzo_ds.errors import RateRefused
+from curvzo_ds.train.divergence import DivergenceWatch
 from experiments import verdict as V
 from experiments.core import Log, cached, digest, every, forwards_per_step, record_run, run_curve
 
@@ -68,7 +73,7 @@ RATES = {"small": {"mezo": 1e-4, "rloo-8": 4e-4}, "small-rho": {"mezo": 1e-4}, "
 NOISY = {"label_noise": 0.2}
 CONFIGS = {
     "small": dict(model="pipeline", cells=[("sentiment", "clean"), ("sentiment", "noisy")], horizon=16000,
-                  eval_every=800, seeds=list(range(8)), first_seeds=2,
+                  eval_every=800, seeds=list(range(8)), first_seeds=2, rollback=True,
                   arms=["mezo", "std-auto-plateau", "rms-auto-plateau", "rloo-8", "std-auto-constant",
                         "std-auto-linear", "preset-fixed"]),
     # rho's calibration on the small model: loss_std at a constant auto rate over auto_walk_fraction's lattice, at
@@ -81,12 +86,14 @@ CONFIGS = {
     "small-rho-400": dict(model="pipeline", cells=[("sentiment", "clean")], horizon=400, eval_every=40,
                           seeds=[0, 1, 2], first_seeds=3, arms=["mezo"] + [f"std-rho-{rho:g}" for rho in RHOS]),
     "smollm": dict(model="smollm", cells=[("sentiment", "noisy"), ("sentiment", "clean"), ("topic", "clean")],
-                   horizon=2000, eval_every=200, seeds=list(range(3, 7)), first_seeds=2,
+                   horizon=2000, eval_every=200, seeds=list(range(3, 7)), first_seeds=2, rollback=True,
                    arms=["mezo", "preset-fixed", "std-auto-plateau", "rms-auto-plateau"],
+                   decision=["rms-auto-plateau", "std-auto-plateau"],  # item 5: running_rms first (2 forwards a step)
                    lora_cell=("sentiment", "clean"), lora_arms=["mezo-lora", "std-auto-plateau-lora"],
                    lora_seeds=[3, 4, 5]),
     "ci": dict(model="tiny", cells=[("sentiment", "noisy")], horizon=32, eval_every=16,
-               seeds=[0, 1], first_seeds=2, arms=["mezo", "std-auto-plateau", "rms-auto-plateau"]),
+               seeds=[0, 1], first_seeds=2, rollback=True, arms=["mezo", "std-auto-plateau", "rms-auto-plateau"],
+               decision=["rms-auto-plateau", "std-auto-plateau"]),
 }
 
 
@@ -102,7 +109,11 @@ def settings_of(config: str, model: str, task: str, variant: str, arm: str, seed
     plan = CONFIGS[config]
     return dict(protocol="horizon", config=config, model=os.path.basename(os.path.normpath(model)), task=task,
                 variant=variant, arm=arm, spec=ARMS[arm], lr=rate_of(config, arm, task), seed=seed,
-                horizon=plan["horizon"], eval_every=plan["eval_every"], **auto_settings(arm))
+                horizon=plan["horizon"], eval_every=plan["eval_every"], **auto_settings(arm),
+                **(dict(rollback=ROLLBACK) if plan.get("rollback") else {}))
+
+
+ROLLBACK = "dev"  # a run's divergence rollback: the CLI's dev rule at each evaluation (experiments/core.py's `_train`)
 
 
 AUTO_RULE = "line-upper"  # the line rule dividing by the curvature's upper bound ("line": by its mean, until 23:10)
@@ -173,7 +184,7 @@ def one_run(setup: Setup, out: str, task: str, variant: str, arm: str, seed: int
     def train() -> dict:
         try:
             return run_curve(base, ARMS[arm], every(plan["eval_every"], plan["horizon"]), name=arm, device=device,
-                             variant=NOISY if variant == "noisy" else None)
+                             variant=NOISY if variant == "noisy" else None, rollback="rollback" in settings)
         except RateRefused as e:  # an `auto` rate the rule refuses on this seed: an outcome, kept like a run's
             return dict(refused=str(e), curve=[], test={})
 
@@ -235,7 +246,13 @@ def load_runs(out: str, config: str) -> dict:
 def arm_label(s: dict) -> str:
     """A run's arm in the report: its row's name, or, for an `auto` row's run of an earlier rate rule than the one
     its settings would now hold, the name with that rule's: " (walk rule)" (the walk rule's rho, `auto_fraction`),
-    " (line rule, mean curvature)"."""
+    " (line rule, mean curvature)"; " (no rollback)" after it for a run of a plan with rollback cached without it
+    (one that met the dev rule: `adopt` moved the others)."""
+    label = rule_label(s)
+    return label + (" (no rollback)" if CONFIGS.get(s["config"], {}).get("rollback") and "rollback" not in s else "")
+
+
+def rule_label(s: dict) -> str:
     arm = s["arm"]
     if arm not in ARMS or ARMS[arm].get("learning_rate") != "auto":
         return arm
@@ -257,6 +274,19 @@ def diverged(run: dict) -> bool:
     return last is None or not math.isfinite(last) or (first is not None and last > first)
 
 
+def unstable(run: dict) -> bool:
+    """Whether `curvzo-ds train` would have called the run diverged at one of its evaluations (train/divergence.py's
+    dev rule: a dev loss that is not finite, or above 2x the larger of the best so far and a quarter of the zero-shot
+    loss) and rolled it back; for a run with rollback, whether it did. Stricter than `diverged` (which a run on noisy
+    labels that ends above its start meets by drifting)."""
+    if "rollbacks" in run:
+        return bool(run["rollbacks"]) or any("diverged" in p for p in run["curve"])
+    watch = DivergenceWatch()
+    if run["curve"] and run["curve"][0]["step"] == 0:  # the zero-shot evaluation: the rule's floor, as the CLI's
+        watch.zero_shot = {"loss": run["curve"][0].get("loss")}
+    return any(watch.observe_dev(p["step"], p.get("loss")) for p in run["curve"] if "loss" in p)
+
+
 def probe_forwards(settings: dict) -> int:
     """The forwards an `auto` run spent choosing its rate before its first step: auto_rate_probes x (a step's
     forwards + 3), as engine/core.py's `choose_rate` takes them (176 for RLOO-8 at 16 probes, 80 for MeZO's two);
@@ -264,6 +294,40 @@ def probe_forwards(settings: dict) -> int:
     if settings["spec"].get("learning_rate") != "auto" or "auto_rate_probes" not in settings:
         return 0
     return settings["auto_rate_probes"] * (forwards_per_step(settings["spec"]) + 3)
+
+
+def adopt(out: str, config: str) -> int:
+    """The runs of `config` (a plan with rollback) cached before `rollback` joined their settings that never met the
+    CLI's dev rule are the runs with it, step for step (experiments/core.py's `_train`, tested so): each moves to
+    the key of its settings with the rollback, marked `adopted`. A run that met the rule stays where it is, " (no
+    rollback)" in the report, and its seed is planned again. Returns how many moved."""
+    import json
+
+    from curvzo_ds.jsonio import write_json_atomic
+
+    folder, moved = os.path.join(out, "runs"), 0
+    for name in sorted(os.listdir(folder)) if CONFIGS[config].get("rollback") and os.path.isdir(folder) else []:
+        path = os.path.join(folder, name)
+        with open(path) as f:
+            run = json.load(f)
+        s = run["settings"]
+        if s.get("protocol") != "horizon" or s["config"] != config or "rollback" in s or unstable(run):
+            continue
+        run.update(settings=dict(s, rollback=ROLLBACK), rollbacks=[],
+                   adopted=f"cached as {name} without rollback; no evaluation met the dev rule, so the run with "
+                           "rollback is this run")
+        target, done = cached(out, run["settings"])
+        if done is None:
+            write_json_atomic(target, run)
+        os.remove(path)
+        moved += 1
+    return moved
+
+
+def rolled(runs: list[dict]) -> str:
+    """The rollbacks the runs took, where they took any (" (n rolled back)")."""
+    n = sum(len(r.get("rollbacks", [])) for r in runs)
+    return f" ({n} rolled back)" if n else ""
 
 
 def finals(runs: list[dict]) -> str:
@@ -289,8 +353,8 @@ def compare(arm_runs: list[dict], mezo_runs: list[dict], horizon: int, eval_ever
     return dict(tail=V.welch(tails, mezo_tails), warp=V.warp_interpolated(fa, ya, fm, ym, grid),
                 old=None if ((how == 1) | (how == 2)).all() else old["factor"],
                 old_extrapolated=old["extrapolated"], test=V.welch(acc, mezo_acc),
-                final=finals(arm_runs),
-                diverged=sum(diverged(r) for r in arm_runs), seeds=len(arm_runs), probe_forwards=shift)
+                final=finals(arm_runs), diverged=f"{sum(diverged(r) for r in arm_runs)}{rolled(arm_runs)}",
+                seeds=len(arm_runs), probe_forwards=shift)
 
 
 def interval(d: dict, fmt: str = "{:+.3f}") -> str:
@@ -298,6 +362,66 @@ def interval(d: dict, fmt: str = "{:+.3f}") -> str:
         return f"{d['diff']}"
     return fmt.format(d["diff"]) + (f" [{fmt.format(d['low'])}, {fmt.format(d['high'])}]"
                                     if math.isfinite(d["low"]) else "")
+
+
+def warp_text(c: dict) -> str:
+    w = c["warp"]
+    return ("refused (MeZO's mean curve never below the zero-shot loss: no point to reach)" if not w["points"]
+            else "refused (no point reached)" if w["factor"] is None else
+            f"x{w['factor']:.2f} [{w['low']:.2f}, {w['high']:.2f}] ({w['reached']}/{w['points']})"
+            + (f", its {c['probe_forwards']} probe forwards counted" if c["probe_forwards"] else ""))
+
+
+def passes(c: dict) -> bool:
+    """Item 5's rule on one cell: the non-extrapolated factor's upper bound <= 0.75 and the test accuracy
+    difference's lower bound >= -0.01."""
+    w = c["warp"]
+    return (w["factor"] is not None and w["high"] <= V.THRESHOLD and math.isfinite(c["test"]["low"])
+            and c["test"]["low"] >= -0.01)
+
+
+def against_stable(arms: list[str], runs: dict, task: str, variant: str, mezo: list[dict], plan: dict) -> list[str]:
+    """Where `curvzo-ds train` would have rolled back some of MeZO's seeds (`unstable`), the arms against MeZO's
+    other seeds: a second table, as issue 47's report gave beside its rule, which counts every seed."""
+    bad = [r["settings"]["seed"] for r in mezo if unstable(r)]
+    if not bad:
+        return []
+    stable = [r for r in mezo if not unstable(r)]
+    head = (f"MeZO's seed{'s' * (len(bad) > 1)} {', '.join(map(str, bad))} met the CLI's divergence rule (a dev loss "
+            "above 2x its best so far: `curvzo-ds train` rolls back at half the rate)")
+    if not stable:
+        return [head + ", and it has no other seed here: no comparison without them.", ""]
+    kept = ", ".join(str(r["settings"]["seed"]) for r in stable)
+    lines = [head + f". Against MeZO's seed{'s' * (len(stable) > 1)} {kept} alone (for information; the rule above "
+             "counts every seed):", "",
+             "| arm | seeds | tail mean log dev loss - MeZO's | time-warp, not extrapolated | test accuracy - MeZO's |",
+             "|---|---|---|---|---|"]
+    for arm in arms:
+        mine = runs.get((task, variant, arm), [])
+        if mine and arm != "mezo" and not arm.endswith("-lora"):
+            c = compare(mine, stable, plan["horizon"], plan["eval_every"])
+            lines.append(f"| {arm} | {c['seeds']} | {interval(c['tail'], '{:+.2f}')} | {warp_text(c)} | "
+                         f"{interval(c['test'])} |")
+    return lines + [""]
+
+
+def decision(plan: dict, verdicts: dict) -> list[str]:
+    """Item 5: the default for full fine-tuning becomes the first of `plan["decision"]` (running_rms, then the auto
+    normalised step) that passes on every cell, else `mezo` stays; provisional while a cell lacks its seeds."""
+    complete = all(verdicts.get((*cell, arm), {}).get("complete") for cell in plan["cells"] for arm in plan["decision"])
+    lines = ["**Item 5's decision by the rule**" + ("" if complete else
+             f" (provisional: not every cell has its {len(plan['seeds'])} seeds yet)"), ""]
+    chosen = None
+    for arm in plan["decision"]:
+        cells = [(cell, verdicts.get((*cell, arm))) for cell in plan["cells"]]
+        said = "; ".join(f"{task} {variant}: " + ("no runs" if v is None else v["why"])
+                         for (task, variant), v in cells)
+        ok = all(v is not None and v["ok"] for _, v in cells)
+        lines.append(f"- {arm}: {'passes' if ok else 'no'} ({said})")
+        chosen = chosen or (arm if ok else None)
+    lines += ["", ("So the default for full fine-tuning is " if complete else "So far the rule would leave ")
+              + (f"`{chosen}`." if chosen else "`mezo` (no arm passes on every cell)."), ""]
+    return lines
 
 
 def report(out: str, config: str) -> list[str]:
@@ -308,6 +432,7 @@ def report(out: str, config: str) -> list[str]:
     sections = [(cell, plan["arms"], "mezo") for cell in plan["cells"]]
     if "lora_cell" in plan:
         sections.append((plan["lora_cell"], plan["lora_arms"], "mezo-lora"))
+    verdicts = {}
     for (task, variant), arms, reference in sections:
         mezo = runs.get((task, variant, reference), [])
         lines += [f"**{task}, {variant}** ({reference}: {len(mezo)} seeds)", "",
@@ -324,27 +449,30 @@ def report(out: str, config: str) -> list[str]:
                 continue
             if arm == reference and mine:  # its own figures: the others' columns are differences from them
                 tests = " / ".join(f"{r['test'].get('accuracy'):.3f}" for r in mine)
-                lines.append(f"| {arm} | {len(mine)} | {sum(diverged(r) for r in mine)} | {finals(mine)} | | | | "
-                             f"test accuracy {tests} | |")
+                lines.append(f"| {arm} | {len(mine)} | {sum(diverged(r) for r in mine)}{rolled(mine)} | "
+                             f"{finals(mine)} | | | | test accuracy {tests} | |")
                 continue
             if not mine or arm == reference or not mezo:
                 lines.append(f"| {arm} | {len(mine)} | | | | | | | |")
                 continue
             c = compare(mine, mezo, plan["horizon"], plan["eval_every"])
-            w = c["warp"]
-            warp = ("refused (MeZO's mean curve never below the zero-shot loss: no point to reach)" if not w["points"]
-                    else "refused (no point reached)" if w["factor"] is None else
-                    f"x{w['factor']:.2f} [{w['low']:.2f}, {w['high']:.2f}] ({w['reached']}/{w['points']})"
-                    + (f", its {c['probe_forwards']} probe forwards counted" if c["probe_forwards"] else ""))
             old = "refused (every point extrapolated or capped)" if c["old"] is None else f"x{c['old']:.2f}" + (
                 " (extrapolated)" if c["old_extrapolated"] else "")
             refused = len(runs.get((task, variant, arm + REFUSED), []))
-            ok = (w["factor"] is not None and w["high"] <= V.THRESHOLD and math.isfinite(c["test"]["low"])
-                  and c["test"]["low"] >= -0.01 and not refused)
+            ok = passes(c) and not refused
             lines.append(f"| {arm} | {c['seeds']} | {c['diverged']} | {c['final']} | {interval(c['tail'], '{:+.2f}')}"
-                         f" | {warp} | {old} | {interval(c['test'])} | {'passes' if ok else 'no'}"
+                         f" | {warp_text(c)} | {old} | {interval(c['test'])} | {'passes' if ok else 'no'}"
                          + (f" ({refused} refused)" if refused else "") + " |")
+            warp = "refused" if c["warp"]["factor"] is None else f"upper bound {c['warp']['high']:.2f}"
+            low = f"{c['test']['low']:+.3f}" if math.isfinite(c["test"]["low"]) else "none (one seed)"
+            why = (f"time-warp {warp}, test accuracy lower bound {low}"
+                   + (f", {refused} refused" if refused else "") + f"; {c['seeds']} and MeZO's {len(mezo)} seeds")
+            verdicts[(task, variant, arm)] = dict(ok=ok, why=why, complete=min(c["seeds"] + refused, len(mezo))
+                                                  >= len(plan["seeds"]))
         lines.append("")
+        lines += against_stable(arms, runs, task, variant, mezo, plan)
+    if "decision" in plan:
+        lines += decision(plan, verdicts)
     return lines
 
 
@@ -361,6 +489,8 @@ def main(argv=None) -> None:
     stage.add_argument("--work", action="store_true")
     stage.add_argument("--plan", action="store_true")
     stage.add_argument("--report", action="store_true")
+    stage.add_argument("--adopt", action="store_true", help="move the runs cached before rollback joined the settings "
+                                                            "that never met its rule to their keys with it")
     args = parser.parse_args(argv)
     out = args.out or os.path.join(HERE, "results", f"horizon-{args.config}")
     cache = args.cache or os.path.expanduser("~/.cache/curvzo_ds/" + ("real_model" if args.config == "smollm"
@@ -368,6 +498,8 @@ def main(argv=None) -> None:
     os.makedirs(out, exist_ok=True)
     os.makedirs(cache, exist_ok=True)
     log = Log(os.path.join(out, "progress.log"))
+    if args.adopt:
+        log(f"adopted {adopt(out, args.config)} runs cached without rollback (none met its rule)")
     if args.work:
         work(args.config, out, cache, args.model, log, args.arms, args.device)
     if args.plan:

@@ -60,6 +60,30 @@ def test_run_curve_runs_the_products_steps():
         core.run_curve(base, arm, {0: ["dev"], 6: ["dev"]})
 
 
+def test_run_curve_rolls_back_a_diverging_run_as_the_cli_does():
+    """rollback=True: a dev loss above 2x the best goes back to the best evaluation's state at half the rate, the
+    forwards counting on (the abandoned ones spent), until max_rollbacks (3) are spent and the run stops. The state
+    comes back whole: the step after a rollback to step 0 is a fresh run's at half the rate, bit for bit. A run that
+    never meets the rule is the run without rollback, bit for bit (so a run cached without it stands for both)."""
+    base = TrainConfig(model="demo", task="demo", learning_rate=0.1, zo_eps=1e-3, global_batch_size=8,
+                       micro_batch_size=8, seed=3)
+    got = core.run_curve(base, dict(method="mezo"), core.every(4, 40), test=False, rollback=True)
+    rolls = got["rollbacks"]
+    assert [r["learning_rate"] for r in rolls] == [0.05, 0.025, 0.0125] and all(r["to_step"] == 0 for r in rolls)
+    assert "above 2x the best so far" in rolls[0]["reason"] and "zero-shot" in rolls[0]["reason"]
+    forwards = [c["forwards"] for c in got["curve"]]
+    assert forwards == list(range(0, forwards[-1] + 1, 4)) and forwards[-1] < 40  # stopped: its rollbacks spent
+    assert "above 2x" in got["curve"][-1]["diverged"]
+    after = next(c for c in got["curve"] if c["forwards"] == rolls[0]["forwards"] + 4)
+    fresh = core.run_curve(dataclasses.replace(base, learning_rate=0.05), dict(method="mezo"), {0: ["dev"], 4: ["dev"]},
+                           test=False)
+    assert after["step"] == 2 and after["loss"] == fresh["curve"][-1]["loss"]
+    stable = dataclasses.replace(base, learning_rate=1e-3)
+    kept = core.run_curve(stable, dict(method="mezo"), core.every(4, 16), test=False, rollback=True)
+    plain = core.run_curve(stable, dict(method="mezo"), core.every(4, 16), test=False)
+    assert kept["rollbacks"] == [] and kept["curve"] == plain["curve"] and "rollbacks" not in plain
+
+
 def test_label_noise_flips_a_fixed_share_of_train_labels(tmp_path):
     task = write_task(str(tmp_path / "tasks"), "sentiment")
     noisy = core.label_noise(task, 0.2, str(tmp_path / "noisy"))

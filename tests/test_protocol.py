@@ -316,6 +316,9 @@ def test_the_horizon_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, c
     assert [c["forwards"] for c in auto["curve"]] == [0, 16, 32] and auto["curve"][-1]["learning_rate"] > 0
     assert auto["settings"]["auto_rule"] == H.AUTO_RULE and "the greedy rate" in auto["rate_reason"]
     assert auto["learning_rate_chosen"] == auto["curve"][1]["learning_rate"]
+    # the CLI's divergence rollback (its dev rule at each evaluation) is part of every run's settings, and recorded
+    assert all(r["settings"]["rollback"] == H.ROLLBACK and isinstance(r["rollbacks"], list)
+               for v in runs.values() for r in v)
     text = capsys.readouterr().out
     assert "| std-auto-plateau | 2 |" in text and "| rms-auto-plateau | 2 |" in text
     H.main(["--config", "ci", "--plan", "--out", str(out)])
@@ -358,3 +361,89 @@ def test_the_horizon_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, c
 
     assert row[1:4] == ["std-auto-plateau", "0", str(AUTO_RATE_PROBES)]
     assert float(row[5]) == pytest.approx(AUTO_RATE_FRACTION * float(row[4]), rel=5e-3)  # 3 digits of 4
+
+
+def put_horizon(out, task, variant, arm, seed, losses, accuracy):
+    """A made-up run of experiments/horizon.py's `smollm` config: its dev losses at 0, 200, ..., 2000 forwards."""
+    from experiments import horizon as H
+    from experiments.core import cached
+
+    settings = H.settings_of("smollm", "tiny", task, variant, arm, seed)
+    path = cached(str(out), settings)[0]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    curve = [dict(step=f // 2, forwards=f, loss=y) for f, y in zip(range(0, 2001, 200), losses)]
+    pathlib.Path(path).write_text(json.dumps(dict(settings=settings, curve=curve, test=dict(accuracy=accuracy))))
+
+
+def test_the_horizon_report_decides_item_5_and_compares_without_meZOs_diverged_seeds(tmp_path):
+    """The decision line takes running_rms first, then the auto normalised step, where one passes on every SmolLM2
+    cell, else MeZO stays, and says it is provisional while a cell lacks seeds. Where the CLI's divergence rule would
+    have rolled back one of MeZO's seeds, a second table compares against its other seeds; the rule counts them all."""
+    from experiments import horizon as H
+
+    plan = H.CONFIGS["smollm"]
+    forwards = range(0, 2001, 200)
+    for task, variant in plan["cells"]:
+        for seed in plan["seeds"]:
+            jitter = 1 + 0.01 * seed
+            put_horizon(tmp_path, task, variant, "mezo", seed, [0.7 * jitter * math.exp(-f / 1000) for f in forwards],
+                        0.80 + 0.005 * seed)
+            for arm in ("std-auto-plateau", "rms-auto-plateau"):  # 2.5x MeZO's speed, 0.05 more accurate
+                put_horizon(tmp_path, task, variant, arm, seed, [0.7 * jitter * math.exp(-f / 400) for f in forwards],
+                            0.85 + 0.005 * seed)
+    lines = H.report(str(tmp_path), "smollm")
+    assert lines[-2] == "So the default for full fine-tuning is `rms-auto-plateau`." and not any(
+        "met the CLI's divergence rule" in x for x in lines)
+    assert sum(x.startswith("| rms-auto-plateau | 4 |") and x.endswith("| passes |") for x in lines) == 3
+    # running_rms fails on one cell (less accurate than MeZO): the auto normalised step is next
+    put_horizon(tmp_path, "topic", "clean", "rms-auto-plateau", 3, [0.7 * math.exp(-f / 400) for f in forwards], 0.5)
+    lines = H.report(str(tmp_path), "smollm")
+    assert lines[-2] == "So the default for full fine-tuning is `std-auto-plateau`."
+    assert "- rms-auto-plateau: no (" in "\n".join(lines)
+    # one of MeZO's seeds blows up on `sentiment` clean (a dev loss above 2x its best: `curvzo-ds train` would roll it
+    # back): MeZO's mean curve never gets below its start, so no arm passes there by the rule, which counts every seed
+    blown = [0.7, 0.5] + [1e6] * 9
+    put_horizon(tmp_path, "sentiment", "clean", "mezo", 4, blown, 0.5)
+    assert H.unstable(dict(curve=[dict(step=f // 2, forwards=f, loss=y) for f, y in zip(forwards, blown)]))
+    lines = H.report(str(tmp_path), "smollm")
+    assert lines[-2] == "So the default for full fine-tuning is `mezo` (no arm passes on every cell)."
+    start = lines.index(next(x for x in lines if x.startswith("MeZO's seed 4 met the CLI's divergence rule")))
+    assert "Against MeZO's seeds 3, 5, 6 alone" in lines[start]
+    second = [x for x in lines[start:start + 8] if x.startswith("| std-auto-plateau | 4 |")]
+    assert len(second) == 1 and "x0." in second[0].split(" | ")[3]  # against the other seeds: faster, as elsewhere
+    # a cell short of its seeds: provisional
+    os.remove(next(p for p in (tmp_path / "runs").iterdir()
+                   if json.loads(p.read_text())["settings"]["arm"] == "std-auto-plateau"))
+    lines = H.report(str(tmp_path), "smollm")
+    assert lines[-2].startswith("So far the rule would leave `mezo`")
+    assert "(provisional: not every cell has its 4 seeds yet)" in "\n".join(lines)
+
+
+def test_runs_cached_before_rollback_are_adopted_where_none_met_its_rule(tmp_path):
+    """A run of a plan with rollback cached without it (before the setting existed) that never met the dev rule is the
+    run with it step for step: `--adopt` moves it to its key with the rollback. One that met the rule stays, " (no
+    rollback)" in the report beside the arm's row, and its seed is planned again."""
+    from experiments import horizon as H
+    from experiments.core import cached
+
+    forwards = range(0, 2001, 200)
+    put_horizon(tmp_path, "topic", "clean", "mezo", 3, [0.7 * math.exp(-f / 1000) for f in forwards], 0.9)
+    put_horizon(tmp_path, "topic", "clean", "mezo", 4, [0.7, 0.5] + [1e6] * 9, 0.5)
+    for path in (tmp_path / "runs").iterdir():  # as they were cached before: no rollback in their settings
+        run = json.loads(path.read_text())
+        del run["settings"]["rollback"]
+        path.unlink()
+        pathlib.Path(cached(str(tmp_path), run["settings"])[0]).write_text(json.dumps(run))
+    labels = sorted(H.load_runs(str(tmp_path), "smollm"))
+    assert labels == [("topic", "clean", "mezo (no rollback)")]
+    H.main(["--config", "smollm", "--adopt", "--out", str(tmp_path)])
+    runs = H.load_runs(str(tmp_path), "smollm")
+    (kept,) = runs[("topic", "clean", "mezo")]
+    assert kept["settings"] == H.settings_of("smollm", "tiny", "topic", "clean", "mezo", 3) and kept["rollbacks"] == []
+    assert "no evaluation met the dev rule" in kept["adopted"]
+    assert [r["settings"]["seed"] for r in runs[("topic", "clean", "mezo (no rollback)")]] == [4]
+    assert len(list((tmp_path / "runs").iterdir())) == 2
+    missing = [r for r in H.plan_runs("smollm") if r[:3] == ("topic", "clean", "mezo")]
+    H.main(["--config", "smollm", "--plan", "--out", str(tmp_path)])
+    assert H.unstable(runs[("topic", "clean", "mezo (no rollback)")][0]) and len(missing) == 4
+    assert any(x.startswith("| mezo (no rollback) | 1 | 1 |") for x in H.report(str(tmp_path), "smollm"))

@@ -337,6 +337,22 @@ def test_the_watch_floor_keeps_a_near_zero_loss_from_stopping_on_noise():
         assert watch.observe_step(step, loss) is None  # ...but below 2 x 0.25 x 0.7
 
 
+def test_the_dev_rule_is_floored_at_a_quarter_of_the_zero_shot_loss():
+    """Issue 57's SmolLM2 `sentiment` run (the auto normalised step, seed 3): dev loss 0.369 before the first step,
+    4e-4 at step 125, 1.0e-2 at step 150 (25x that best), 1e-7 at the end. With the zero-shot loss known, the
+    reference is at least 0.25 x it (0.092): the bump is not a divergence; a blow-up past 2 x 0.092 still is. Without
+    a zero-shot evaluation (an older checkpoint's run) the rule is the plain ratio, as before."""
+    curve = [(0, 0.369), (25, 0.0749), (50, 0.0197), (75, 0.0043), (100, 0.0017), (125, 0.0004), (150, 0.0101)]
+    watch = DivergenceWatch()
+    watch.zero_shot = {"loss": 0.369, "accuracy": 0.8}
+    assert all(watch.observe_dev(step, loss) is None for step, loss in curve)
+    reason = watch.observe_dev(175, 0.19)
+    assert "best so far, 0.0004 (at step 125; floored at 0.25x the zero-shot loss 0.369)" in reason
+    assert watch.good_step(175) == 125
+    plain = DivergenceWatch()
+    assert [plain.observe_dev(step, loss) is None for step, loss in curve] == [True] * 6 + [False]
+
+
 def test_the_watch_names_a_dev_loss_above_twice_the_best_and_a_non_finite_one():
     watch = DivergenceWatch()
     assert watch.observe_dev(10, 0.6) is None and watch.observe_dev(20, 0.3) is None

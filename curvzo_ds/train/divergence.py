@@ -12,7 +12,9 @@ when
   step 3 on the old rule (a first batch's loss, rate 0.1; experiments/RESULTS.md, "The diverged seed replayed");
 - its dev loss is above twice the better of the zero-shot dev loss (a fresh run evaluates dev before its first step,
   an eval line at step 0) and the best dev loss so far: a slow drift that the train loss hides, or a run that went
-  bad inside the train rule's warm-up.
+  bad inside the train rule's warm-up. The reference is at least FLOOR x the zero-shot loss, as the train rule's
+  is: without it a dev loss near 0 rolled back on one example's margin (issue 57's SmolLM2 `sentiment` run of the
+  auto normalised step, seed 3: 4e-4 at 1,000 forwards, then 1.0e-2, 25x "the best", while it went on to 1e-7).
 The two ratio rules need a positive loss: with `objective` accuracy or f1 (the loss is minus the metric, <= 0) only a
 non-finite loss counts.
 `on_divergence=rollback` (the default) goes back to the newest checkpoint saved before the run went bad (at or before
@@ -38,7 +40,7 @@ log = logging.getLogger("curvzo_ds")
 RATE = 0.02  # the EMA's rate: about 100 steps' losses, so that its lowest value does not drift down with the noise
 WARMUP = 20  # counted steps whose plain mean starts the EMA; the train rule decides nothing before (a batch is noisy)
 FACTOR = 2.0  # a running mean (or a dev loss) above FACTOR x its reference has diverged
-FLOOR = 0.25  # the train reference is at least FLOOR x the first step's loss
+FLOOR = 0.25  # the train reference is at least FLOOR x the first step's loss, the dev one x the zero-shot loss
 
 
 class DivergenceWatch:
@@ -72,9 +74,13 @@ class DivergenceWatch:
     def observe_dev(self, step: int, loss: float | None) -> str | None:
         if loss is None or not math.isfinite(loss):
             return f"the dev loss is {loss}"
-        if self.best_dev is not None and self.best_dev > 0 and loss > FACTOR * self.best_dev:
+        zero = (self.zero_shot or {}).get("loss")
+        floor = FLOOR * zero if zero is not None and math.isfinite(zero) and zero > 0 else None
+        if self.best_dev is not None and self.best_dev > 0 and loss > FACTOR * max(self.best_dev, floor or 0):
             return (f"the dev loss {loss:.4g} is above {FACTOR:g}x the best so far, {self.best_dev:.4g} (at step "
-                    f"{self.best_dev_step}{', the zero-shot loss' if self.best_dev_step == 0 else ''})")
+                    f"{self.best_dev_step}{', the zero-shot loss' if self.best_dev_step == 0 else ''}"
+                    + (f"; floored at {FLOOR:g}x the zero-shot loss {zero:.4g}" if floor and floor > self.best_dev
+                       else "") + ")")
         if self.best_dev is None or loss < self.best_dev:
             self.best_dev, self.best_dev_step = loss, step
         return None
