@@ -5,6 +5,7 @@ the control `running_rms`, MeZO, plain RLOO-8 and the preset as it was (a fixed 
     nice -n 19 python -m experiments.horizon --config smollm --work     # SmolLM2-135M at 2,000 forwards
     python -m experiments.horizon --config small --plan                 # the runs still missing
     python -m experiments.horizon --config small --report               # the tables, from the cached runs
+    python -m experiments.horizon --config small --adopt                # runs cached before the rollback setting
     python -m experiments.horizon --config ci --work --out /tmp/x       # the test's: a tiny model, 32 forwards
     python -m experiments.horizon --config smollm --work --device cuda  # on a GPU (tools/gpu_horizon.sh: a lent one)
 
@@ -16,6 +17,12 @@ clean), 2,000 forwards, the full dev set every 200. Each run is one row of ARMS 
 one seed; `auto` arms choose their own rate (algo/rate.py). Every run goes through experiments/core.py's
 `run_curve` and is cached in --out/runs/<hash of its settings>.json; a worker claims a run with an flock in
 --out/.claims/, so one worker per core shares the queue.
+
+Every run of `small`, `smollm` and `ci` rolls back as `curvzo-ds train` does when it diverges (experiments/core.py's
+`_train`: the CLI's dev rule at each evaluation, back to the best evaluation's state at half the rate, at most 3
+times; its curve counts every forward spent), so that each arm, MeZO included, is compared as a user runs it (a user's
+run rolls back by default). Runs cached before the setting that never met the rule are those runs step for step:
+`--adopt` moves them to their keys (a run that met it stays, " (no rollback)" in the report, and its seed runs again).
 
 The report compares each arm with MeZO per task and variant, by verdict.py's metrics: the tail mean log dev loss
 (Welch 95%), the time-warp factor that never extrapolates (`verdict.warp_interpolated`, F over the last half of the
@@ -454,6 +461,9 @@ def report(out: str, config: str) -> list[str]:
                 continue
             if not mine or arm == reference or not mezo:
                 lines.append(f"| {arm} | {len(mine)} | | | | | | | |")
+                if mine and arm != reference:
+                    verdicts[(task, variant, arm)] = dict(ok=False, why=f"{len(mine)} seeds, MeZO none yet",
+                                                          complete=False)
                 continue
             c = compare(mine, mezo, plan["horizon"], plan["eval_every"])
             old = "refused (every point extrapolated or capped)" if c["old"] is None else f"x{c['old']:.2f}" + (
