@@ -426,8 +426,13 @@ def decision(plan: dict, verdicts: dict) -> list[str]:
         ok = all(v is not None and v["ok"] for _, v in cells)
         lines.append(f"- {arm}: {'passes' if ok else 'no'} ({said})")
         chosen = chosen or (arm if ok else None)
-    lines += ["", ("So the default for full fine-tuning is " if complete else "So far the rule would leave ")
-              + (f"`{chosen}`." if chosen else "`mezo` (no arm passes on every cell)."), ""]
+    if chosen:
+        said = (f"So the default for full fine-tuning is `{chosen}`." if complete else
+                f"So far the rule points to `{chosen}`.")
+    else:
+        said = ("So the default for full fine-tuning is `mezo` (no arm passes on every cell)." if complete else
+                "So far no arm passes on every cell: `mezo` stays.")
+    lines += ["", said, ""]
     return lines
 
 
@@ -462,7 +467,7 @@ def report(out: str, config: str) -> list[str]:
             if not mine or arm == reference or not mezo:
                 lines.append(f"| {arm} | {len(mine)} | | | | | | | |")
                 if mine and arm != reference:
-                    verdicts[(task, variant, arm)] = dict(ok=False, why=f"{len(mine)} seeds, MeZO none yet",
+                    verdicts[(task, variant, arm)] = dict(ok=False, why=f"{len(mine)} seed(s), MeZO none yet",
                                                           complete=False)
                 continue
             c = compare(mine, mezo, plan["horizon"], plan["eval_every"])

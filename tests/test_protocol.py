@@ -415,7 +415,7 @@ def test_the_horizon_report_decides_item_5_and_compares_without_meZOs_diverged_s
     os.remove(next(p for p in (tmp_path / "runs").iterdir()
                    if json.loads(p.read_text())["settings"]["arm"] == "std-auto-plateau"))
     lines = H.report(str(tmp_path), "smollm")
-    assert lines[-2].startswith("So far the rule would leave `mezo`")
+    assert lines[-2] == "So far no arm passes on every cell: `mezo` stays."
     assert "(provisional: not every cell has its 4 seeds yet)" in "\n".join(lines)
 
 
