@@ -258,8 +258,7 @@ def _train(run, steps: int, per_step: int, points: dict[int, list[str]], oracle_
     curve = [point(0, 0)] if 0 in points else []
     if watch is not None:
         if curve:  # the zero-shot evaluation: the dev rule's reference and floor, as the CLI's `zero_shot`
-            watch.zero_shot = {"loss": curve[0].get("loss")}
-            watch.observe_dev(0, curve[0].get("loss"))
+            watch.start({"loss": curve[0].get("loss")})
         saved = snapshot(0)  # the CLI's checkpoint-0
     step_seconds, budgets, fractions = 0.0, [], []
     t = 0  # the step the weights are at; `spent` counts every step taken

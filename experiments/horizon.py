@@ -78,6 +78,7 @@ RATES = {"small": {"mezo": 1e-4, "rloo-8": 4e-4}, "small-rho": {"mezo": 1e-4}, "
                     "mezo-lora": 5e-5},
          "ci": {"mezo": 1e-3, "rloo-8": 4e-3}}
 NOISY = {"label_noise": 0.2}
+ROLLBACK = "dev"  # a run's divergence rollback: the CLI's dev rule at each evaluation (experiments/core.py's `_train`)
 CONFIGS = {
     "small": dict(model="pipeline", cells=[("sentiment", "clean"), ("sentiment", "noisy")], horizon=16000,
                   eval_every=800, seeds=list(range(8)), first_seeds=2, rollback=True,
@@ -119,8 +120,6 @@ def settings_of(config: str, model: str, task: str, variant: str, arm: str, seed
                 horizon=plan["horizon"], eval_every=plan["eval_every"], **auto_settings(arm),
                 **(dict(rollback=ROLLBACK) if plan.get("rollback") else {}))
 
-
-ROLLBACK = "dev"  # a run's divergence rollback: the CLI's dev rule at each evaluation (experiments/core.py's `_train`)
 
 
 AUTO_RULE = "line-upper"  # the line rule dividing by the curvature's upper bound ("line": by its mean, until 23:10)
@@ -216,6 +215,7 @@ def work(config: str, out: str, cache: str, model: str | None, log: Log, arms: l
     os.makedirs(os.path.join(out, ".claims"), exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="horizon-") as tmp:
         setup = Setup(config, cache, model, tmp, log)
+        check_model(setup, out, device, log)
         for task, variant, arm, seed in plan_runs(config):
             if arms and arm not in arms:
                 continue
@@ -229,6 +229,33 @@ def work(config: str, out: str, cache: str, model: str | None, log: Log, arms: l
                     continue  # another worker runs it
                 if cached(out, settings)[1] is None:
                     one_run(setup, out, task, variant, arm, seed, log, device)
+
+
+def check_model(setup: Setup, out: str, device: str, log: Log) -> None:
+    """Refuse to add runs of a different model to `out`'s: for each task with cached runs of this config and model
+    name, this model's zero-shot dev loss must be theirs (step 0 of their curves, to a relative 1e-4: a GPU's
+    rounding moves it by about 1e-5). The model's name is its settings' digest, and pretraining is not bit-for-bit the
+    same on every CPU (experiments/RESULTS.md: 0.5806 and 0.2285 from one pretraining on two machines)."""
+    from curvzo_ds.train.plain import PlainRun
+
+    name = os.path.basename(os.path.normpath(setup.model))
+    theirs: dict[str, list[float]] = {}
+    for runs in load_runs(out, setup.config).values():
+        for r in runs:
+            if r["settings"]["model"] == name and r["curve"] and r["curve"][0]["step"] == 0 and "loss" in r["curve"][0]:
+                theirs.setdefault(r["settings"]["task"], []).append(r["curve"][0]["loss"])
+    for task, losses in sorted(theirs.items()):
+        cfg = setup.base(setup.model, setup.task_dir(task), 1e-3, 0, 1)
+        mine = PlainRun(cfg, device=device).evaluate("dev")["loss"]
+        other = [x for x in losses if not abs(x - mine) <= 1e-4 * abs(mine)]
+        log(f"model check: zero-shot dev loss on {task} {mine:.7g}; {len(losses) - len(other)} of the {len(losses)} "
+            "cached runs' agree")
+        if other:
+            raise SystemExit(f"experiments.horizon: this model ({setup.model}) has zero-shot dev loss {mine:.4f} on "
+                             f"{task}, {len(other)} of the cached runs in {out} {float(np.median(other)):.4f}: a "
+                             "different model of the same name (its pretraining came out different on this "
+                             "machine); give --out a new folder for this model's runs, or --model the model the "
+                             "cached runs used")
 
 
 # ------------------------------------------------------------------------------------------------------ the report
@@ -288,10 +315,12 @@ def unstable(run: dict) -> bool:
     labels that ends above its start meets by drifting)."""
     if "rollbacks" in run:
         return bool(run["rollbacks"]) or any("diverged" in p for p in run["curve"])
-    watch = DivergenceWatch()
-    if run["curve"] and run["curve"][0]["step"] == 0:  # the zero-shot evaluation: the rule's floor, as the CLI's
-        watch.zero_shot = {"loss": run["curve"][0].get("loss")}
-    return any(watch.observe_dev(p["step"], p.get("loss")) for p in run["curve"] if "loss" in p)
+    watch, curve = DivergenceWatch(), run["curve"]
+    if curve and curve[0]["step"] == 0 and "loss" in curve[0]:  # the zero-shot evaluation: the rule's reference
+        if watch.start({"loss": curve[0]["loss"]}):  # and floor, as the CLI's
+            return True
+        curve = curve[1:]
+    return any(watch.observe_dev(p["step"], p.get("loss")) for p in curve if "loss" in p)
 
 
 def probe_forwards(settings: dict) -> int:
@@ -390,10 +419,11 @@ def passes(c: dict) -> bool:
 def against_stable(arms: list[str], runs: dict, task: str, variant: str, mezo: list[dict], plan: dict) -> list[str]:
     """Where `curvzo-ds train` would have rolled back some of MeZO's seeds (`unstable`), the arms against MeZO's
     other seeds: a second table, as issue 47's report gave beside its rule, which counts every seed."""
-    bad = [r["settings"]["seed"] for r in mezo if unstable(r)]
+    flags = [unstable(r) for r in mezo]
+    bad = [r["settings"]["seed"] for r, flag in zip(mezo, flags) if flag]
     if not bad:
         return []
-    stable = [r for r in mezo if not unstable(r)]
+    stable = [r for r, flag in zip(mezo, flags) if not flag]
     head = (f"MeZO's seed{'s' * (len(bad) > 1)} {', '.join(map(str, bad))} met the CLI's divergence rule (a dev loss "
             "above 2x its best so far: `curvzo-ds train` rolls back at half the rate)")
     if not stable:

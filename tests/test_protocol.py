@@ -361,6 +361,17 @@ def test_the_horizon_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, c
 
     assert row[1:4] == ["std-auto-plateau", "0", str(AUTO_RATE_PROBES)]
     assert float(row[5]) == pytest.approx(AUTO_RATE_FRACTION * float(row[4]), rel=5e-3)  # 3 digits of 4
+    # a worker whose model of the same name has another zero-shot loss than the cached runs' (a pretraining that came
+    # out different on another CPU) refuses to add to them, in one line; the same model passes the check (above)
+    path = H.cached(str(out), H.settings_of("ci", tiny_model, "sentiment", "noisy", "mezo", 0))[0]
+    with open(path) as f:
+        run = json.load(f)
+    run["curve"][0]["loss"] *= 1.01
+    with open(path, "w") as f:
+        json.dump(run, f)
+    refusal = r"zero-shot dev loss [0-9.]+ on sentiment, 1 of the cached runs in .* a different model"
+    with pytest.raises(SystemExit, match=refusal):
+        H.main(common)
 
 
 def put_horizon(out, task, variant, arm, seed, losses, accuracy):

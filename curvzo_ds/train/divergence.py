@@ -71,6 +71,11 @@ class DivergenceWatch:
                     f"(at step {self.lowest_step}, floored at {FLOOR:g}x the first loss {self.first:.4g})")
         return None
 
+    def start(self, dev: dict) -> str | None:
+        """The zero-shot evaluation (step 0's dev metrics): the dev rule's reference and floor; its reason, if any."""
+        self.zero_shot = dict(dev)
+        return self.observe_dev(0, dev.get("loss"))
+
     def observe_dev(self, step: int, loss: float | None) -> str | None:
         if loss is None or not math.isfinite(loss):
             return f"the dev loss is {loss}"
@@ -109,10 +114,9 @@ def zero_shot(job, record, watch: DivergenceWatch) -> None:
     (there is nothing to roll back to); the run's own steps meet it."""
     dev = job.evaluator.evaluate("dev", 0)
     record.evaluation(0, "dev", dev)
-    watch.zero_shot = dict(dev)
     log.info("step 0: dev %s (before the first step: the zero-shot reference of the divergence watch)",
              fmt_metrics(dev))
-    reason = watch.observe_dev(0, dev.get("loss"))
+    reason = watch.start(dev)
     if reason:
         log.warning("step 0: %s before any step: the model's zero-shot loss is not finite; check the model's dtype "
                     "and the task's inputs", reason)
