@@ -219,13 +219,16 @@ def metrics_lines(out: pathlib.Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "seconds"} for r in rows if not r.get("final")]
 
 
-# Interrupted runs (test_reliability, test_launchers): TOTAL steps of the demo model with the COMMON settings, so
-# that a signal sent at step 20 lands in the middle of training (a 2-rank step takes 0.05-0.1 s here: seconds of
-# margin). 200, not 400 as before issue 35: every resume after an interruption runs the rest.
+# Interrupted runs (test_reliability, test_launchers): TOTAL steps of the demo model with the COMMON settings but a
+# global batch of 4 (2 micro-batches of 2 on one rank, one a rank on two: 4 forwards a step, not 8; these tests
+# are about signals, checkpoints and resumes: a 200-step run at one rank took 19 s of its 31 s), so that a signal
+# sent at step 20 lands in the middle of training with seconds of margin. 200, not 400 as before issue 35: every resume
+# after an interruption runs the rest.
 TOTAL, SAVE, EVAL = 200, 50, 100
 STEPS = ["--set", f"max_steps={TOTAL}", "--set", f"save_steps={SAVE}", "--set", f"eval_steps={EVAL}",
          "--set", "save_total_limit=3"]
-RUN = COMMON + STEPS
+RUN = ["global_batch_size=4" if a == "global_batch_size=8" else a for a in COMMON] + STEPS
+assert RUN.count("global_batch_size=4") == 1
 
 
 def start(cmd: list[str], out: pathlib.Path, *extra: str, env: dict | None = None) -> subprocess.Popen:

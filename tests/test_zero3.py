@@ -17,7 +17,7 @@ RAD = {"perturbation": "rademacher"}
 SCENARIOS = [
     # Adaptive CurvZO, persistent (norm) and partitioned tensors, Philox groups of 4 straddling shard edges,
     # 4 micro-batches per step padded each to its own length.
-    {"name": "curvzo", "steps": 100, "n_micro": 4, "zo": {**ZO, "method": "curvzo"}},
+    {"name": "curvzo", "steps": 60, "n_micro": 4, "zo": {**ZO, "method": "curvzo"}},
     {"name": "mezo", "steps": 15, "n_micro": 4, "zo": {**ZO, "method": "mezo"}},
     {"name": "offload", "steps": 15, "n_micro": 4, "offload": True, "zo": {**ZO, "method": "curvzo"}},
     # A global batch smaller than the world: ranks without data run zero-weight forwards.
@@ -161,11 +161,11 @@ def test_adaptive_run_is_non_uniform_and_has_persistent_params(runs):
     res = runs[3]["curvzo"]
     assert res["persistent"], "no persistent parameter in the scenario"
     assert len(res["persistent"]) < res["num_blocks"]
-    late = res["traj"][30:]  # 70 steps after the scores' first 30
+    late = res["traj"][30:]  # 30 steps after the scores' first 30
     # Uniform pi would give 1/pi = G/B; curvature-guided pi is far from it.
     assert all(r["max_inv_pi"] > 2 * res["num_blocks"] / r["budget"] for r in late)
     assert min(r["d_eff"] for r in late) < res["num_blocks"] - 1
-    assert len({r["pi"] for r in late}) > 50  # pi really moves with the scores
+    assert len({r["pi"] for r in late}) > 25  # pi really moves with the scores
 
 
 @pytest.mark.multirank
