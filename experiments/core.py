@@ -87,8 +87,19 @@ def provenance() -> dict:
     package = os.path.dirname(os.path.dirname(os.path.abspath(curvzo_ds.__file__)))
     return dict(code=git(os.path.dirname(HERE)), curvzo_ds=git(package) | dict(module=curvzo_ds.__file__),
                 machine=dict(node=platform.node(), platform=platform.platform(), processor=platform.processor(),
-                             cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__,
-                             threads=torch.get_num_threads(), nice=os.nice(0)))
+                             cpu=cpu_model(), cpus=os.cpu_count(), python=platform.python_version(),
+                             torch=torch.__version__, threads=torch.get_num_threads(), nice=os.nice(0)))
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo's, which `platform` does not give; else platform.processor()): one
+    pretraining gives different weights on different CPUs (experiments/RESULTS.md), so a run records its CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        name = None
+    return name or platform.processor() or None
 
 
 def record_run(path: str, settings: dict, train: Callable[[], dict]) -> dict:

@@ -16,7 +16,8 @@ clean), 2,000 forwards, the full dev set every 200. Each run is one row of ARMS 
 400-forward protocol's rule chose on SmolLM2; on the small model MeZO's calibrated 1e-4 and RLOO-8 at 4x it) and
 one seed; `auto` arms choose their own rate (algo/rate.py). Every run goes through experiments/core.py's
 `run_curve` and is cached in --out/runs/<hash of its settings>.json; a worker claims a run with an flock in
---out/.claims/, so one worker per core shares the queue.
+--out/.claims/, so one worker per core shares the queue. A worker first checks that its model is the cached runs'
+(`check_model`: the same zero-shot dev loss; a pretraining gives another model on another CPU) and refuses if not.
 
 Every run of `small`, `smollm` and `ci` rolls back as `curvzo-ds train` does when it diverges (experiments/core.py's
 `_train`: the CLI's dev rule at each evaluation, back to the best evaluation's state at half the rate, at most 3
@@ -119,7 +120,6 @@ def settings_of(config: str, model: str, task: str, variant: str, arm: str, seed
                 variant=variant, arm=arm, spec=ARMS[arm], lr=rate_of(config, arm, task), seed=seed,
                 horizon=plan["horizon"], eval_every=plan["eval_every"], **auto_settings(arm),
                 **(dict(rollback=ROLLBACK) if plan.get("rollback") else {}))
-
 
 
 AUTO_RULE = "line-upper"  # the line rule dividing by the curvature's upper bound ("line": by its mean, until 23:10)
@@ -242,8 +242,9 @@ def check_model(setup: Setup, out: str, device: str, log: Log) -> None:
     theirs: dict[str, list[float]] = {}
     for runs in load_runs(out, setup.config).values():
         for r in runs:
-            if r["settings"]["model"] == name and r["curve"] and r["curve"][0]["step"] == 0 and "loss" in r["curve"][0]:
-                theirs.setdefault(r["settings"]["task"], []).append(r["curve"][0]["loss"])
+            loss = r["curve"][0].get("loss") if r["curve"] and r["curve"][0]["step"] == 0 else None
+            if r["settings"]["model"] == name and isinstance(loss, (int, float)) and math.isfinite(loss):
+                theirs.setdefault(r["settings"]["task"], []).append(loss)
     for task, losses in sorted(theirs.items()):
         cfg = setup.base(setup.model, setup.task_dir(task), 1e-3, 0, 1)
         mine = PlainRun(cfg, device=device).evaluate("dev")["loss"]
