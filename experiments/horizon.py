@@ -10,7 +10,8 @@ the control `running_rms`, MeZO, plain RLOO-8 and the preset as it was (a fixed 
     python -m experiments.horizon --config smollm --work --device cuda  # on a GPU (tools/gpu_horizon.sh: a lent one)
 
 Configs: `small` is experiments/pipeline.py's pre-trained model (about 1M parameters, 3000 steps of pre-training, as
-experiments/calibrate.py) on `sentiment`, 16,000 forwards, the full dev set every 800; `smollm` is SmolLM2-135M
+experiments/calibrate.py; its weights ship in experiments/assets/, pipeline.SHIPPED, since a pretraining gives another
+model on another CPU) on `sentiment`, 16,000 forwards, the full dev set every 800; `smollm` is SmolLM2-135M
 (experiments/smollm.py) on `sentiment`, `topic` and `sentiment` with 20% of its train labels flipped (dev and test
 clean), 2,000 forwards, the full dev set every 200. Each run is one row of ARMS at its rate (RATES: the rates the
 400-forward protocol's rule chose on SmolLM2; on the small model MeZO's calibrated 1e-4 and RLOO-8 at 4x it) and
@@ -235,7 +236,8 @@ def check_model(setup: Setup, out: str, device: str, log: Log) -> None:
     """Refuse to add runs of a different model to `out`'s: for each task with cached runs of this config and model
     name, this model's zero-shot dev loss must be theirs (step 0 of their curves, to a relative 1e-4: a GPU's
     rounding moves it by about 1e-5). The model's name is its settings' digest, and pretraining is not bit-for-bit the
-    same on every CPU (experiments/RESULTS.md: 0.5806 and 0.2285 from one pretraining on two machines)."""
+    same on every CPU (experiments/RESULTS.md: 0.5806 and 0.2285 from one pretraining on two machines; the small model's
+weights now ship, and the runs of the 0.5806 model are in experiments/results/horizon-small-model-0.5806/)."""
     from curvzo_ds.train.plain import PlainRun
 
     name = os.path.basename(os.path.normpath(setup.model))

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import random
+import shutil
 import time
 
 import numpy as np
@@ -57,16 +59,35 @@ MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_ke
 DATA = dict(num_train=512, num_dev=256, num_test=512, batch=16, eps=1e-3)
 
 
-def pretrain(out: str, steps: int, log: Log, seed: int = 0) -> str:
-    """The model directory (cached by its settings): a Llama trained by AdamW on the language's corpus.
+# Pretrainings whose weights ship with the project, {model key: SHA-256 of model.safetensors}: the same settings give
+# another model on another CPU (experiments/RESULTS.md, "The small model is its CPU's": zero-shot `sentiment` dev loss
+# 0.5806, 0.264 and 0.2285 from one pretraining on three machines), so the horizon's small model (3,000 steps) travels
+# as its weights, those of the AMD EPYC machine of 2026-11-30 (the model of experiments/results/horizon-small/).
+SHIPPED = {"a5c39d9fc24e8298": "ae3c566460c639255ef01a14cfa37eb9c30676b2bfcaa24a05b361a2b5f5f4e6"}
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+
+
+def sha256_file(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def pretrain(out: str, steps: int, log: Log, seed: int = 0, use_shipped: bool = True) -> str:
+    """The model directory (cached by its settings): a Llama trained by AdamW on the language's corpus, or, where its
+    weights ship (`SHIPPED`) and `use_shipped`, those weights (a cached directory with other weights is replaced).
 
     A checkpoint every 100 steps lets an interrupted run (a time limit) go on where it stopped."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     key = digest(dict(MODEL, steps=steps, seed=seed, vocab=language.vocabulary(), corpus=language.CORPUS_VERSION))
     path = os.path.join(out, f"model-{key}")
+    weights, shipped = os.path.join(path, "model.safetensors"), SHIPPED.get(key) if use_shipped else None
     if os.path.exists(os.path.join(path, "done")):
-        return path
+        if shipped is None or sha256_file(weights) == shipped:
+            return path
+        log(f"pretrain: {path} holds other weights than the shipped ones (a pretraining on this machine); replacing "
+            "them with experiments/assets/'s")
+        os.remove(os.path.join(path, "done"))
     language.write_tokenizer(path)
     tok = AutoTokenizer.from_pretrained(path)
     conf = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -74,6 +95,17 @@ def pretrain(out: str, steps: int, log: Log, seed: int = 0) -> str:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(conf)
     n_params = sum(p.numel() for p in model.parameters())
+    if shipped is not None:
+        model.save_pretrained(path)  # the config and generation config; the weights are the shipped file's
+        shutil.copyfile(os.path.join(ASSETS, f"small-model-{key}.safetensors"), weights + ".tmp")
+        if sha256_file(weights + ".tmp") != shipped:
+            raise SystemExit(f"experiments/assets/small-model-{key}.safetensors is not the file pipeline.SHIPPED "
+                             "names (SHA-256 differs): restore it with `git checkout experiments/assets`")
+        os.replace(weights + ".tmp", weights)
+        with open(os.path.join(path, "done"), "w") as f:
+            json.dump({"params": n_params, "steps": steps, "shipped": shipped}, f)
+        log(f"pretrained model {key}: the shipped weights (sha256 {shipped[:12]}) -> {path}")
+        return path
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     first, ckpt = 0, os.path.join(path, "pretrain.pt")
@@ -107,6 +139,9 @@ def pretrain(out: str, steps: int, log: Log, seed: int = 0) -> str:
             os.replace(ckpt + ".tmp", ckpt)
     model.save_pretrained(path)
     os.remove(ckpt)
+    if key in SHIPPED:
+        same = sha256_file(weights) == SHIPPED[key]
+        log(f"pretrain: {'the shipped weights, bit for bit' if same else 'weights other than the shipped ones'}")
     with open(os.path.join(path, "done"), "w") as f:
         json.dump({"params": n_params, "final_loss": loss.item(), "steps": steps}, f)
     log(f"pretrained {n_params} parameters -> {path}")

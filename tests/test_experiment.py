@@ -3,9 +3,12 @@ a few steps. It checks the pipeline's shape, not its numbers: the tables, the fi
 Measured: 12 s on an idle core, 56 s on the loaded shared machine; in the slow tier (it trains through the CLI's
 code for several runs)."""
 
+import math
+import os
+
 import pytest
 
-from experiments import pipeline
+from experiments import language, pipeline
 
 
 @pytest.mark.slow
@@ -24,3 +27,29 @@ def test_pipeline_ci_config_end_to_end(tmp_path):
     pipeline.main(["--config", "ci", "--out", str(out)])  # a rerun takes every run from the cache
     assert (out / "progress.log").read_text().count(" run ") == log_lines
     assert sorted((out / "runs").glob("*.json")) == runs
+
+
+def test_the_small_model_ships_as_its_weights(tmp_path):
+    """The horizon's small model (3,000 steps of pretraining) is the shipped file on any machine, not this CPU's
+    pretraining: its zero-shot `sentiment` dev loss is the committed runs' 0.2285, and a cached directory of the same
+    settings holding other weights (another CPU's pretraining) is replaced."""
+    from curvzo_ds.train.plain import PlainRun
+
+    lines = []
+    path = pipeline.pretrain(str(tmp_path), 3000, lines.append)
+    weights = os.path.join(path, "model.safetensors")
+    assert pipeline.sha256_file(weights) == pipeline.SHIPPED[os.path.basename(path)[len("model-"):]]
+    assert "the shipped weights" in lines[-1]
+    sizes = (pipeline.DATA["num_train"], pipeline.DATA["num_dev"], pipeline.DATA["num_test"])
+    cfg = pipeline.base_config(path, language.write_task(str(tmp_path), "sentiment", 0, *sizes), 1e-3, 0, 1)
+    assert math.isclose(PlainRun(cfg).evaluate("dev")["loss"], 0.2284751, rel_tol=1e-5)
+
+    with open(weights, "r+b") as f:  # another machine's pretraining: other bytes under the same name
+        f.seek(-8, os.SEEK_END)
+        f.write(b"\x00" * 8)
+    assert pipeline.pretrain(str(tmp_path), 3000, lines.append) == path
+    assert "replacing" in lines[-2] and "the shipped weights" in lines[-1]
+    assert pipeline.sha256_file(weights) == pipeline.SHIPPED[os.path.basename(path)[len("model-"):]]
+    count = len(lines)
+    pipeline.pretrain(str(tmp_path), 3000, lines.append)  # cached: nothing to do, nothing logged
+    assert len(lines) == count
