@@ -75,6 +75,7 @@ def sha256_file(path: str) -> str:
 def pretrain(out: str, steps: int, log: Log, seed: int = 0, use_shipped: bool = True) -> str:
     """The model directory (cached by its settings): a Llama trained by AdamW on the language's corpus, or, where its
     weights ship (`SHIPPED`) and `use_shipped`, those weights (a cached directory with other weights is replaced).
+    `use_shipped=False` with a fresh `out` pretrains here and logs whether it gave the shipped weights bit for bit.
 
     A checkpoint every 100 steps lets an interrupted run (a time limit) go on where it stopped."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -85,8 +86,8 @@ def pretrain(out: str, steps: int, log: Log, seed: int = 0, use_shipped: bool = 
     if os.path.exists(os.path.join(path, "done")):
         if shipped is None or sha256_file(weights) == shipped:
             return path
-        log(f"pretrain: {path} holds other weights than the shipped ones (a pretraining on this machine); replacing "
-            "them with experiments/assets/'s")
+        log(f"pretrain: {path} holds weights other than the shipped ones (a local pretraining); replacing them with "
+            "experiments/assets/'s")
         os.remove(os.path.join(path, "done"))
     language.write_tokenizer(path)
     tok = AutoTokenizer.from_pretrained(path)
