@@ -40,6 +40,12 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def sha256_file(path: str) -> str:
+    """The SHA-256 of a file's bytes (a shipped model's weights, a downloaded GGUF), as hex."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def cache_path(out: str, settings: dict) -> str:
     return os.path.join(out, "runs", digest(settings) + ".json")
 

