@@ -32,9 +32,10 @@ horizon on the evaluation grid, bootstrap 95%) beside the old one (refused where
 capped), and the test accuracy difference (Welch 95%). The decision rule (issue 57, item 5): upper bound of the
 non-extrapolated factor <= 0.75 and the test accuracy difference's lower bound >= -0.01, on every SmolLM2 task; the
 report ends with the decision it gives (running_rms first, then the auto normalised step, else `mezo` stays),
-provisional while a cell lacks seeds. The rule counts every seed; where `curvzo-ds train` would have rolled one of
-MeZO's seeds back (`unstable`: its divergence rule's dev test), a second table compares against MeZO's other seeds,
-for information, as issue 47's report did beside its rule.
+provisional while a cell lacks seeds, unless the arms ahead are out: an arm that fails a cell holding all its seeds
+(and MeZO's) can pass no more, whatever its other cells' later seeds give. The rule counts every seed; where
+`curvzo-ds train` would have rolled one of MeZO's seeds back (`unstable`: its divergence rule's dev test), a second
+table compares against MeZO's other seeds, for information, as issue 47's report did beside its rule.
 """
 
 from __future__ import annotations
@@ -447,26 +448,33 @@ def against_stable(arms: list[str], runs: dict, task: str, variant: str, mezo: l
 
 def decision(plan: dict, verdicts: dict) -> list[str]:
     """Item 5: the default for full fine-tuning becomes the first of `plan["decision"]` (running_rms, then the auto
-    normalised step) that passes on every cell, else `mezo` stays; provisional while a cell lacks its seeds."""
-    complete = all(verdicts.get((*cell, arm), {}).get("complete") for cell in plan["cells"] for arm in plan["decision"])
-    lines = ["**Item 5's decision by the rule**" + ("" if complete else
-             f" (provisional: not every cell has its {len(plan['seeds'])} seeds yet)"), ""]
-    chosen = None
+    normalised step) that passes on every cell, else `mezo` stays. An arm that fails a cell holding all its seeds (and
+    MeZO's) is out: no later run can change that cell, so the decision can be final before every cell is complete;
+    otherwise it is provisional while a cell lacks its seeds."""
+    lines, chosen, final = [], None, None
     for arm in plan["decision"]:
-        cells = [(cell, verdicts.get((*cell, arm))) for cell in plan["cells"]]
+        cells = [verdicts.get((*cell, arm)) for cell in plan["cells"]]
         said = "; ".join(f"{task} {variant}: " + ("no runs" if v is None else v["why"])
-                         for (task, variant), v in cells)
-        ok = all(v is not None and v["ok"] for _, v in cells)
-        lines.append(f"- {arm}: {'passes' if ok else 'no'} ({said})")
+                         for (task, variant), v in zip(plan["cells"], cells))
+        ok = all(v is not None and v["ok"] for v in cells)
+        out = any(v is not None and v["complete"] and not v["ok"] for v in cells)
+        lines.append(f"- {arm}: {'passes' if ok else 'out (fails a complete cell)' if out else 'no'} ({said})")
         chosen = chosen or (arm if ok else None)
-    if chosen:
-        said = (f"So the default for full fine-tuning is `{chosen}`." if complete else
-                f"So far the rule points to `{chosen}`.")
+        if final is None and not out:  # the first arm still in decides, once its cells are complete
+            final = arm if ok and all(v["complete"] for v in cells) else False
+    final = "mezo" if final is None else final  # every arm is out
+    complete = all(verdicts.get((*cell, arm), {}).get("complete") for cell in plan["cells"] for arm in plan["decision"])
+    head = ("" if complete else " (final before every cell is complete: every arm fails a complete cell)"
+            if final == "mezo" else " (final: every arm before it is out, its own cells complete)" if final else
+            f" (provisional: not every cell has its {len(plan['seeds'])} seeds yet)")
+    if final == "mezo":
+        said = "So the default for full fine-tuning is `mezo` (no arm passes on every cell)."
+    elif final:
+        said = f"So the default for full fine-tuning is `{final}`."
     else:
-        said = ("So the default for full fine-tuning is `mezo` (no arm passes on every cell)." if complete else
+        said = (f"So far the rule points to `{chosen}`." if chosen else
                 "So far no arm passes on every cell: `mezo` stays.")
-    lines += ["", said, ""]
-    return lines
+    return ["**Item 5's decision by the rule**" + head, ""] + lines + ["", said, ""]
 
 
 def report(out: str, config: str) -> list[str]:

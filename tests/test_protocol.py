@@ -392,9 +392,14 @@ def put_horizon(out, task, variant, arm, seed, losses, accuracy):
 
 def test_the_horizon_report_decides_item_5_and_compares_without_meZOs_diverged_seeds(tmp_path):
     """The decision line takes running_rms first, then the auto normalised step, where one passes on every SmolLM2
-    cell, else MeZO stays, and says it is provisional while a cell lacks seeds. Where the CLI's divergence rule would
-    have rolled back one of MeZO's seeds, a second table compares against its other seeds; the rule counts them all."""
+    cell, else MeZO stays, and says it is provisional while a cell lacks seeds, unless the arms before are out (they
+    fail a cell holding all its seeds). Where the CLI's divergence rule would have rolled back one of MeZO's seeds, a
+    second table compares against its other seeds; the rule counts them all."""
     from experiments import horizon as H
+    from experiments.core import cached
+
+    def drop(task, variant, arm, seed):
+        os.remove(cached(str(tmp_path), H.settings_of("smollm", "tiny", task, variant, arm, seed))[0])
 
     plan = H.CONFIGS["smollm"]
     forwards = range(0, 2001, 200)
@@ -414,7 +419,12 @@ def test_the_horizon_report_decides_item_5_and_compares_without_meZOs_diverged_s
     put_horizon(tmp_path, "topic", "clean", "rms-auto-plateau", 3, [0.7 * math.exp(-f / 400) for f in forwards], 0.5)
     lines = H.report(str(tmp_path), "smollm")
     assert lines[-2] == "So the default for full fine-tuning is `std-auto-plateau`."
-    assert "- rms-auto-plateau: no (" in "\n".join(lines)
+    assert "- rms-auto-plateau: out (fails a complete cell) (" in "\n".join(lines)
+    # running_rms lacks a seed elsewhere: it is out all the same, and the decision is final
+    drop("sentiment", "noisy", "rms-auto-plateau", 6)
+    lines = H.report(str(tmp_path), "smollm")
+    assert lines[-2] == "So the default for full fine-tuning is `std-auto-plateau`."
+    assert "(final: every arm before it is out, its own cells complete)" in "\n".join(lines)
     # one of MeZO's seeds blows up on `sentiment` clean (a dev loss above 2x its best: `curvzo-ds train` would roll it
     # back): MeZO's mean curve never gets below its start, so no arm passes there by the rule, which counts every seed
     blown = [0.7, 0.5] + [1e6] * 9
@@ -426,12 +436,17 @@ def test_the_horizon_report_decides_item_5_and_compares_without_meZOs_diverged_s
     assert "Against MeZO's seeds 3, 5, 6 alone" in lines[start]
     second = [x for x in lines[start:start + 8] if x.startswith("| std-auto-plateau | 4 |")]
     assert len(second) == 1 and "x0." in second[0].split(" | ")[3]  # against the other seeds: faster, as elsewhere
-    # a cell short of its seeds: provisional
-    os.remove(next(p for p in (tmp_path / "runs").iterdir()
-                   if json.loads(p.read_text())["settings"]["arm"] == "std-auto-plateau"))
+    # the failing cell short of a seed: the auto normalised step is not out, and the decision provisional
+    drop("sentiment", "clean", "std-auto-plateau", 6)
     lines = H.report(str(tmp_path), "smollm")
     assert lines[-2] == "So far no arm passes on every cell: `mezo` stays."
     assert "(provisional: not every cell has its 4 seeds yet)" in "\n".join(lines)
+    assert "- std-auto-plateau: no (" in "\n".join(lines)
+    # it fails a complete cell too (less accurate on `topic`): every arm is out, and MeZO stays for good
+    put_horizon(tmp_path, "topic", "clean", "std-auto-plateau", 3, [0.7 * math.exp(-f / 400) for f in forwards], 0.5)
+    lines = H.report(str(tmp_path), "smollm")
+    assert lines[-2] == "So the default for full fine-tuning is `mezo` (no arm passes on every cell)."
+    assert "(final before every cell is complete: every arm fails a complete cell)" in "\n".join(lines)
 
 
 def test_runs_cached_before_rollback_are_adopted_where_none_met_its_rule(tmp_path):
