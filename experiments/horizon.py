@@ -451,20 +451,20 @@ def decision(plan: dict, verdicts: dict) -> list[str]:
     normalised step) that passes on every cell, else `mezo` stays. An arm that fails a cell holding all its seeds (and
     MeZO's) is out: no later run can change that cell, so the decision can be final before every cell is complete;
     otherwise it is provisional while a cell lacks its seeds."""
-    lines, chosen, final = [], None, None
+    lines, chosen, still_in, done = [], None, [], {}
     for arm in plan["decision"]:
         cells = [verdicts.get((*cell, arm)) for cell in plan["cells"]]
         said = "; ".join(f"{task} {variant}: " + ("no runs" if v is None else v["why"])
                          for (task, variant), v in zip(plan["cells"], cells))
         ok = all(v is not None and v["ok"] for v in cells)
         out = any(v is not None and v["complete"] and not v["ok"] for v in cells)
+        done[arm] = all(v is not None and v["complete"] for v in cells)
         lines.append(f"- {arm}: {'passes' if ok else 'out (fails a complete cell)' if out else 'no'} ({said})")
         chosen = chosen or (arm if ok else None)
-        if final is None and not out:  # the first arm still in decides, once its cells are complete
-            final = arm if ok and all(v["complete"] for v in cells) else False
-    final = "mezo" if final is None else final  # every arm is out
-    complete = all(verdicts.get((*cell, arm), {}).get("complete") for cell in plan["cells"] for arm in plan["decision"])
-    head = ("" if complete else " (final before every cell is complete: every arm fails a complete cell)"
+        still_in += [] if out else [arm]
+    # the first arm still in decides once its cells are complete (an arm that is in and complete passes); none: mezo
+    final = "mezo" if not still_in else still_in[0] if done[still_in[0]] else None
+    head = ("" if all(done.values()) else " (final before every cell is complete: every arm fails a complete cell)"
             if final == "mezo" else " (final: every arm before it is out, its own cells complete)" if final else
             f" (provisional: not every cell has its {len(plan['seeds'])} seeds yet)")
     if final == "mezo":
