@@ -89,17 +89,16 @@ def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AU
     n = len(slopes)
     a, c = sum(slopes) / n, sum(curvatures) / n
     se = math.sqrt(sum((x - c) ** 2 for x in curvatures) / (n - 1) / n) if n > 1 else 0.0
-    if math.isfinite(a) and math.isfinite(c) and a > 0 and c <= 0:
-        raise RateRefused(f"learning_rate=auto: along the step's direction on {n} probes the loss falls (slope "
-                          f"{a:.4g}) but the line is not convex (curvature {c:.4g} per probe), so it has no greedy "
-                          "rate; a fresh LoRA adapter (B = 0) gives such a line (B·A changes to second order along a "
-                          "step): "
-                          "set learning_rate to a number")
-    if not (math.isfinite(a) and math.isfinite(c) and a > 0 and c > 0):
+    if not (math.isfinite(a) and math.isfinite(c) and a > 0):
         raise RateRefused(f"learning_rate=auto: along the step's direction on {n} probes the loss has slope {a:.4g} "
                           f"and curvature {c:.4g} per probe; a rate needs a falling, convex line (raise zo_eps if the "
                           "losses barely differ: a bf16 model's loss can be too coarse for it; or set learning_rate "
                           "to a number)")
+    if c <= 0:
+        raise RateRefused(f"learning_rate=auto: along the step's direction on {n} probes the loss falls (slope "
+                          f"{a:.4g}) but the line is not convex (curvature {c:.4g} per probe), so it has no greedy "
+                          "rate; a fresh LoRA adapter (B = 0) gives such a line (B·A changes to second order along a "
+                          "step): set learning_rate to a number")
     greedy = a / (c + 2 * se)
     eta = float(f"{fraction * greedy:.3g}")
     return LineRate(eta, greedy, f"{fraction:g} x the greedy rate {greedy:.4g} along the step's direction, measured "
