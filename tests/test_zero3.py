@@ -61,6 +61,10 @@ SCENARIOS = [
     {"name": "rloo_std_auto", "steps": 8, "n_micro": 2, "shard_group_size": 1,
      "zo": {**ZO, "method": "mezo", "num_directions": 6, "difference": "rloo", "step_normalization": "loss_std",
             "learning_rate": "auto", "auto_rate_probes": 2}},
+    # ... and on persistent LoRA adapters, whose probe holds the A factors (engine/core.py `_line_blocks`)
+    {"name": "lora_std_auto", "steps": 6, "n_micro": 2, "lora": True, "persist": 100000,
+     "zo": {**ZO, "method": "mezo", "num_directions": 4, "difference": "rloo", "step_normalization": "loss_std",
+            "learning_rate": "auto", "auto_rate_probes": 2}},
     {"name": "running_rms_auto", "steps": 10, "n_micro": 3,
      "zo": {**ZO, "method": "mezo", "step_normalization": "running_rms", "learning_rate": "auto",
             "auto_rate_probes": 2}},
@@ -112,7 +116,7 @@ def runs(tmp_path_factory):
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", ["curvzo", "mezo", "offload", "small_batch", "lora", "bf16", "bf16_master",
                                   "static_mask", "static_mask_bf16", "rloo", "rloo_mezo", "rloo_bf16", "rloo_replicas",
-                                  "rloo_std", "rloo_std_replicas", "rloo_std_auto", "running_rms_auto",
+                                  "rloo_std", "rloo_std_replicas", "rloo_std_auto", "lora_std_auto", "running_rms_auto",
                                   "running_rms_curvzo", "keeps_gaussian", *RADEMACHER])
 def test_bit_identical_at_1_2_3_ranks(runs, name):
     ref = runs[1][name]

@@ -97,8 +97,9 @@ def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AU
     if c <= 0:
         raise RateRefused(f"learning_rate=auto: along the step's direction on {n} probes the loss falls (slope "
                           f"{a:.4g}) but the line is not convex (curvature {c:.4g} per probe), so it has no greedy "
-                          "rate; a fresh LoRA adapter (B = 0) gives such a line (B·A changes to second order along a "
-                          "step): set learning_rate to a number")
+                          "rate; a fresh LoRA adapter (B = 0) under block_granularity=layer gives such a line (its "
+                          "blocks mix the A and B factors, which the probe holds apart by tensor): set "
+                          "block_granularity=tensor, or learning_rate to a number")
     greedy = a / (c + 2 * se)
     eta = float(f"{fraction * greedy:.3g}")
     return LineRate(eta, greedy, f"{fraction:g} x the greedy rate {greedy:.4g} along the step's direction, measured "
