@@ -149,8 +149,8 @@ def test_on_a_lora_adapter_the_line_holds_the_a_factors_and_measures_along_b():
     engine = ZOEngine(model, loss, ZOConfig(method="mezo", learning_rate="auto", difference="rloo", num_directions=4,
                                             step_normalization="loss_std", auto_rate_probes=1,
                                             auto_rate_fraction=1.0, zo_eps=1e-2))
-    a, b = [p for n, p in model.named_parameters() if "lora_A" in n][0], [
-        p for n, p in model.named_parameters() if "lora_B" in n][0]
+    a = next(p for n, p in model.named_parameters() if "lora_A" in n)
+    b = next(p for n, p in model.named_parameters() if "lora_B" in n)
     assert not b.detach().any()  # peft's fresh adapter
     seen, measure = [], engine.loss
     engine.loss = lambda batch: seen.append((a.detach().clone(), b.detach().clone())) or measure(batch)

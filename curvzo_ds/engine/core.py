@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -32,12 +31,11 @@ from curvzo_ds.shard.distributed import Topology, check_ranks_agree
 from curvzo_ds.shard.forwards import Reduced, check_batch, eval_mode, reduce_step, run_forwards, slot_count
 from curvzo_ds.shard.mask import MaskedPerturber, StaticMask
 from curvzo_ds.shard.mask import fit as fit_mask
-from curvzo_ds.shard.params import ParamEntry, collect_entries, make_blocks
+from curvzo_ds.shard.params import ParamEntry, collect_entries, is_lora_a, make_blocks
 from curvzo_ds.shard.perturb import Perturber, Point, StepPasses
 from curvzo_ds.shard.visibility import VisibilityMonitor
 
 log = logging.getLogger("curvzo_ds")
-_LORA_A = re.compile(r"\.lora_(embedding_)?A(\.|$)")  # a LoRA A factor's (canonical) tensor name
 
 
 class ZOEngine(EngineState):
@@ -244,7 +242,7 @@ class ZOEngine(EngineState):
         the line concave (on SmolLM2 `sentiment`: curvature -0.76 per probe), so it has no greedy rate. Along the B
         factors the product moves linearly and the line has the model's own curvature. Layer blocks that mix A and B
         tensors move whole."""
-        held = [all(_LORA_A.search(self.entries[e].name) for e, _, _ in b.segments) for b in self.blocks]
+        held = [all(is_lora_a(self.entries[e].name) for e, _, _ in b.segments) for b in self.blocks]
         if any(held):
             log.info("learning_rate auto: the probe's line holds the %d LoRA A-factor blocks (it runs along the B "
                      "factors, the step's first order on a fresh adapter)", sum(held))

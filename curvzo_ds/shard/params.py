@@ -108,6 +108,14 @@ def canonical_name(name: str, peft: bool) -> str:
     return name
 
 
+_LORA_A = re.compile(r"\.lora_(embedding_)?A(\.|$)")
+
+
+def is_lora_a(name: str) -> bool:
+    """Whether a canonical name (`canonical_name`) is a LoRA adapter's A factor (lora_A or lora_embedding_A)."""
+    return _LORA_A.search(name) is not None
+
+
 def collect_entries(module: torch.nn.Module, *, replicated_rank: int, fp32_master: bool | str) -> list[ParamEntry]:
     """Every trainable parameter of `module` (tied ones once), in sorted canonical-name order.
 
