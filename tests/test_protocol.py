@@ -360,8 +360,22 @@ def test_the_horizon_protocol_end_to_end_on_a_tiny_model(tiny_model, tmp_path, c
     row = capsys.readouterr().out.strip().splitlines()[-1].split(" | ")
     from curvzo_ds.algo.rate import AUTO_RATE_FRACTION, AUTO_RATE_PROBES
 
-    assert row[1:4] == ["std-auto-plateau", "0", str(AUTO_RATE_PROBES)]
-    assert float(row[5]) == pytest.approx(AUTO_RATE_FRACTION * float(row[4]), rel=5e-3)  # 3 digits of 4
+    assert row[1:5] == ["clean", "std-auto-plateau", "0", str(AUTO_RATE_PROBES)]
+    assert float(row[6]) == pytest.approx(AUTO_RATE_FRACTION * float(row[5]), rel=5e-3)  # 3 digits of 4
+    # a refusal is a row with the rule's slope and curvature: here the engine's rule is handed curvatures that
+    # straddle zero (mean -1, se 2) in place of the 2 probes' own, on the noisy variant
+    import curvzo_ds.engine.core as engine_core
+
+    probed = []
+    rule = engine_core.line_rate
+    monkeypatch.setattr(engine_core, "line_rate",
+                        lambda s, c, *a: probed.append(len(s)) or rule([1.0, 1.0], [-3.0, 1.0]))
+    line_rate.main(["--config", "ci", "--model", tiny_model, "--seeds", "0", "--arms", "std-auto-plateau",
+                    "--variant", "noisy", "--probes", "2"])
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert probed == [2] and row == ("| sentiment | noisy | std-auto-plateau | 0 | 2 | refused | | the loss falls "
+                                     "(slope 1) but the probes do not resolve the line's curvature (-1 +- 2 per "
+                                     "probe) |")
     # a worker whose model of the same name has another zero-shot loss than the cached runs' (a pretraining that came
     # out different on another CPU) refuses to add to them, in one line; the same model passes the check (above)
     path = H.cached(str(out), H.settings_of("ci", tiny_model, "sentiment", "noisy", "mezo", 0))[0]

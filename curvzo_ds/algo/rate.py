@@ -74,15 +74,17 @@ class LineRate(NamedTuple):
     reason: str
 
 
-def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AUTO_RATE_FRACTION) -> LineRate:
+def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AUTO_RATE_FRACTION,
+              concave_fix: str = "set learning_rate to a number") -> LineRate:
     """(eta, greedy, reason): eta = fraction x greedy, greedy = mean(slopes) / (mean(curvatures) + 2 se), eta rounded to
     3 significant digits (so the value a log shows is the value used). slope_k = -(d/ds) L(w - s u_k) and curvature_k
     = (d/ds)^2 L(w - s u_k) at s = 0 on probe k's batch. The curvature along a step's direction varies far more from
     probe to probe than the slope (its standard deviation is the size of its mean for RLOO-8 on a small model,
     several times it for a single direction, and label noise lowers its mean): its upper 95% bound (mean + 2 standard
     errors, over 2 or more probes) is what the rule divides by, so that a curvature the probes do not resolve gives a
-    smaller rate, never a larger one. Refused, in one line, where the directions do not descend or the line is not
-    convex."""
+    smaller rate, never a larger one. Refused, in one line, where the directions do not descend or the mean
+    curvature is not positive: where its upper bound is, the probes did not resolve it and more of them can (the
+    refusal names auto_rate_probes); where not, the line is concave and the refusal names `concave_fix`."""
     if not slopes:
         raise RateRefused("learning_rate=auto: every probe's loss was non-finite, so no rate could be measured (check "
                           "the model's dtype and zo_eps, or set learning_rate to a number)")
@@ -94,12 +96,15 @@ def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AU
                           f"and curvature {c:.4g} per probe; a rate needs a falling, convex line (raise zo_eps if the "
                           "losses barely differ: a bf16 model's loss can be too coarse for it; or set learning_rate "
                           "to a number)")
+    if c <= 0 < c + 2 * se:
+        raise RateRefused(f"learning_rate=auto: along the step's direction on {n} probes the loss falls (slope "
+                          f"{a:.4g}) but the probes do not resolve the line's curvature ({c:.4g} +- {se:.3g} per "
+                          f"probe), so they give no greedy rate: raise auto_rate_probes (these were {n}) to average "
+                          "more of them, or set learning_rate to a number")
     if c <= 0:
         raise RateRefused(f"learning_rate=auto: along the step's direction on {n} probes the loss falls (slope "
-                          f"{a:.4g}) but the line is not convex (curvature {c:.4g} per probe), so it has no greedy "
-                          "rate; a fresh LoRA adapter (B = 0) under block_granularity=layer gives such a line (its "
-                          "blocks mix the A and B factors, which the probe holds apart by tensor): set "
-                          "block_granularity=tensor, or learning_rate to a number")
+                          f"{a:.4g}) but the line is concave (curvature {c:.4g} +- {se:.3g} per probe), so it has "
+                          f"no greedy rate: {concave_fix}")
     greedy = a / (c + 2 * se)
     eta = float(f"{fraction * greedy:.3g}")
     return LineRate(eta, greedy, f"{fraction:g} x the greedy rate {greedy:.4g} along the step's direction, measured "

@@ -36,6 +36,9 @@ from curvzo_ds.shard.perturb import Perturber, Point, StepPasses
 from curvzo_ds.shard.visibility import VisibilityMonitor
 
 log = logging.getLogger("curvzo_ds")
+LORA_MIXED_FIX = ("its blocks mix a LoRA adapter's A and B factors (block_granularity=layer), so the line moves both, "
+                  "and on a fresh adapter (B = 0) that line is concave: set block_granularity=tensor (the probe then "
+                  "holds the A factors), or learning_rate to a number")
 
 
 class ZOEngine(EngineState):
@@ -197,7 +200,7 @@ class ZOEngine(EngineState):
         saved, timer, self.timer = self.estimator.state_dict(), self.timer, None  # no step's profile counts them
         first = self.sampler.plan(self.step_count)
         self.last_mask = first.mask
-        moves = self._line_blocks()
+        moves, mixed = self._line_blocks()
         slopes, curvatures = [], []
         for k in range(cfg.auto_rate_probes):
             batch = batches[k % len(batches)]
@@ -222,7 +225,8 @@ class ZOEngine(EngineState):
         self.timer = timer
         job = self.topology.job
         try:
-            chosen = line_rate(slopes, curvatures, cfg.auto_rate_fraction) if job.rank == 0 else None
+            fix = (LORA_MIXED_FIX if mixed else "set learning_rate to a number")
+            chosen = line_rate(slopes, curvatures, cfg.auto_rate_fraction, fix) if job.rank == 0 else None
         except RateRefused as e:
             chosen = str(e)
         chosen = job.broadcast_object(chosen)  # every rank takes rank 0's rate (or its refusal)
@@ -235,18 +239,21 @@ class ZOEngine(EngineState):
         self.rate.choose(chosen.eta, chosen.reason, chosen.greedy)
         return chosen.eta
 
-    def _line_blocks(self) -> torch.Tensor:
+    def _line_blocks(self) -> tuple[torch.Tensor, bool]:
         """[G] 1.0 for the blocks the rate probe's line moves, 0.0 for those it holds: a LoRA adapter's A factors
-        (blocks of lora_A / lora_embedding_A tensors only). The adapter's product moves by dB A + B dA + dB dA; with
-        B = 0 (a fresh adapter) the step's first order is dB A alone, and along the whole step the dB dA term makes
-        the line concave (on SmolLM2 `sentiment`: curvature -0.76 per probe), so it has no greedy rate. Along the B
-        factors the product moves linearly and the line has the model's own curvature. Layer blocks that mix A and B
-        tensors move whole."""
-        held = [all(is_lora_a(self.entries[e].name) for e, _, _ in b.segments) for b in self.blocks]
+        (blocks of lora_A / lora_embedding_A tensors only); and whether a block mixes A factors with other tensors.
+        The adapter's product moves by dB A + B dA + dB dA; with B = 0 (a fresh adapter) the step's first order is
+        dB A alone, and along the whole step the dB dA term makes the line concave (on SmolLM2 `sentiment`:
+        curvature -0.76 per probe), so it has no greedy rate. Along the B factors the product moves linearly and the
+        line has the model's own curvature. Layer blocks that mix A and B tensors move whole (a concave line's
+        refusal then names block_granularity=tensor)."""
+        factors = [[is_lora_a(self.entries[e].name) for e, _, _ in b.segments] for b in self.blocks]
+        held = [all(f) for f in factors]
         if any(held):
             log.info("learning_rate auto: the probe's line holds the %d LoRA A-factor blocks (it runs along the B "
                      "factors, the step's first order on a fresh adapter)", sum(held))
-        return torch.tensor([0.0 if h else 1.0 for h in held], dtype=torch.float64)
+        mixed = any(any(f) and not all(f) for f in factors)
+        return torch.tensor([0.0 if h else 1.0 for h in held], dtype=torch.float64), mixed
 
     def _check_step(self, batch) -> None:
         check_batch(batch)
