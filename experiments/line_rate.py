@@ -61,6 +61,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     logging.getLogger("curvzo_ds").setLevel(logging.WARNING)
     cache = os.path.expanduser("~/.cache/curvzo_ds/" + ("real_model" if args.config == "smollm" else "pipeline"))
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator()  # its "Setting accelerator to CPU" goes to stdout: before the table, not inside it
     with tempfile.TemporaryDirectory(prefix="line-rate-") as tmp:
         setup = Setup(args.config, cache, args.model, tmp, Log(os.path.join(tmp, "log")))
         print("| task | variant | arm | seed | probes | greedy rate | the rule's rate | slope, curvature (means) |")
@@ -76,6 +79,7 @@ def main(argv=None) -> None:
                         else:
                             cells = f"{greedy:.4g} | {rule:.3g} | {reason.split('(mean ')[1].rstrip(')')}"
                         print(f"| {task} | {args.variant} | {arm} | {seed} | {probes} | {cells} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

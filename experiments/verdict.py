@@ -278,11 +278,12 @@ def warp_interpolated(f_arm, arm_curves, f_mezo, mezo_curves, grid, resamples: i
 
 def percentile(values, q) -> np.ndarray:
     """np.percentile that keeps +-inf (numpy's interpolation turns inf - inf into nan): infinities are replaced by
-    +-1e300 for the interpolation and restored after; nan counts as +inf."""
+    +-1e300 for the interpolation and restored after; nan counts as +inf. A percentile between a finite value and
+    an infinite one is infinite (any share of 1e300 is above 1e200, which no factor reaches), not that share."""
     v = np.asarray(values, dtype=float)
     v = np.clip(np.where(np.isnan(v), np.inf, v), -1e300, 1e300)
     out = np.percentile(v, q)
-    return np.where(out >= 1e299, np.inf, np.where(out <= -1e299, -np.inf, out))
+    return np.where(out >= 1e200, np.inf, np.where(out <= -1e200, -np.inf, out))
 
 
 def fewer_forwards(upper: float, threshold: float = THRESHOLD) -> bool:

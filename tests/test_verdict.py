@@ -130,6 +130,8 @@ def test_the_rule_and_issue_37s_column():
 def test_percentile_keeps_infinities():
     assert V.percentile([1.0, 2.0, math.inf, math.inf], [0, 100]).tolist() == [1.0, math.inf]
     assert V.percentile([1.0, float("nan")], [100]).tolist() == [math.inf]
+    # 97.5% of 40 values, one infinite: between the 39th (finite) and the infinite one, so infinite, not 2.5e298
+    assert V.percentile([0.1] * 39 + [math.inf], [2.5, 97.5]).tolist() == [0.1, math.inf]
 
 
 def test_the_dev_subset_is_fixed():
