@@ -12,6 +12,7 @@ one_step.py.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -64,6 +65,9 @@ def convert(gguf: str, cache: str, log: Log) -> str:
     path = os.path.join(cache, f"smollm2-135m-{GGUF_SHA256[:16]}")
     if os.path.exists(os.path.join(path, "done")):
         return path
+    if importlib.util.find_spec("gguf") is None:  # transformers' own error names neither the package nor the extra
+        raise SystemExit("experiments/smollm.py: reading SmolLM2's GGUF file needs the `gguf` package, which the "
+                         "project's `experiments` extra declares: pip install -e \".[experiments]\"")
     folder, name = os.path.split(gguf)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

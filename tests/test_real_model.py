@@ -35,6 +35,18 @@ def test_tasks_hold_out_templates_and_words_for_test(tmp_path):
     assert held_out & set(smollm.POSITIVE + smollm.NEGATIVE) == held_out and not held_out & train_words
 
 
+def test_converting_the_gguf_without_its_package_names_the_extra(tmp_path, monkeypatch):
+    """Without `gguf`, transformers' ImportError names neither the package to install nor the extra that has it."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    fix = re.escape('pip install -e ".[experiments]"')
+    with pytest.raises(SystemExit, match=re.escape("`gguf` package") + ".*" + fix):
+        smollm.convert(str(tmp_path / "model.gguf"), str(tmp_path / "cache"), print)
+    assert not (tmp_path / "cache").exists()
+
+
 def test_the_grid_grows_past_the_edge_where_its_best_rate_sits():
     run = lambda loss: {"curve": [{"loss": loss}]}  # noqa: E731
     assert script.beyond({1e-5: run(0.2), 3e-5: run(0.3), 1e-4: run(9.0)}) == 3e-6  # best at the low edge
