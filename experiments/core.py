@@ -183,6 +183,13 @@ def label_noise(task_dir: str, fraction: float, out: str, seed: int = 0) -> str:
 VARIANTS = {"label_noise": label_noise}  # a task variant: (task directory, its value, a folder) -> task directory
 
 
+def variant_task(task: str, variant: dict | None, folder: str) -> str:
+    """The task directory with each of `variant`'s changes applied (VARIANTS), written under `folder`."""
+    for key, value in (variant or {}).items():
+        task = VARIANTS[key](task, value, folder)
+    return task
+
+
 def run_curve(config, arm: dict, evaluation_points_in_forwards: dict[int, list[str]], *, variant: dict | None = None,
               subset: dict | None = None, test: bool = True, name: str = "this arm", device: str = "cpu",
               rollback: bool = False) -> dict:
@@ -209,9 +216,7 @@ def run_curve(config, arm: dict, evaluation_points_in_forwards: dict[int, list[s
                          f"among {', '.join(SPLIT_KEYS)}")
     steps = max(points) // per_step
     with tempfile.TemporaryDirectory(prefix="run-curve-") as tmp:  # a variant's task directory, read until the end
-        task = config.task
-        for key, value in (variant or {}).items():
-            task = VARIANTS[key](task, value, tmp)
+        task = variant_task(config.task, variant, tmp)
         cfg = dataclasses.replace(arm_config(config, arm, name), task=task, max_steps=steps)
         setup = time.time()
         # PlainRun fits a static mask and chooses learning_rate auto's rate

@@ -18,23 +18,21 @@ import logging
 import os
 import tempfile
 
-from experiments.core import VARIANTS, Log, arm_config
+from experiments.core import Log, arm_config, variant_task
 from experiments.horizon import ARMS, NOISY, Setup
 
 
 def chosen_rate(setup: Setup, task: str, arm: str, seed: int, probes: int,
                 variant: dict | None = None) -> tuple[float | None, float | None, str]:
-    """(the greedy rate, the rate the rule chose, its reason) of `arm` on `task` (with `variant` applied, as
-    experiments/core.py's run_curve applies it) at `seed` over `probes` probes, as PlainRun's engine chose it at the
-    default auto_rate_fraction; (None, None, the refusal) where the rule refused."""
+    """(the greedy rate, the rate the rule chose, its reason) of `arm` on `task` (with `variant` applied by
+    experiments/core.py's `variant_task`, as run_curve applies it) at `seed` over `probes` probes, as PlainRun's
+    engine chose it at the default auto_rate_fraction; (None, None, the refusal) where the rule refused."""
     from curvzo_ds.errors import RateRefused
     from curvzo_ds.train.plain import PlainRun
 
     base = setup.base(setup.model, setup.task_dir(task), 1e-3, seed, 1)
     with tempfile.TemporaryDirectory(prefix="line-rate-task-") as tmp:
-        task_dir = base.task
-        for key, value in (variant or {}).items():
-            task_dir = VARIANTS[key](task_dir, value, tmp)
+        task_dir = variant_task(base.task, variant, tmp)
         try:
             run = PlainRun(dataclasses.replace(arm_config(base, ARMS[arm]), task=task_dir, auto_rate_probes=probes))
         except RateRefused as e:

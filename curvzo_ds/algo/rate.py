@@ -68,6 +68,9 @@ def line_tau(step_normalization: str, num_directions: int, eps: float) -> float:
     return LINE_SPAN * eps / step_rms(step_normalization, num_directions)
 
 
+NUMBER_FIX = "set learning_rate to a number"  # a concave line's fix where nothing in the run's layout causes it
+
+
 class LineRate(NamedTuple):
     eta: float  # the rate taken: fraction x greedy, 3 significant digits
     greedy: float  # the greedy rate along the line, mean slope / the curvature's upper bound
@@ -75,7 +78,7 @@ class LineRate(NamedTuple):
 
 
 def line_rate(slopes: list[float], curvatures: list[float], fraction: float = AUTO_RATE_FRACTION,
-              concave_fix: str = "set learning_rate to a number") -> LineRate:
+              concave_fix: str = NUMBER_FIX) -> LineRate:
     """(eta, greedy, reason): eta = fraction x greedy, greedy = mean(slopes) / (mean(curvatures) + 2 se), eta rounded to
     3 significant digits (so the value a log shows is the value used). slope_k = -(d/ds) L(w - s u_k) and curvature_k
     = (d/ds)^2 L(w - s u_k) at s = 0 on probe k's batch. The curvature along a step's direction varies far more from

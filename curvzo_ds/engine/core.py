@@ -15,7 +15,7 @@ import torch
 
 from curvzo_ds.algo.differences import Estimate, FiniteDifference
 from curvzo_ds.algo.estimators import Perturbation
-from curvzo_ds.algo.rate import Rate, line_rate, line_tau
+from curvzo_ds.algo.rate import NUMBER_FIX, Rate, line_rate, line_tau
 from curvzo_ds.algo.sampling import METHOD_SPECS, CurvZOSampler, Method, StepPlan
 from curvzo_ds.config.resolve import engine_config
 from curvzo_ds.config.schema import ZOConfig
@@ -225,7 +225,7 @@ class ZOEngine(EngineState):
         self.timer = timer
         job = self.topology.job
         try:
-            fix = (LORA_MIXED_FIX if mixed else "set learning_rate to a number")
+            fix = LORA_MIXED_FIX if mixed else NUMBER_FIX
             chosen = line_rate(slopes, curvatures, cfg.auto_rate_fraction, fix) if job.rank == 0 else None
         except RateRefused as e:
             chosen = str(e)
