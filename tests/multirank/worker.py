@@ -13,6 +13,7 @@ launch (W - 1 ranks) wrote and takes the remaining steps: resumes 1 -> 1, 1 -> 2
 import hashlib
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -237,14 +238,18 @@ def data_disagree(rank: int) -> dict:
 
 def run_all(args: list[str], out_path: str) -> dict:
     rank, world, _ = init_distributed()
-    results = {}
+    results, seconds = {}, {}
     for spec in json.load(open(args[0])):
         if spec.get("min_world", 1) > world:
             continue
         if rank == 0:
             print(f"scenario {spec['name']} at world size {world}", flush=True)  # for the log of a failure
+        started = time.perf_counter()
         results[spec["name"]] = run(spec, rank, world)
-    return {"world_size": world, "results": results}
+        seconds[spec["name"]] = round(time.perf_counter() - started, 2)  # where a slow launch spends its time
+        if rank == 0:
+            print(f"scenario {spec['name']} took {seconds[spec['name']]} s", flush=True)
+    return {"world_size": world, "results": results, "seconds": seconds}
 
 
 if __name__ == "__main__":
